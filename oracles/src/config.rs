@@ -1,0 +1,165 @@
+use crate::error::{bail, Error, Result};
+use serde_json::Value;
+use std::path::Path;
+
+/// The GPT-2 hyper-parameters the reference needs, with Hugging Face's defaults for absent keys.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gpt2Config {
+    pub vocab_size: usize,
+    pub n_positions: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    /// MLP width; HF's `n_inner: null` means 4·n_embd.
+    pub n_inner: usize,
+    pub layer_norm_epsilon: f64,
+    pub tie_word_embeddings: bool,
+    pub scale_attn_weights: bool,
+    pub scale_attn_by_inverse_layer_idx: bool,
+}
+
+/// Upper limits on sizes read from a config, so that a hostile or mistyped file cannot make the
+/// reference allocate terabytes before any tensor is checked.
+const MAX_DIM: usize = 1 << 20;
+const MAX_LAYERS: usize = 1024;
+const MAX_PARAMS: usize = 1 << 34;
+
+impl Gpt2Config {
+    /// A small model for tests and built-in suites.
+    pub fn tiny(
+        vocab_size: usize,
+        n_positions: usize,
+        n_embd: usize,
+        n_layer: usize,
+        n_head: usize,
+    ) -> Self {
+        Gpt2Config {
+            vocab_size,
+            n_positions,
+            n_embd,
+            n_layer,
+            n_head,
+            n_inner: 4 * n_embd,
+            layer_norm_epsilon: 1e-5,
+            tie_word_embeddings: true,
+            scale_attn_weights: true,
+            scale_attn_by_inverse_layer_idx: false,
+        }
+    }
+
+    pub fn untied(mut self) -> Self {
+        self.tie_word_embeddings = false;
+        self
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::new(format!("cannot read config {}: {e}", path.display())))?;
+        Self::from_json_str(&text)
+            .map_err(|e| Error::new(format!("config {}: {e}", path.display())))
+    }
+
+    pub fn from_json_str(text: &str) -> Result<Self> {
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| Error::new(format!("not valid JSON: {e}")))?;
+        if !v.is_object() {
+            bail!("expected a JSON object");
+        }
+        let usize_key = |key: &str, default: usize| -> Result<usize> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(x) => match x.as_u64() {
+                    Some(n) if n >= 1 && n as usize <= MAX_DIM => Ok(n as usize),
+                    _ => bail!("`{key}` must be an integer in 1..={MAX_DIM}, found {x}"),
+                },
+            }
+        };
+        let bool_key = |key: &str, default: bool| -> Result<bool> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(x) => bail!("`{key}` must be true or false, found {x}"),
+            }
+        };
+        if let Some(model_type) = v.get("model_type").and_then(Value::as_str) {
+            if model_type != "gpt2" {
+                bail!("`model_type` is \"{model_type}\"; only \"gpt2\" is supported");
+            }
+        }
+        match v.get("activation_function").map(|a| a.as_str()) {
+            None | Some(Some("gelu_new")) | Some(Some("gelu_pytorch_tanh")) => {}
+            Some(other) => bail!(
+                "`activation_function` is {}; only \"gelu_new\" (the tanh form GPT-2 uses) is supported",
+                other.map(|s| format!("\"{s}\"")).unwrap_or_else(|| "not a string".into())
+            ),
+        }
+        let n_embd = usize_key("n_embd", 768)?;
+        let n_head = usize_key("n_head", 12)?;
+        if n_embd % n_head != 0 {
+            bail!("`n_embd` ({n_embd}) is not a multiple of `n_head` ({n_head})");
+        }
+        let eps = match v.get("layer_norm_epsilon") {
+            None | Some(Value::Null) => 1e-5,
+            Some(x) => match x.as_f64() {
+                Some(e) if e.is_finite() && e > 0.0 => e,
+                _ => bail!("`layer_norm_epsilon` must be a positive number, found {x}"),
+            },
+        };
+        let n_layer = usize_key("n_layer", 12)?;
+        if n_layer > MAX_LAYERS {
+            bail!("`n_layer` is {n_layer}; at most {MAX_LAYERS} are supported");
+        }
+        let cfg = Gpt2Config {
+            vocab_size: usize_key("vocab_size", 50257)?,
+            n_positions: usize_key("n_positions", 1024)?,
+            n_embd,
+            n_layer,
+            n_head,
+            n_inner: usize_key("n_inner", 4 * n_embd)?,
+            layer_norm_epsilon: eps,
+            tie_word_embeddings: bool_key("tie_word_embeddings", true)?,
+            scale_attn_weights: bool_key("scale_attn_weights", true)?,
+            scale_attn_by_inverse_layer_idx: bool_key("scale_attn_by_inverse_layer_idx", false)?,
+        };
+        if cfg.parameter_count() > MAX_PARAMS {
+            bail!(
+                "the config describes {} parameters; at most {MAX_PARAMS} are supported",
+                cfg.parameter_count()
+            );
+        }
+        Ok(cfg)
+    }
+
+    /// Number of trainable scalars (the tied head counted once).
+    pub fn parameter_count(&self) -> usize {
+        let (d, i) = (self.n_embd, self.n_inner);
+        let block = 4 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * i + i) + (i * d + d);
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            self.vocab_size * d
+        };
+        self.vocab_size * d + self.n_positions * d + self.n_layer * block + 2 * d + head
+    }
+
+    pub fn to_json(&self) -> Value {
+        serde_json::json!({
+            "model_type": "gpt2",
+            "vocab_size": self.vocab_size,
+            "n_positions": self.n_positions,
+            "n_embd": self.n_embd,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_inner": self.n_inner,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "scale_attn_weights": self.scale_attn_weights,
+            "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
+            "activation_function": "gelu_new",
+        })
+    }
+}

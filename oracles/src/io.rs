@@ -1,0 +1,85 @@
+//! Writing safetensors files (checkpoints, batches, traces) from f64 and i64 arrays.
+
+use crate::error::{Error, Result};
+use ndarray::ArrayViewD;
+use safetensors::tensor::{Dtype, View};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// One tensor ready to be written: raw little-endian bytes with dtype and shape.
+pub struct RawTensor {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
+}
+
+impl View for &RawTensor {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+impl RawTensor {
+    pub fn from_f64(a: &ArrayViewD<f64>, dtype: Dtype) -> Self {
+        let mut bytes = Vec::new();
+        for &v in a.iter() {
+            match dtype {
+                Dtype::F64 => bytes.extend_from_slice(&v.to_le_bytes()),
+                Dtype::F32 => bytes.extend_from_slice(&(v as f32).to_le_bytes()),
+                Dtype::F16 => bytes.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+                Dtype::BF16 => bytes.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+                other => panic!("RawTensor::from_f64: {other:?} is not a float dtype"),
+            }
+        }
+        RawTensor {
+            dtype,
+            shape: a.shape().to_vec(),
+            bytes,
+        }
+    }
+
+    pub fn from_i64(a: &ArrayViewD<i64>) -> Self {
+        let bytes = a.iter().flat_map(|v| v.to_le_bytes()).collect();
+        RawTensor {
+            dtype: Dtype::I64,
+            shape: a.shape().to_vec(),
+            bytes,
+        }
+    }
+}
+
+pub fn write_raw(
+    path: &Path,
+    tensors: &[(String, RawTensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    let data = tensors.iter().map(|(n, t)| (n.clone(), t));
+    let bytes = safetensors::serialize(data, metadata)
+        .map_err(|e| Error::new(format!("cannot serialize {}: {e}", path.display())))?;
+    std::fs::write(path, bytes)
+        .map_err(|e| Error::new(format!("cannot write {}: {e}", path.display())))
+}
+
+pub fn write_f64_tensors(
+    path: &Path,
+    tensors: &[(String, ArrayViewD<f64>)],
+    f32_weights: bool,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    let dtype = if f32_weights { Dtype::F32 } else { Dtype::F64 };
+    let raw: Vec<(String, RawTensor)> = tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), RawTensor::from_f64(t, dtype)))
+        .collect();
+    write_raw(path, &raw, metadata)
+}

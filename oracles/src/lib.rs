@@ -1,0 +1,46 @@
+//! The independent f64 reference of ghost-oracle.
+//!
+//! It runs HF GPT-2 (tied or untied) one example at a time, in f64, with an explicit backward
+//! pass, and materializes every parameter's per-example gradient. From those it reports each
+//! example's gradient norm, per-parameter norms and, for a parameter used twice (the tied
+//! embedding / LM head), the split ‖g_in‖², ‖g_out‖², ⟨g_in, g_out⟩. It shares no code with the
+//! clippers it judges.
+//!
+//! ```
+//! use ghost_oracle_reference::{compute, Batch, Gpt2, Gpt2Config, Options};
+//! use ndarray::array;
+//!
+//! let model = Gpt2::random(Gpt2Config::tiny(11, 8, 8, 1, 2), 7, 0.5);
+//! let batch = Batch::new(array![[1_i64, 4, 1, 9]], None);
+//! let r = compute(&model, &batch, &Options::default(), &mut |_, _| {}).unwrap();
+//! let split = r.examples[0].shared[0].1;
+//! let wte = r.examples[0].params[0].1;
+//! // The tied parameter's norm is the norm of the sum of both uses.
+//! let sum_sq = split.input_sq + split.output_sq + 2.0 * split.cross;
+//! assert!((wte * wte - sum_sq).abs() <= 1e-12 * sum_sq);
+//! ```
+
+mod batch;
+mod config;
+mod error;
+mod gradient;
+mod io;
+mod model;
+mod reference;
+mod rng;
+mod tensors;
+mod trace;
+
+pub use batch::{Batch, IGNORE};
+pub use config::Gpt2Config;
+pub use error::{Error, Result};
+pub use gradient::{example_gradient, example_loss, ExampleGradient, Reduction};
+pub use io::{write_f64_tensors, write_raw, RawTensor};
+pub use model::{Block, Conv1d, Gpt2, LayerNorm, Params, LM_HEAD};
+pub use reference::{compute, ExampleReport, Options, Reference, SharedSplit};
+pub use rng::SplitMix64;
+pub use tensors::{
+    parse as parse_safetensors, read_bytes, to_f64 as tensor_f64, to_i64 as tensor_i64,
+    MAX_FILE_BYTES,
+};
+pub use trace::{MaterializedNorm, Site, SiteKind, SiteRecord, SiteSpec, Trace};

@@ -1,0 +1,294 @@
+//! The per-site factors of a batch ("trace"): for every use of a parameter, what a ghost clipper
+//! reads. The reference records them from its own forward/backward; `materialized_norms`
+//! rebuilds every per-example gradient from them by brute force.
+
+use crate::error::{bail, Result};
+use ndarray::{s, Array2, Array3};
+use std::collections::BTreeMap;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SiteKind {
+    /// `y = W a`, W out×in (nn.Linear).
+    Linear,
+    /// `y = a W`, W in×out (HF Conv1D).
+    Conv1d,
+    /// `y_t = E[x_t]`.
+    Embedding,
+    /// `y = x + b`.
+    Bias,
+    /// The weight of a LayerNorm: `y = x̂ ⊙ w`.
+    LayerNorm,
+}
+
+impl SiteKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            SiteKind::Linear => "linear",
+            SiteKind::Conv1d => "conv1d",
+            SiteKind::Embedding => "embedding",
+            SiteKind::Bias => "bias",
+            SiteKind::LayerNorm => "layernorm",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            SiteKind::Linear,
+            SiteKind::Conv1d,
+            SiteKind::Embedding,
+            SiteKind::Bias,
+            SiteKind::LayerNorm,
+        ]
+        .into_iter()
+        .find(|k| k.name() == s)
+    }
+}
+
+/// How a site is described in a trace header.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SiteSpec {
+    pub name: String,
+    pub param: String,
+    pub kind: SiteKind,
+    /// Rows of the table, for embeddings.
+    pub vocab: Option<usize>,
+}
+
+/// One example's factors at one site (T rows).
+#[derive(Clone, Debug)]
+pub struct SiteRecord {
+    pub name: String,
+    pub param: String,
+    pub kind: SiteKind,
+    pub vocab: Option<usize>,
+    pub activations: Option<Array2<f64>>,
+    pub ids: Option<Vec<usize>>,
+    pub backprops: Array2<f64>,
+}
+
+impl SiteRecord {
+    pub fn dense(
+        name: String,
+        kind: SiteKind,
+        activations: Array2<f64>,
+        backprops: Array2<f64>,
+    ) -> Self {
+        SiteRecord {
+            param: name.clone(),
+            name,
+            kind,
+            vocab: None,
+            activations: Some(activations),
+            ids: None,
+            backprops,
+        }
+    }
+
+    pub fn bias(name: String, backprops: Array2<f64>) -> Self {
+        SiteRecord {
+            param: name.clone(),
+            name,
+            kind: SiteKind::Bias,
+            vocab: None,
+            activations: None,
+            ids: None,
+            backprops,
+        }
+    }
+
+    pub fn embedding(
+        name: String,
+        param: String,
+        vocab: usize,
+        ids: Vec<usize>,
+        backprops: Array2<f64>,
+    ) -> Self {
+        SiteRecord {
+            name,
+            param,
+            kind: SiteKind::Embedding,
+            vocab: Some(vocab),
+            activations: None,
+            ids: Some(ids),
+            backprops,
+        }
+    }
+
+    pub fn spec(&self) -> SiteSpec {
+        SiteSpec {
+            name: self.name.clone(),
+            param: self.param.clone(),
+            kind: self.kind,
+            vocab: self.vocab,
+        }
+    }
+}
+
+/// A batch's factors, B×T leading.
+#[derive(Clone, Debug)]
+pub struct Site {
+    pub spec: SiteSpec,
+    /// B×T×in (linear, conv1d; for layernorm the normalized input x̂).
+    pub activations: Option<Array3<f64>>,
+    /// B×T ids (embedding).
+    pub ids: Option<Array2<i64>>,
+    /// B×T×out: gradient of each example's own loss with respect to the site's output.
+    pub backprops: Array3<f64>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Trace {
+    pub sites: Vec<Site>,
+}
+
+fn stack(rows: &[&Array2<f64>]) -> Array3<f64> {
+    let (t, m) = rows[0].dim();
+    let mut out = Array3::zeros((rows.len(), t, m));
+    for (i, r) in rows.iter().enumerate() {
+        out.slice_mut(s![i, .., ..]).assign(r);
+    }
+    out
+}
+
+impl Trace {
+    /// Stacks per-example records (every example lists the same sites in the same order).
+    pub fn from_examples(examples: &[Vec<SiteRecord>]) -> Self {
+        let n_sites = examples[0].len();
+        let sites = (0..n_sites)
+            .map(|j| {
+                let first = &examples[0][j];
+                let backprops =
+                    stack(&examples.iter().map(|e| &e[j].backprops).collect::<Vec<_>>());
+                let activations = first.activations.as_ref().map(|_| {
+                    stack(
+                        &examples
+                            .iter()
+                            .map(|e| e[j].activations.as_ref().unwrap())
+                            .collect::<Vec<_>>(),
+                    )
+                });
+                let ids = first.ids.as_ref().map(|ids0| {
+                    let mut a = Array2::zeros((examples.len(), ids0.len()));
+                    for (i, e) in examples.iter().enumerate() {
+                        for (t, &x) in e[j].ids.as_ref().unwrap().iter().enumerate() {
+                            a[(i, t)] = x as i64;
+                        }
+                    }
+                    a
+                });
+                Site {
+                    spec: first.spec(),
+                    activations,
+                    ids,
+                    backprops,
+                }
+            })
+            .collect();
+        Trace { sites }
+    }
+
+    pub fn batch_size(&self) -> usize {
+        self.sites.first().map_or(0, |s| s.backprops.dim().0)
+    }
+
+    /// Parameters in first-use order, each with the indices of its sites.
+    pub fn params(&self) -> Vec<(String, Vec<usize>)> {
+        let mut order: Vec<(String, Vec<usize>)> = Vec::new();
+        for (j, site) in self.sites.iter().enumerate() {
+            match order.iter_mut().find(|(p, _)| *p == site.spec.param) {
+                Some((_, v)) => v.push(j),
+                None => order.push((site.spec.param.clone(), vec![j])),
+            }
+        }
+        order
+    }
+
+    /// Example `i`'s gradient at site `j`, materialized in the parameter's layout.
+    pub fn site_gradient(&self, j: usize, i: usize) -> Result<Array2<f64>> {
+        let site = &self.sites[j];
+        let bp = site.backprops.slice(s![i, .., ..]);
+        let act = || site.activations.as_ref().map(|a| a.slice(s![i, .., ..]));
+        Ok(match site.spec.kind {
+            SiteKind::Linear => bp.t().dot(&act().expect("linear site has activations")),
+            SiteKind::Conv1d => act().expect("conv1d site has activations").t().dot(&bp),
+            SiteKind::Bias => bp.sum_axis(ndarray::Axis(0)).insert_axis(ndarray::Axis(0)),
+            SiteKind::LayerNorm => (&bp * &act().expect("layernorm site has activations"))
+                .sum_axis(ndarray::Axis(0))
+                .insert_axis(ndarray::Axis(0)),
+            SiteKind::Embedding => {
+                let vocab = site.spec.vocab.expect("embedding site has a vocabulary");
+                let ids = site.ids.as_ref().expect("embedding site has ids");
+                let mut g = Array2::zeros((vocab, bp.ncols()));
+                for (t, &x) in ids.row(i).iter().enumerate() {
+                    if x < 0 || x as usize >= vocab {
+                        bail!(
+                            "site `{}`: id {x} at example {i}, position {t} is outside 0..{vocab}",
+                            site.spec.name
+                        );
+                    }
+                    let mut r = g.row_mut(x as usize);
+                    r += &bp.row(t);
+                }
+                g
+            }
+        })
+    }
+
+    /// Per-example squared norms by brute force: every site's gradient materialized, sites that
+    /// share a parameter summed, then the squared Frobenius norm. Returns, per example, the total
+    /// and for every parameter with more than one site the matrix of site inner products.
+    pub fn materialized_norms(&self) -> Result<Vec<MaterializedNorm>> {
+        let params = self.params();
+        let mut out = Vec::with_capacity(self.batch_size());
+        for i in 0..self.batch_size() {
+            let mut total = 0.0;
+            let mut per_param = BTreeMap::new();
+            let mut shared = BTreeMap::new();
+            for (param, js) in &params {
+                let grads: Vec<Array2<f64>> = js
+                    .iter()
+                    .map(|&j| self.site_gradient(j, i))
+                    .collect::<Result<_>>()?;
+                for (a, &j) in grads.iter().zip(js).skip(1) {
+                    if a.dim() != grads[0].dim() {
+                        bail!(
+                            "parameter `{param}`: site `{}` has gradient shape {:?} but site `{}` has {:?}",
+                            self.sites[j].spec.name,
+                            a.dim(),
+                            self.sites[js[0]].spec.name,
+                            grads[0].dim()
+                        );
+                    }
+                }
+                let sum = grads
+                    .iter()
+                    .skip(1)
+                    .fold(grads[0].clone(), |acc, g| acc + g);
+                let sq = sum.iter().map(|v| v * v).sum::<f64>();
+                total += sq;
+                per_param.insert(param.clone(), sq);
+                if grads.len() > 1 {
+                    let inner = grads
+                        .iter()
+                        .map(|a| grads.iter().map(|b| (a * b).sum()).collect())
+                        .collect();
+                    shared.insert(param.clone(), inner);
+                }
+            }
+            out.push(MaterializedNorm {
+                total_sq: total,
+                per_param_sq: per_param,
+                shared_inner: shared,
+            });
+        }
+        Ok(out)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct MaterializedNorm {
+    pub total_sq: f64,
+    pub per_param_sq: BTreeMap<String, f64>,
+    /// For a parameter with k sites: the k×k matrix ⟨G_j, G_l⟩.
+    pub shared_inner: BTreeMap<String, Vec<Vec<f64>>>,
+}

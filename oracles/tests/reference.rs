@@ -1,0 +1,297 @@
+//! The reference checked against two independent computations: central finite differences of
+//! its own forward pass, and PyTorch (torch.func per-example gradients) golden files.
+
+use ghost_oracle_reference::*;
+use ndarray::{array, Array2};
+use std::path::{Path, PathBuf};
+
+fn golden_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/cases")
+}
+
+/// Richardson-extrapolated central difference of the example loss along `dir` in `tensor`.
+fn directional_fd(
+    model: &Gpt2,
+    batch: &Batch,
+    tensor: &str,
+    dir: &ndarray::ArrayD<f64>,
+    h: f64,
+) -> f64 {
+    let ids = batch.ids(0);
+    let targets = batch.targets(0);
+    let loss_at = |step: f64| {
+        let mut m = model.clone();
+        for (name, mut t) in m.params.tensors_mut() {
+            if name == tensor {
+                t.scaled_add(step, dir);
+            }
+        }
+        example_loss(&m, &ids, &targets, Reduction::Mean)
+    };
+    let central = |h: f64| (loss_at(h) - loss_at(-h)) / (2.0 * h);
+    (4.0 * central(h / 2.0) - central(h)) / 3.0
+}
+
+/// The analytic gradient with a tied head's two paths added: what a finite difference sees.
+fn total_gradient(model: &Gpt2, batch: &Batch) -> Params {
+    let mut g = example_gradient(model, batch, 0, Reduction::Mean, false).grad;
+    let head = g.lm_head.take().unwrap();
+    if model.config.tie_word_embeddings {
+        g.wte += &head;
+    } else {
+        g.lm_head = Some(head);
+    }
+    g
+}
+
+fn check_finite_differences(model: &Gpt2, batch: &Batch) {
+    let grad = total_gradient(model, batch);
+    let mut rng = SplitMix64::new(99);
+    let mut checked = 0;
+    for (name, g) in grad.tensors() {
+        // A random dense direction, and the coordinate with the largest gradient.
+        let dir = g.mapv(|_| rng.normal());
+        let mut dirs = vec![dir];
+        let (imax, _) =
+            g.iter().enumerate().fold(
+                (0, 0.0),
+                |(bi, bv), (i, v)| if v.abs() > bv { (i, v.abs()) } else { (bi, bv) },
+            );
+        let mut e = g.mapv(|_| 0.0);
+        *e.iter_mut().nth(imax).unwrap() = 1.0;
+        dirs.push(e);
+        // And a few sampled coordinates whose gradient is not tiny.
+        let gmax = g.iter().fold(0.0_f64, |a, v| a.max(v.abs()));
+        for _ in 0..3 {
+            let i = rng.below(g.len());
+            if g.iter().nth(i).unwrap().abs() > 1e-3 * gmax {
+                let mut e = g.mapv(|_| 0.0);
+                *e.iter_mut().nth(i).unwrap() = 1.0;
+                dirs.push(e);
+            }
+        }
+        for dir in dirs {
+            let analytic: f64 = g.iter().zip(dir.iter()).map(|(a, b)| a * b).sum();
+            let fd = directional_fd(model, batch, &name, &dir, 1e-3);
+            let rel = (fd - analytic).abs() / analytic.abs().max(1e-300);
+            assert!(
+                rel <= 1e-6,
+                "{name}: analytic {analytic:e}, finite difference {fd:e}, relative error {rel:e}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 40, "only {checked} directions checked");
+}
+
+fn fd_batch() -> Batch {
+    // Repeated tokens (3 and 5) and a target (5) that is also an input.
+    Batch::new(array![[3_i64, 5, 7, 3, 5, 1, 9]], None)
+}
+
+#[test]
+fn finite_differences_tied_two_layers() {
+    let model = Gpt2::random(Gpt2Config::tiny(11, 8, 8, 2, 2), 1, 0.4);
+    check_finite_differences(&model, &fd_batch());
+}
+
+#[test]
+fn finite_differences_untied_two_layers() {
+    let model = Gpt2::random(Gpt2Config::tiny(11, 8, 8, 2, 4).untied(), 2, 0.4);
+    check_finite_differences(&model, &fd_batch());
+}
+
+#[test]
+fn finite_differences_with_ignored_labels() {
+    let model = Gpt2::random(Gpt2Config::tiny(11, 8, 6, 1, 3), 3, 0.5);
+    let ids = array![[3_i64, 5, 7, 3, 5, 1, 9]];
+    let labels = array![[3_i64, -100, 7, -100, 5, 1, -100]];
+    check_finite_differences(&model, &Batch::new(ids, Some(labels)));
+}
+
+#[test]
+fn finite_differences_inverse_layer_idx_scaling() {
+    let mut cfg = Gpt2Config::tiny(11, 8, 8, 2, 2);
+    cfg.scale_attn_by_inverse_layer_idx = true;
+    check_finite_differences(&Gpt2::random(cfg, 4, 0.4), &fd_batch());
+}
+
+fn close(a: f64, b: f64, rel: f64) -> bool {
+    (a - b).abs() <= rel * b.abs().max(1e-300)
+}
+
+#[test]
+fn matches_pytorch_golden_files() {
+    let mut cases = 0;
+    let mut tied_cases = 0;
+    for entry in std::fs::read_dir(golden_dir()).expect("golden cases present") {
+        let dir = entry.unwrap().path();
+        let expected: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
+                .unwrap();
+        let model = Gpt2::load(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let batch = Batch::load(&dir.join("batch.safetensors")).unwrap();
+        let reduction = match expected["reduction"].as_str().unwrap() {
+            "sum" => Reduction::Sum,
+            _ => Reduction::Mean,
+        };
+        let opts = Options {
+            reduction,
+            ..Options::default()
+        };
+        let r = compute(&model, &batch, &opts, &mut |_, _| {}).unwrap();
+        let ex = expected["examples"].as_array().unwrap();
+        assert_eq!(ex.len(), r.examples.len());
+        for (i, (got, want)) in r.examples.iter().zip(ex).enumerate() {
+            let ctx = format!("{} example {i}", dir.display());
+            assert!(
+                close(got.loss, want["loss"].as_f64().unwrap(), 1e-9),
+                "{ctx}: loss {} vs {}",
+                got.loss,
+                want["loss"]
+            );
+            assert!(
+                close(got.norm, want["norm"].as_f64().unwrap(), 1e-9),
+                "{ctx}: norm {} vs {}",
+                got.norm,
+                want["norm"]
+            );
+            let want_params = want["params"].as_object().unwrap();
+            assert_eq!(
+                want_params.len(),
+                got.params.len(),
+                "{ctx}: parameter count"
+            );
+            for (name, v) in &got.params {
+                let w = want_params
+                    .get(name)
+                    .unwrap_or_else(|| panic!("{ctx}: no golden norm for {name}"));
+                assert!(
+                    close(*v, w.as_f64().unwrap(), 1e-9),
+                    "{ctx}: {name} norm {v} vs {w}"
+                );
+            }
+            let want_shared = want["shared"].as_object().unwrap();
+            assert_eq!(
+                want_shared.len(),
+                got.shared.len(),
+                "{ctx}: shared parameters"
+            );
+            for (name, s) in &got.shared {
+                let w = &want_shared[name];
+                // The cross term is compared relative to the norm it enters, since it can be ~0.
+                let scale = s.input_sq + s.output_sq;
+                for (v, key) in [
+                    (s.input_sq, "input_sq"),
+                    (s.output_sq, "output_sq"),
+                    (s.cross, "cross"),
+                ] {
+                    let wv = w[key].as_f64().unwrap();
+                    assert!(
+                        (v - wv).abs() <= 1e-9 * scale.max(wv.abs()),
+                        "{ctx}: {name}.{key} {v} vs {wv}"
+                    );
+                }
+                tied_cases += 1;
+            }
+        }
+        cases += 1;
+    }
+    assert!(cases >= 9 && tied_cases > 0, "{cases} golden cases found");
+}
+
+#[test]
+fn tied_split_adds_up_and_cross_term_is_not_negligible() {
+    let model = Gpt2::random(Gpt2Config::tiny(13, 16, 8, 1, 2), 5, 0.5);
+    let batch = Batch::new(array![[1_i64, 2, 1, 3, 2, 1, 4, 5, 6, 2]], None);
+    let r = compute(&model, &batch, &Options::default(), &mut |_, _| {}).unwrap();
+    let e = &r.examples[0];
+    let (_, s) = e.shared[0];
+    let wte = e
+        .params
+        .iter()
+        .find(|(n, _)| n == "transformer.wte.weight")
+        .unwrap()
+        .1;
+    let identity = s.input_sq + s.output_sq + 2.0 * s.cross;
+    assert!((wte * wte - identity).abs() <= 1e-13 * identity);
+    let total_sq: f64 = e.params.iter().map(|(_, v)| v * v).sum();
+    assert!((e.norm * e.norm - total_sq).abs() <= 1e-13 * total_sq);
+    assert!(
+        (2.0 * s.cross).abs() > 1e-3 * e.norm * e.norm,
+        "cross term {} too small to test anything",
+        s.cross
+    );
+}
+
+#[test]
+fn trace_rebuilds_the_materialized_gradients() {
+    // The recorded factors, materialized site by site and summed per parameter, must give the
+    // very norms of the explicit backward pass: a wrong activation or backprop would not.
+    for model in [
+        Gpt2::random(Gpt2Config::tiny(13, 16, 8, 2, 2), 6, 0.5),
+        Gpt2::random(Gpt2Config::tiny(13, 16, 8, 1, 4).untied(), 7, 0.5),
+    ] {
+        let batch = Batch::new(array![[1_i64, 2, 1, 3, 2, 1], [4, 4, 4, 0, 12, 11]], None);
+        let opts = Options {
+            record_trace: true,
+            ..Options::default()
+        };
+        let r = compute(&model, &batch, &opts, &mut |_, _| {}).unwrap();
+        let trace = r.trace.as_ref().unwrap();
+        let m = trace.materialized_norms().unwrap();
+        for (i, e) in r.examples.iter().enumerate() {
+            assert!(
+                close(m[i].total_sq.sqrt(), e.norm, 1e-12),
+                "example {i}: {} vs {}",
+                m[i].total_sq.sqrt(),
+                e.norm
+            );
+            for (name, v) in &e.params {
+                assert!(close(m[i].per_param_sq[name].sqrt(), *v, 1e-12), "{name}");
+            }
+            if let Some((name, s)) = e.shared.first() {
+                let k = &m[i].shared_inner[name];
+                assert!(close(k[0][0], s.input_sq, 1e-12) && close(k[1][1], s.output_sq, 1e-12));
+                assert!((k[0][1] - s.cross).abs() <= 1e-12 * (s.input_sq + s.output_sq));
+            }
+        }
+    }
+}
+
+#[test]
+fn checkpoint_round_trip_in_both_precisions() {
+    let dir = std::env::temp_dir().join(format!("go-ref-rt-{}", std::process::id()));
+    let model = Gpt2::random(Gpt2Config::tiny(9, 6, 4, 1, 2).untied(), 8, 0.3);
+    model.save(&dir, false).unwrap();
+    assert_eq!(Gpt2::load(&dir).unwrap(), model);
+    model.save(&dir, true).unwrap();
+    let back = Gpt2::load(&dir).unwrap();
+    let err = (&back.params.wte - &model.params.wte)
+        .iter()
+        .fold(0.0_f64, |a, v| a.max(v.abs()));
+    assert!(err > 0.0 && err < 1e-7, "f32 round trip error {err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn gradient_gram_diagonal_is_the_squared_norm() {
+    let model = Gpt2::random(Gpt2Config::tiny(9, 6, 4, 1, 2), 9, 0.3);
+    let batch = Batch::new(array![[1_i64, 2, 3], [3, 2, 1]], None);
+    let opts = Options {
+        keep_gradients: true,
+        ..Options::default()
+    };
+    let r = compute(&model, &batch, &opts, &mut |_, _| {}).unwrap();
+    let k = r.gradient_gram().unwrap();
+    for i in 0..2 {
+        assert!(close(k[i][i].sqrt(), r.examples[i].norm, 1e-12));
+    }
+    let n: usize = r
+        .layout
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    assert_eq!(n, model.config.parameter_count());
+    let _: Array2<f64> = Array2::zeros((1, 1));
+}
