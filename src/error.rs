@@ -1,0 +1,51 @@
+use std::fmt;
+
+/// A failure with a message for a person. `Input` errors (bad files, flags, shapes) exit with
+/// status 2; everything the tool cannot blame on its input is `Internal`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    Input(String),
+    Internal(String),
+}
+
+impl Error {
+    pub fn input(msg: impl Into<String>) -> Self {
+        Error::Input(msg.into())
+    }
+
+    pub fn internal(msg: impl Into<String>) -> Self {
+        Error::Internal(msg.into())
+    }
+
+    /// Prefixes the message with where it happened.
+    pub fn context(self, what: impl fmt::Display) -> Self {
+        match self {
+            Error::Input(m) => Error::Input(format!("{what}: {m}")),
+            Error::Internal(m) => Error::Internal(format!("{what}: {m}")),
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Input(m) | Error::Internal(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Error::Internal(format!("tensor operation failed: {e}"))
+    }
+}
+
+impl From<ghost_oracle_reference::Error> for Error {
+    fn from(e: ghost_oracle_reference::Error) -> Self {
+        Error::Input(e.message().to_string())
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

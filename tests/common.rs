@@ -1,0 +1,21 @@
+#![allow(dead_code)]
+use ghost_oracle_reference as reference;
+use ndarray::Array2;
+use reference::{Batch, Gpt2, Gpt2Config, Options};
+
+/// A seeded batch with repeated tokens: ids drawn from a small range.
+pub fn batch(b: usize, t: usize, vocab: usize, seed: u64) -> Batch {
+    let mut rng = reference::SplitMix64::new(seed);
+    let ids = Array2::from_shape_fn((b, t), |_| rng.below(vocab.min(6)) as i64);
+    Batch::new(ids, None)
+}
+
+pub fn tiny(tied: bool, layers: usize, seed: u64) -> Gpt2 {
+    let cfg = Gpt2Config::tiny(23, 16, 8, layers, 2);
+    Gpt2::random(if tied { cfg } else { cfg.untied() }, seed, 0.5)
+}
+
+pub fn reference_with_trace(model: &Gpt2, batch: &Batch) -> reference::Reference {
+    let opts = Options { record_trace: true, keep_gradients: true, ..Options::default() };
+    reference::compute(model, batch, &opts, &mut |_, _| {}).unwrap()
+}
