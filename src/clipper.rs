@@ -54,7 +54,11 @@ pub trait Clipper {
         let report = self.norms(trace)?;
         let coefficients = clip_coefficients(&report.norms, max_grad_norm);
         let clipped_sum = clipped_sum(trace, &coefficients)?;
-        Ok(Clipped { report, coefficients, clipped_sum })
+        Ok(Clipped {
+            report,
+            coefficients,
+            clipped_sum,
+        })
     }
 }
 
@@ -62,14 +66,23 @@ pub trait Clipper {
 pub fn clip_coefficients(norms: &[f64], max_grad_norm: f64) -> Vec<f64> {
     norms
         .iter()
-        .map(|&n| if n.is_nan() { f64::NAN } else if n > max_grad_norm { max_grad_norm / n } else { 1.0 })
+        .map(|&n| {
+            if n.is_nan() {
+                f64::NAN
+            } else if n > max_grad_norm {
+                max_grad_norm / n
+            } else {
+                1.0
+            }
+        })
         .collect()
 }
 
 /// Σ_i c_i g_i per parameter, from the factors (one weighted product per site).
 pub fn clipped_sum(trace: &Trace, coefficients: &[f64]) -> Result<Vec<(String, Tensor)>> {
     let dtype = trace.dtype();
-    let w = Tensor::from_vec(coefficients.to_vec(), coefficients.len(), &trace.device())?.to_dtype(dtype)?;
+    let w = Tensor::from_vec(coefficients.to_vec(), coefficients.len(), &trace.device())?
+        .to_dtype(dtype)?;
     trace
         .params()
         .into_iter()
@@ -94,7 +107,9 @@ fn own_norms(trace: &Trace, factored: &[Factored], dtype: DType) -> Result<Vec<V
             if f.prefers_gram() {
                 factor::to_f64_vec(&factor::inner(f, f, dtype)?)
             } else {
-                (0..trace.batch_size()).map(|i| factor::sum_sq(&factor::materialize(f, i, dtype)?)).collect()
+                (0..trace.batch_size())
+                    .map(|i| factor::sum_sq(&factor::materialize(f, i, dtype)?))
+                    .collect()
             }
         })
         .collect()
@@ -104,7 +119,12 @@ fn factor_all(trace: &Trace) -> Result<Vec<Factored>> {
     trace.sites.iter().map(Factored::of).collect()
 }
 
-fn finish(site_sq: Vec<Vec<f64>>, cross: Vec<CrossTerm>, batch: usize, warnings: Vec<String>) -> NormReport {
+fn finish(
+    site_sq: Vec<Vec<f64>>,
+    cross: Vec<CrossTerm>,
+    batch: usize,
+    warnings: Vec<String>,
+) -> NormReport {
     let norms = (0..batch)
         .map(|i| {
             let own: f64 = site_sq.iter().map(|s| s[i]).sum();
@@ -112,7 +132,12 @@ fn finish(site_sq: Vec<Vec<f64>>, cross: Vec<CrossTerm>, batch: usize, warnings:
             (own + x).max(0.0).sqrt()
         })
         .collect();
-    NormReport { norms, site_sq, cross, warnings }
+    NormReport {
+        norms,
+        site_sq,
+        cross,
+        warnings,
+    }
 }
 
 /// Standard ghost clipping as DP libraries ship it: every site's own norm, by the Gram identity
@@ -166,7 +191,11 @@ impl Clipper for TiedGhostClipper {
             .map(|(param, j, k)| {
                 let values = factor::to_f64_vec(&factor::inner(&factored[j], &factored[k], dtype)?)
                     .map_err(|e| e.context(format!("parameter `{param}`")))?;
-                Ok(CrossTerm { param, sites: (j, k), values })
+                Ok(CrossTerm {
+                    param,
+                    sites: (j, k),
+                    values,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(finish(site_sq, cross, trace.batch_size(), Vec::new()))
@@ -188,29 +217,55 @@ impl Clipper for MaterializeClipper {
         let dtype = trace.dtype();
         let b = trace.batch_size();
         let mut site_sq = vec![vec![0.0; b]; trace.sites.len()];
-        let mut cross: Vec<CrossTerm> =
-            trace.shared_pairs().into_iter().map(|(param, j, k)| CrossTerm { param, sites: (j, k), values: vec![0.0; b] }).collect();
+        let mut cross: Vec<CrossTerm> = trace
+            .shared_pairs()
+            .into_iter()
+            .map(|(param, j, k)| CrossTerm {
+                param,
+                sites: (j, k),
+                values: vec![0.0; b],
+            })
+            .collect();
         let mut norms = vec![0.0; b];
         for (i, norm) in norms.iter_mut().enumerate() {
             let mut total = 0.0;
             for p in trace.params() {
-                let mats: Vec<Tensor> =
-                    p.sites.iter().map(|&j| factor::materialize(&factored[j], i, dtype)).collect::<Result<_>>()?;
-                let sum = mats.iter().skip(1).try_fold(mats[0].clone(), |acc, m| acc + m)?;
+                let mats: Vec<Tensor> = p
+                    .sites
+                    .iter()
+                    .map(|&j| factor::materialize(&factored[j], i, dtype))
+                    .collect::<Result<_>>()?;
+                let sum = mats
+                    .iter()
+                    .skip(1)
+                    .try_fold(mats[0].clone(), |acc, m| acc + m)?;
                 total += factor::sum_sq(&sum)?;
                 for (m, &j) in mats.iter().zip(&p.sites) {
                     site_sq[j][i] = factor::sum_sq(m)?;
                 }
                 for c in cross.iter_mut().filter(|c| c.param == p.param) {
-                    let a = p.sites.iter().position(|&j| j == c.sites.0).expect("site of param");
-                    let bb = p.sites.iter().position(|&j| j == c.sites.1).expect("site of param");
-                    c.values[i] = (&mats[a] * &mats[bb])?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    let a = p
+                        .sites
+                        .iter()
+                        .position(|&j| j == c.sites.0)
+                        .expect("site of param");
+                    let bb = p
+                        .sites
+                        .iter()
+                        .position(|&j| j == c.sites.1)
+                        .expect("site of param");
+                    c.values[i] = factor::dot_all(&mats[a], &mats[bb])?;
                 }
             }
             *norm = total.sqrt();
         }
         // The norm of the summed gradient itself, not own + 2·cross: that is what materializing means.
-        Ok(NormReport { norms, site_sq, cross, warnings: Vec::new() })
+        Ok(NormReport {
+            norms,
+            site_sq,
+            cross,
+            warnings: Vec::new(),
+        })
     }
 }
 

@@ -64,13 +64,24 @@ pub fn gradient_shape(site: &Site) -> (usize, usize) {
 
 impl Factored {
     pub fn of(site: &Site) -> Result<Self> {
-        let missing = |what: &str| Error::input(format!("site `{}`: {what} missing", site.spec.name));
+        let missing =
+            |what: &str| Error::input(format!("site `{}`: {what} missing", site.spec.name));
         let bp = site.backprops.clone();
         let (b, t) = (bp.dims()[0], bp.dims()[1]);
-        let act = || site.activations.clone().ok_or_else(|| missing("activations"));
+        let act = || {
+            site.activations
+                .clone()
+                .ok_or_else(|| missing("activations"))
+        };
         Ok(match site.spec.kind {
-            SiteKind::Linear => Factored { left: Factor::Dense(bp), right: Factor::Dense(act()?) },
-            SiteKind::Conv1d => Factored { left: Factor::Dense(act()?), right: Factor::Dense(bp) },
+            SiteKind::Linear => Factored {
+                left: Factor::Dense(bp),
+                right: Factor::Dense(act()?),
+            },
+            SiteKind::Conv1d => Factored {
+                left: Factor::Dense(act()?),
+                right: Factor::Dense(bp),
+            },
             SiteKind::Embedding => Factored {
                 left: Factor::OneHot {
                     ids: site.ids.clone().ok_or_else(|| missing("ids"))?,
@@ -78,8 +89,14 @@ impl Factored {
                 },
                 right: Factor::Dense(bp),
             },
-            SiteKind::Bias => Factored { left: Factor::Dense(bp), right: Factor::Ones { batch: b, seq: t } },
-            SiteKind::LayerNorm => Factored { left: Factor::Dense((bp * act()?)?), right: Factor::Ones { batch: b, seq: t } },
+            SiteKind::Bias => Factored {
+                left: Factor::Dense(bp),
+                right: Factor::Ones { batch: b, seq: t },
+            },
+            SiteKind::LayerNorm => Factored {
+                left: Factor::Dense((bp * act()?)?),
+                right: Factor::Ones { batch: b, seq: t },
+            },
         })
     }
 
@@ -102,7 +119,11 @@ impl Factored {
 /// The B×T×S matrix of inner products ⟨a_t, b_s⟩ of two factors of equal width.
 pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
     if a.width() != b.width() {
-        return Err(Error::input(format!("factor widths differ: {} vs {}", a.width(), b.width())));
+        return Err(Error::input(format!(
+            "factor widths differ: {} vs {}",
+            a.width(),
+            b.width()
+        )));
     }
     let (batch, t) = a.batch_seq();
     let (_, s) = b.batch_seq();
@@ -110,17 +131,26 @@ pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
         (Factor::Dense(x), Factor::Dense(y)) => x.matmul(&y.transpose(1, 2)?.contiguous()?)?,
         // ⟨onehot(x_t), y_s⟩ = y_s[x_t]: a gather, never a one-hot product.
         (Factor::OneHot { ids, .. }, Factor::Dense(y)) => {
-            let idx = ids.unsqueeze(1)?.broadcast_as((batch, s, t))?.contiguous()?;
+            let idx = ids
+                .unsqueeze(1)?
+                .broadcast_as((batch, s, t))?
+                .contiguous()?;
             y.gather(&idx, 2)?.transpose(1, 2)?.contiguous()?
         }
         (Factor::Dense(x), Factor::OneHot { ids, .. }) => {
-            let idx = ids.unsqueeze(1)?.broadcast_as((batch, t, s))?.contiguous()?;
+            let idx = ids
+                .unsqueeze(1)?
+                .broadcast_as((batch, t, s))?
+                .contiguous()?;
             x.gather(&idx, 2)?
         }
-        (Factor::OneHot { ids: x, .. }, Factor::OneHot { ids: y, .. }) => {
-            x.unsqueeze(2)?.broadcast_eq(&y.unsqueeze(1)?)?.to_dtype(dtype)?
+        (Factor::OneHot { ids: x, .. }, Factor::OneHot { ids: y, .. }) => x
+            .unsqueeze(2)?
+            .broadcast_eq(&y.unsqueeze(1)?)?
+            .to_dtype(dtype)?,
+        (Factor::Ones { .. }, Factor::Ones { .. }) => {
+            Tensor::ones((batch, t, s), dtype, &a_device(a, b))?
         }
-        (Factor::Ones { .. }, Factor::Ones { .. }) => Tensor::ones((batch, t, s), dtype, &a_device(a, b))?,
         (Factor::Ones { .. }, other) | (other, Factor::Ones { .. }) => {
             // Width 1 on both sides: the other factor is a single column (or a 1-row table).
             let col = match other {
@@ -129,9 +159,13 @@ pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
                 Factor::Ones { .. } => unreachable!(),
             };
             if matches!(a, Factor::Ones { .. }) {
-                col.unsqueeze(1)?.broadcast_as((batch, t, s))?.contiguous()?
+                col.unsqueeze(1)?
+                    .broadcast_as((batch, t, s))?
+                    .contiguous()?
             } else {
-                col.unsqueeze(2)?.broadcast_as((batch, t, s))?.contiguous()?
+                col.unsqueeze(2)?
+                    .broadcast_as((batch, t, s))?
+                    .contiguous()?
             }
         }
     })
@@ -152,7 +186,11 @@ fn a_device(a: &Factor, b: &Factor) -> candle_core::Device {
 /// own squared norm (j = k) and for the cross term of two uses of one parameter.
 pub fn inner(a: &Factored, b: &Factored, dtype: DType) -> Result<Tensor> {
     if a.shape() != b.shape() {
-        return Err(Error::input(format!("gradient shapes differ: {:?} vs {:?}", a.shape(), b.shape())));
+        return Err(Error::input(format!(
+            "gradient shapes differ: {:?} vs {:?}",
+            a.shape(),
+            b.shape()
+        )));
     }
     let gl = gram(&a.left, &b.left, dtype)?;
     let gr = gram(&a.right, &b.right, dtype)?;
@@ -190,15 +228,30 @@ pub fn weighted_sum(f: &Factored, weights: &Tensor) -> Result<Tensor> {
         (Factor::OneHot { ids, size }, Factor::Dense(r)) => {
             let (b, t) = (r.dims()[0], r.dims()[1]);
             let src = scale(r)?.reshape((b * t, q))?;
-            Tensor::zeros((*size, q), r.dtype(), r.device())?.index_add(&ids.flatten_all()?, &src, 0)?
+            Tensor::zeros((*size, q), r.dtype(), r.device())?.index_add(
+                &ids.flatten_all()?,
+                &src,
+                0,
+            )?
         }
         _ => return Err(Error::internal("weighted_sum: unsupported factor pair")),
     })
 }
 
-/// Sum of squares of a tensor, as f64.
+/// Sum of squares of a materialized gradient, accumulated in f64: the sum has as many terms as
+/// the parameter has entries (V·d for an LM head), too many for an f32 accumulator.
 pub fn sum_sq(t: &Tensor) -> Result<f64> {
-    Ok(t.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+    Ok(t.to_dtype(DType::F64)?
+        .sqr()?
+        .sum_all()?
+        .to_scalar::<f64>()?)
+}
+
+/// ⟨a, b⟩ of two materialized gradients, accumulated in f64 for the same reason.
+pub fn dot_all(a: &Tensor, b: &Tensor) -> Result<f64> {
+    Ok((a.to_dtype(DType::F64)? * b.to_dtype(DType::F64)?)?
+        .sum_all()?
+        .to_scalar::<f64>()?)
 }
 
 /// A per-example vector as f64.

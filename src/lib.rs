@@ -1,13 +1,22 @@
+mod audit;
 mod clipper;
 mod error;
-mod model;
 pub mod factor;
+mod metrics;
+mod model;
+mod report;
 mod trace;
 
+pub use audit::{
+    builtin_suite, prepare, run as run_audit, worst_case, AuditOptions, Case, ClipperAudit,
+    PreparedCase, SUITE_C_MULTIPLIERS,
+};
 pub use clipper::{
-    builtin, clip_coefficients, clipped_sum, Clipped, Clipper, CrossTerm, GhostClipper, MaterializeClipper, NormReport,
-    TiedGhostClipper, BUILTIN_CLIPPERS,
+    builtin, clip_coefficients, clipped_sum, Clipped, Clipper, CrossTerm, GhostClipper,
+    MaterializeClipper, NormReport, TiedGhostClipper, BUILTIN_CLIPPERS,
 };
 pub use error::{Error, Result};
-pub use trace::{ParamSites, Site, SiteKind, SiteSpec, Trace};
+pub use metrics::{evaluate, unit_roundoff, CaseMetrics, ExampleMetrics, Truth, Verdict};
 pub use model::{CandleGpt2, Extracted};
+pub use report::{audit_json, audit_junit, audit_tables, reference_table};
+pub use trace::{ParamSites, Site, SiteKind, SiteSpec, Trace};

@@ -1,1 +1,290 @@
-fn main() {}
+use clap::{Parser, Subcommand, ValueEnum};
+use ghost_oracle::{
+    audit_json, audit_junit, audit_tables, builtin, builtin_suite, reference_table, run_audit,
+    AuditOptions, Case, Error, Verdict,
+};
+use ghost_oracle_reference::{self as reference, Batch, Gpt2, Reduction};
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(
+    name = "ghost-oracle",
+    version,
+    about = "Test oracle for DP-SGD per-example gradient clipping (exact norms for tied parameters)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ReductionArg {
+    Mean,
+    Sum,
+}
+
+impl From<ReductionArg> for Reduction {
+    fn from(r: ReductionArg) -> Self {
+        match r {
+            ReductionArg::Mean => Reduction::Mean,
+            ReductionArg::Sum => Reduction::Sum,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DtypeArg {
+    F32,
+    F64,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Per-example gradient norms of a GPT-2 checkpoint on a batch, from the f64 reference.
+    Reference {
+        /// Directory with config.json and model.safetensors (as written by save_pretrained).
+        #[arg(long)]
+        model: PathBuf,
+        /// Safetensors file with `input_ids` (i64, B×T) and optional `labels` (-100 = ignored).
+        #[arg(long)]
+        batch: PathBuf,
+        #[arg(long, value_enum, default_value = "mean")]
+        reduction: ReductionArg,
+        /// Also write the results as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Audit clippers against the reference: the built-in suite, or a checkpoint and batch.
+    Audit {
+        #[arg(long, requires = "batch")]
+        model: Option<PathBuf>,
+        #[arg(long, requires = "model")]
+        batch: Option<PathBuf>,
+        /// Clipper to audit (repeatable): materialize, ghost, ghost-tied. Default: all.
+        #[arg(long = "clipper")]
+        clippers: Vec<String>,
+        /// Clipping norm C. Default: the median true norm of each case (the built-in suite also
+        /// tries 0.5× and 2× that).
+        #[arg(long)]
+        max_grad_norm: Option<f64>,
+        #[arg(long, default_value_t = 1.0)]
+        noise_multiplier: f64,
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: DtypeArg,
+        #[arg(long, value_enum, default_value = "cpu")]
+        device: DeviceArg,
+        #[arg(long, value_enum, default_value = "mean")]
+        reduction: ReductionArg,
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// JUnit XML: one testcase per clipper × case.
+        #[arg(long)]
+        junit: Option<PathBuf>,
+        /// Exit 1 unless every audited clipper passes.
+        #[arg(long)]
+        gate: bool,
+    },
+}
+
+/// A progress bar on stderr, drawn only on a terminal.
+struct Progress {
+    enabled: bool,
+    start: Instant,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Progress {
+            enabled: std::io::stderr().is_terminal(),
+            start: Instant::now(),
+        }
+    }
+
+    fn update(&self, done: usize, total: usize, label: &str) {
+        if !self.enabled || total == 0 {
+            return;
+        }
+        let width = 30;
+        let filled = width * done / total;
+        let secs = self.start.elapsed().as_secs_f64();
+        eprint!(
+            "\r[{}{}] {done}/{total} {secs:.1}s {label:<30}",
+            "#".repeat(filled),
+            " ".repeat(width - filled)
+        );
+        if done == total {
+            eprintln!();
+        }
+        let _ = std::io::stderr().flush();
+    }
+}
+
+fn write_file(path: &Path, content: &str, flag: &str) -> Result<(), Error> {
+    std::fs::write(path, content)
+        .map_err(|e| Error::input(format!("{flag} {}: cannot write: {e}", path.display())))
+}
+
+fn device(arg: DeviceArg) -> Result<candle_core::Device, Error> {
+    match arg {
+        DeviceArg::Cpu => Ok(candle_core::Device::Cpu),
+        #[cfg(feature = "cuda")]
+        DeviceArg::Cuda => candle_core::Device::new_cuda(0)
+            .map_err(|e| Error::input(format!("--device cuda: no usable GPU: {e}"))),
+        #[cfg(not(feature = "cuda"))]
+        DeviceArg::Cuda => Err(Error::input(
+            "--device cuda: this binary was built without CUDA; rebuild with `--features cuda`",
+        )),
+    }
+}
+
+fn load_case(model: &Path, batch: &Path) -> Result<Case, Error> {
+    let m = Gpt2::load(model)?;
+    let b = Batch::load(batch)?;
+    b.validate(&m.config, &batch.display().to_string())?;
+    Ok(Case {
+        name: model
+            .file_name()
+            .map_or("checkpoint".into(), |n| n.to_string_lossy().into_owned()),
+        model: m,
+        batch: b,
+        c_multipliers: vec![1.0],
+    })
+}
+
+fn run(cli: Cli) -> Result<ExitCode, Error> {
+    match cli.command {
+        Command::Reference {
+            model,
+            batch,
+            reduction,
+            json,
+        } => {
+            let m = Gpt2::load(&model)?;
+            let b = Batch::load(&batch)?;
+            b.validate(&m.config, &batch.display().to_string())?;
+            let progress = Progress::new();
+            let opts = reference::Options {
+                reduction: reduction.into(),
+                ..Default::default()
+            };
+            let r =
+                reference::compute(&m, &b, &opts, &mut |d, t| progress.update(d, t, "examples"))?;
+            print!("{}", reference_table(&r));
+            if let Some(path) = json {
+                write_file(
+                    &path,
+                    &serde_json::to_string_pretty(&r.to_json()).expect("json"),
+                    "--json",
+                )?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Audit {
+            model,
+            batch,
+            clippers,
+            max_grad_norm,
+            noise_multiplier,
+            dtype,
+            device: dev,
+            reduction,
+            json,
+            junit,
+            gate,
+        } => {
+            if let Some(c) = max_grad_norm {
+                if !(c.is_finite() && c > 0.0) {
+                    return Err(Error::input(format!(
+                        "--max-grad-norm must be a positive number, got {c}"
+                    )));
+                }
+            }
+            if !(noise_multiplier.is_finite() && noise_multiplier >= 0.0) {
+                return Err(Error::input(format!(
+                    "--noise-multiplier must be a non-negative number, got {noise_multiplier}"
+                )));
+            }
+            let names: Vec<String> = if clippers.is_empty() {
+                ghost_oracle::BUILTIN_CLIPPERS
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect()
+            } else {
+                clippers
+            };
+            let clippers = names
+                .iter()
+                .map(|n| builtin(n))
+                .collect::<Result<Vec<_>, _>>()?;
+            let cases = match (model, batch) {
+                (Some(m), Some(b)) => vec![load_case(&m, &b)?],
+                _ => builtin_suite(),
+            };
+            let (dtype, dtype_name) = match dtype {
+                DtypeArg::F32 => (candle_core::DType::F32, "f32"),
+                DtypeArg::F64 => (candle_core::DType::F64, "f64"),
+            };
+            let device_name = match dev {
+                DeviceArg::Cpu => "cpu",
+                DeviceArg::Cuda => "cuda",
+            };
+            let opts = AuditOptions {
+                max_grad_norm,
+                noise_multiplier,
+                dtype,
+                device: device(dev)?,
+                reduction: reduction.into(),
+            };
+            let progress = Progress::new();
+            let audits = run_audit(&cases, &clippers, &opts, &mut |d, t, l| {
+                progress.update(d, t, l)
+            })?;
+            print!("{}", audit_tables(&audits, dtype_name, device_name));
+            if let Some(path) = json {
+                let doc = audit_json(&audits, dtype_name, device_name);
+                write_file(
+                    &path,
+                    &serde_json::to_string_pretty(&doc).expect("json"),
+                    "--json",
+                )?;
+            }
+            if let Some(path) = junit {
+                write_file(&path, &audit_junit(&audits), "--junit")?;
+            }
+            let all_pass = audits.iter().all(|a| a.verdict == Verdict::Pass);
+            println!(
+                "\n{}",
+                if all_pass {
+                    "all audited clippers pass"
+                } else {
+                    "some audited clippers fail"
+                }
+            );
+            Ok(if gate && !all_pass {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            })
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -32,7 +32,13 @@ struct Taps {
 impl Taps {
     /// Adds a zero tap to `out` and records the site (and, for a weight with a bias, the bias
     /// site that shares the same backprops).
-    fn tap(&mut self, out: Tensor, spec: SiteSpec, activations: Option<Tensor>, ids: Option<Tensor>) -> Result<Tensor> {
+    fn tap(
+        &mut self,
+        out: Tensor,
+        spec: SiteSpec,
+        activations: Option<Tensor>,
+        ids: Option<Tensor>,
+    ) -> Result<Tensor> {
         let var = Var::zeros(out.shape(), out.dtype(), out.device())?;
         let tapped = (out + var.as_tensor())?;
         self.sites.push((spec, activations, ids, var));
@@ -41,7 +47,12 @@ impl Taps {
 }
 
 fn spec(name: String, kind: SiteKind) -> SiteSpec {
-    SiteSpec { param: name.clone(), name, kind, vocab: None }
+    SiteSpec {
+        param: name.clone(),
+        name,
+        kind,
+        vocab: None,
+    }
 }
 
 impl CandleGpt2 {
@@ -52,7 +63,9 @@ impl CandleGpt2 {
             .into_iter()
             .map(|(local, t)| {
                 let v: Vec<f64> = t.iter().copied().collect();
-                let tensor = Tensor::from_vec(v, t.shape(), &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?;
+                let tensor = Tensor::from_vec(v, t.shape(), &Device::Cpu)?
+                    .to_dtype(dtype)?
+                    .to_device(device)?;
                 Ok((model.param_name(&local), Var::from_tensor(&tensor)?))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -67,7 +80,11 @@ impl CandleGpt2 {
     }
 
     fn w(&self, local: &str) -> Result<&Tensor> {
-        let name = if local == LM_HEAD { local.to_string() } else { format!("{}{local}", self.prefix) };
+        let name = if local == LM_HEAD {
+            local.to_string()
+        } else {
+            format!("{}{local}", self.prefix)
+        };
         self.weights
             .iter()
             .find(|(n, _)| *n == name)
@@ -84,15 +101,30 @@ impl CandleGpt2 {
         let centered = x.broadcast_sub(&mean)?;
         let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
         let xhat = centered.broadcast_div(&(var + self.config.layer_norm_epsilon)?.sqrt()?)?;
-        let (w, b) = (self.w(&format!("{local}.weight"))?, self.w(&format!("{local}.bias"))?);
+        let (w, b) = (
+            self.w(&format!("{local}.weight"))?,
+            self.w(&format!("{local}.bias"))?,
+        );
         let out = xhat.broadcast_mul(w)?.broadcast_add(b)?;
-        let out = taps.tap(out, spec(self.name(&format!("{local}.weight")), SiteKind::LayerNorm), Some(xhat.detach()), None)?;
+        let out = taps.tap(
+            out,
+            spec(self.name(&format!("{local}.weight")), SiteKind::LayerNorm),
+            Some(xhat.detach()),
+            None,
+        )?;
         Ok((xhat, out))
     }
 
     fn conv1d(&self, x: &Tensor, local: &str, taps: &mut Taps) -> Result<Tensor> {
-        let out = x.broadcast_matmul(self.w(&format!("{local}.weight"))?)?.broadcast_add(self.w(&format!("{local}.bias"))?)?;
-        taps.tap(out, spec(self.name(&format!("{local}.weight")), SiteKind::Conv1d), Some(x.detach()), None)
+        let out = x
+            .broadcast_matmul(self.w(&format!("{local}.weight"))?)?
+            .broadcast_add(self.w(&format!("{local}.bias"))?)?;
+        taps.tap(
+            out,
+            spec(self.name(&format!("{local}.weight")), SiteKind::Conv1d),
+            Some(x.detach()),
+            None,
+        )
     }
 
     /// gelu_new written from primitive ops (candle's built-in backward rounds its constants).
@@ -107,20 +139,31 @@ impl CandleGpt2 {
     pub fn extract(&self, batch: &Batch, reduction: Reduction) -> Result<Extracted> {
         batch.validate(&self.config, "batch")?;
         let cfg = &self.config;
-        let (b, t, d, h, hd) = (batch.len(), batch.seq_len(), cfg.n_embd, cfg.n_head, cfg.head_dim());
+        let (b, t, d, h, hd) = (
+            batch.len(),
+            batch.seq_len(),
+            cfg.n_embd,
+            cfg.n_head,
+            cfg.head_dim(),
+        );
         let dev = &self.device;
         let ids_u32: Vec<u32> = batch.input_ids.iter().map(|&x| x as u32).collect();
         let ids = Tensor::from_vec(ids_u32, (b, t), dev)?;
         let pos = Tensor::arange(0u32, t as u32, dev)?;
         let mut taps = Taps { sites: Vec::new() };
 
-        let tok = self.w("wte.weight")?.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, d))?;
+        let tok = self
+            .w("wte.weight")?
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, d))?;
         let x = tok.broadcast_add(&self.w("wpe.weight")?.index_select(&pos, 0)?)?;
         let var = Var::zeros(x.shape(), self.dtype, dev)?;
         let mut x = (x + var.as_tensor())?;
         let emb_tap = var;
 
-        let mask: Vec<f64> = (0..t * t).map(|k| if k % t > k / t { -1e30 } else { 0.0 }).collect();
+        let mask: Vec<f64> = (0..t * t)
+            .map(|k| if k % t > k / t { -1e30 } else { 0.0 })
+            .collect();
         let mask = Tensor::from_vec(mask, (t, t), dev)?.to_dtype(self.dtype)?;
         let mut layer_scale = 1.0;
         for l in 0..cfg.n_layer {
@@ -128,18 +171,31 @@ impl CandleGpt2 {
             let (_, a1) = self.layernorm(&x, &p("ln_1"), &mut taps)?;
             let qkv = self.conv1d(&a1, &p("attn.c_attn"), &mut taps)?;
             let heads = |k: usize| -> Result<Tensor> {
-                Ok(qkv.narrow(2, k * d, d)?.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous()?)
+                Ok(qkv
+                    .narrow(2, k * d, d)?
+                    .reshape((b, t, h, hd))?
+                    .transpose(1, 2)?
+                    .contiguous()?)
             };
             let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
             if cfg.scale_attn_by_inverse_layer_idx {
                 layer_scale = 1.0 / (l + 1) as f64;
             }
-            let scale = if cfg.scale_attn_weights { layer_scale / (hd as f64).sqrt() } else { layer_scale };
-            let scores = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * scale)?.broadcast_add(&mask)?;
+            let scale = if cfg.scale_attn_weights {
+                layer_scale / (hd as f64).sqrt()
+            } else {
+                layer_scale
+            };
+            let scores =
+                (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * scale)?.broadcast_add(&mask)?;
             let m = scores.max_keepdim(D::Minus1)?.detach();
             let e = scores.broadcast_sub(&m)?.exp()?;
             let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-            let y = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, d))?;
+            let y = probs
+                .matmul(&v)?
+                .transpose(1, 2)?
+                .contiguous()?
+                .reshape((b, t, d))?;
             x = (x + self.conv1d(&y, &p("attn.c_proj"), &mut taps)?)?;
             let (_, a2) = self.layernorm(&x, &p("ln_2"), &mut taps)?;
             let f_pre = self.conv1d(&a2, &p("mlp.c_fc"), &mut taps)?;
@@ -147,7 +203,11 @@ impl CandleGpt2 {
             x = (x + self.conv1d(&f, &p("mlp.c_proj"), &mut taps)?)?;
         }
         let (_, af) = self.layernorm(&x, "ln_f", &mut taps)?;
-        let head_w = if cfg.tie_word_embeddings { self.w("wte.weight")? } else { self.w(LM_HEAD)? };
+        let head_w = if cfg.tie_word_embeddings {
+            self.w("wte.weight")?
+        } else {
+            self.w(LM_HEAD)?
+        };
         let logits = af.broadcast_matmul(&head_w.t()?)?;
         let mut head_spec = spec(LM_HEAD.to_string(), SiteKind::Linear);
         head_spec.param = self.head_param.clone();
@@ -171,7 +231,13 @@ impl CandleGpt2 {
         let weights = Tensor::from_vec(weights, (b, t), dev)?.to_dtype(self.dtype)?;
         let targets = Tensor::from_vec(targets, (b, t, 1), dev)?;
         let m = logits.max_keepdim(D::Minus1)?.detach();
-        let lse = (logits.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &m)?.squeeze(2)?;
+        let lse = (logits
+            .broadcast_sub(&m)?
+            .exp()?
+            .sum_keepdim(D::Minus1)?
+            .log()?
+            + &m)?
+            .squeeze(2)?;
         let picked = logits.gather(&targets, 2)?.squeeze(2)?;
         let per_token = ((lse - picked)? * &weights)?;
         let losses = per_token.sum(1)?;
@@ -186,13 +252,23 @@ impl CandleGpt2 {
         let emb_bp = bp(&emb_tap)?;
         let mut sites = vec![
             Site {
-                spec: SiteSpec { name: self.name("wte.weight"), param: self.name("wte.weight"), kind: SiteKind::Embedding, vocab: Some(cfg.vocab_size) },
+                spec: SiteSpec {
+                    name: self.name("wte.weight"),
+                    param: self.name("wte.weight"),
+                    kind: SiteKind::Embedding,
+                    vocab: Some(cfg.vocab_size),
+                },
                 activations: None,
                 ids: Some(ids.clone()),
                 backprops: emb_bp.clone(),
             },
             Site {
-                spec: SiteSpec { name: self.name("wpe.weight"), param: self.name("wpe.weight"), kind: SiteKind::Embedding, vocab: Some(cfg.n_positions) },
+                spec: SiteSpec {
+                    name: self.name("wpe.weight"),
+                    param: self.name("wpe.weight"),
+                    kind: SiteKind::Embedding,
+                    vocab: Some(cfg.n_positions),
+                },
                 activations: None,
                 ids: Some(pos.unsqueeze(0)?.broadcast_as((b, t))?.contiguous()?),
                 backprops: emb_bp,
@@ -201,13 +277,36 @@ impl CandleGpt2 {
         for (spec, activations, ids, var) in &taps.sites {
             let backprops = bp(var)?;
             let with_bias = matches!(spec.kind, SiteKind::Conv1d | SiteKind::LayerNorm);
-            sites.push(Site { spec: spec.clone(), activations: activations.clone(), ids: ids.clone(), backprops: backprops.clone() });
+            sites.push(Site {
+                spec: spec.clone(),
+                activations: activations.clone(),
+                ids: ids.clone(),
+                backprops: backprops.clone(),
+            });
             if with_bias {
                 let bias = spec.name.trim_end_matches(".weight").to_string() + ".bias";
-                sites.push(Site { spec: SiteSpec { name: bias.clone(), param: bias, kind: SiteKind::Bias, vocab: None }, activations: None, ids: None, backprops });
+                sites.push(Site {
+                    spec: SiteSpec {
+                        name: bias.clone(),
+                        param: bias,
+                        kind: SiteKind::Bias,
+                        vocab: None,
+                    },
+                    activations: None,
+                    ids: None,
+                    backprops,
+                });
             }
         }
-        let batch_gradient = self.weights.iter().map(|(n, v)| Ok((n.clone(), bp(v)?))).collect::<Result<Vec<_>>>()?;
-        Ok(Extracted { trace: Trace { sites }, batch_gradient, losses: crate::factor::to_f64_vec(&losses)? })
+        let batch_gradient = self
+            .weights
+            .iter()
+            .map(|(n, v)| Ok((n.clone(), bp(v)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Extracted {
+            trace: Trace { sites },
+            batch_gradient,
+            losses: crate::factor::to_f64_vec(&losses)?,
+        })
     }
 }

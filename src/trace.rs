@@ -30,12 +30,18 @@ pub struct Trace {
 
 fn array3_to_tensor(a: &ndarray::Array3<f64>, dtype: DType, device: &Device) -> Result<Tensor> {
     let v: Vec<f64> = a.iter().copied().collect();
-    Ok(Tensor::from_vec(v, a.dim(), &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?)
+    Ok(Tensor::from_vec(v, a.dim(), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)?)
 }
 
 impl Trace {
     /// The reference's f64 trace rounded to `dtype` on `device`.
-    pub fn from_reference(t: &ghost_oracle_reference::Trace, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn from_reference(
+        t: &ghost_oracle_reference::Trace,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let sites = t
             .sites
             .iter()
@@ -49,7 +55,11 @@ impl Trace {
                 };
                 Ok(Site {
                     spec: s.spec.clone(),
-                    activations: s.activations.as_ref().map(|a| array3_to_tensor(a, dtype, device)).transpose()?,
+                    activations: s
+                        .activations
+                        .as_ref()
+                        .map(|a| array3_to_tensor(a, dtype, device))
+                        .transpose()?,
                     ids,
                     backprops: array3_to_tensor(&s.backprops, dtype, device)?,
                 })
@@ -65,11 +75,15 @@ impl Trace {
     }
 
     pub fn dtype(&self) -> DType {
-        self.sites.first().map_or(DType::F32, |s| s.backprops.dtype())
+        self.sites
+            .first()
+            .map_or(DType::F32, |s| s.backprops.dtype())
     }
 
     pub fn device(&self) -> Device {
-        self.sites.first().map_or(Device::Cpu, |s| s.backprops.device().clone())
+        self.sites
+            .first()
+            .map_or(Device::Cpu, |s| s.backprops.device().clone())
     }
 
     /// Parameters in first-use order with their sites.
@@ -78,7 +92,10 @@ impl Trace {
         for (j, s) in self.sites.iter().enumerate() {
             match out.iter_mut().find(|p| p.param == s.spec.param) {
                 Some(p) => p.sites.push(j),
-                None => out.push(ParamSites { param: s.spec.param.clone(), sites: vec![j] }),
+                None => out.push(ParamSites {
+                    param: s.spec.param.clone(),
+                    sites: vec![j],
+                }),
             }
         }
         out
@@ -117,7 +134,10 @@ impl Trace {
                 Ok(())
             };
             check_bt("backprops", sb, st)?;
-            let needs_act = matches!(s.spec.kind, SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm);
+            let needs_act = matches!(
+                s.spec.kind,
+                SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm
+            );
             match (&s.activations, needs_act) {
                 (Some(a), true) => {
                     let (ab, at) = dims3(a, name, "activations")?;
@@ -131,18 +151,29 @@ impl Trace {
                     }
                 }
                 (None, true) => {
-                    return Err(Error::input(format!("site `{name}` ({}): tensor `{name}.activations` is missing", s.spec.kind.name())))
+                    return Err(Error::input(format!(
+                        "site `{name}` ({}): tensor `{name}.activations` is missing",
+                        s.spec.kind.name()
+                    )))
                 }
                 _ => {}
             }
             if s.spec.kind == SiteKind::Embedding {
-                let ids = s.ids.as_ref().ok_or_else(|| Error::input(format!("site `{name}` (embedding): tensor `{name}.ids` is missing")))?;
+                let ids = s.ids.as_ref().ok_or_else(|| {
+                    Error::input(format!(
+                        "site `{name}` (embedding): tensor `{name}.ids` is missing"
+                    ))
+                })?;
                 let d = ids.dims();
                 if d.len() != 2 {
-                    return Err(Error::input(format!("site `{name}`: `{name}.ids` must be 2-D (batch × sequence), found {d:?}")));
+                    return Err(Error::input(format!(
+                        "site `{name}`: `{name}.ids` must be 2-D (batch × sequence), found {d:?}"
+                    )));
                 }
                 check_bt("ids", d[0], d[1])?;
-                let vocab = s.spec.vocab.ok_or_else(|| Error::input(format!("site `{name}` (embedding) has no `vocab`")))?;
+                let vocab = s.spec.vocab.ok_or_else(|| {
+                    Error::input(format!("site `{name}` (embedding) has no `vocab`"))
+                })?;
                 let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
                 if max >= vocab {
                     return Err(Error::input(format!("site `{name}`: `{name}.ids` holds id {max}, outside the table's vocab 0..{vocab}")));
@@ -150,7 +181,11 @@ impl Trace {
             }
         }
         for p in self.params() {
-            let shapes: Vec<(usize, usize)> = p.sites.iter().map(|&j| crate::factor::gradient_shape(&self.sites[j])).collect();
+            let shapes: Vec<(usize, usize)> = p
+                .sites
+                .iter()
+                .map(|&j| crate::factor::gradient_shape(&self.sites[j]))
+                .collect();
             for (i, s) in shapes.iter().enumerate().skip(1) {
                 if *s != shapes[0] {
                     return Err(Error::input(format!(
@@ -185,6 +220,8 @@ impl Trace {
 fn dims3(t: &Tensor, site: &str, what: &str) -> Result<(usize, usize)> {
     match t.dims() {
         [b, tt, _] => Ok((*b, *tt)),
-        d => Err(Error::input(format!("site `{site}`: `{site}.{what}` must be 3-D (batch × sequence × features), found {d:?}"))),
+        d => Err(Error::input(format!(
+            "site `{site}`: `{site}.{what}` must be 3-D (batch × sequence × features), found {d:?}"
+        ))),
     }
 }

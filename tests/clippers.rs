@@ -12,11 +12,18 @@ fn exact_clippers_match_the_reference_in_f64() {
         let model = tiny(tied, 2, 3);
         let b = batch(3, 9, 23, 4);
         let r = reference_with_trace(&model, &b);
-        let trace = Trace::from_reference(r.trace.as_ref().unwrap(), DType::F64, &Device::Cpu).unwrap();
+        let trace =
+            Trace::from_reference(r.trace.as_ref().unwrap(), DType::F64, &Device::Cpu).unwrap();
         for c in [&TiedGhostClipper as &dyn Clipper, &MaterializeClipper] {
             let rep = c.norms(&trace).unwrap();
             for (i, e) in r.examples.iter().enumerate() {
-                assert!(rel(rep.norms[i], e.norm) < 1e-12, "{} tied={tied} ex {i}: {} vs {}", c.name(), rep.norms[i], e.norm);
+                assert!(
+                    rel(rep.norms[i], e.norm) < 1e-12,
+                    "{} tied={tied} ex {i}: {} vs {}",
+                    c.name(),
+                    rep.norms[i],
+                    e.norm
+                );
             }
         }
         let ghost = GhostClipper.norms(&trace).unwrap();

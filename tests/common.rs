@@ -16,6 +16,10 @@ pub fn tiny(tied: bool, layers: usize, seed: u64) -> Gpt2 {
 }
 
 pub fn reference_with_trace(model: &Gpt2, batch: &Batch) -> reference::Reference {
-    let opts = Options { record_trace: true, keep_gradients: true, ..Options::default() };
+    let opts = Options {
+        record_trace: true,
+        keep_gradients: true,
+        ..Options::default()
+    };
     reference::compute(model, batch, &opts, &mut |_, _| {}).unwrap()
 }

@@ -1,5 +1,5 @@
 //! All integration tests in one binary (one link on a 2-core machine).
 
-mod common;
 mod clippers;
+mod common;
 mod model;

@@ -84,7 +84,7 @@ fn layernorm_backward(
     let inner = &dxhat
         - &mean_dxhat.insert_axis(Axis(1))
         - &(&c.xhat * &mean_dxhat_xhat.insert_axis(Axis(1)));
-    inner * &c.rstd.view().insert_axis(Axis(1))
+    inner * c.rstd.view().insert_axis(Axis(1))
 }
 
 const GELU_C: f64 = 0.797_884_560_802_865_4; // sqrt(2/pi)

@@ -1,0 +1,321 @@
+//! The audit harness: cases (built-in or a checkpoint), the reference's truth for each, every
+//! clipper run on the same trace, and the metrics that judge it.
+
+use crate::clipper::Clipper;
+use crate::error::{Error, Result};
+use crate::metrics::{evaluate, unit_roundoff, CaseMetrics, Truth, Verdict};
+use crate::trace::Trace;
+use candle_core::{DType, Device};
+use ghost_oracle_reference::{
+    self as reference, Batch, Gpt2, Gpt2Config, Reduction, SplitMix64, IGNORE,
+};
+use ndarray::Array2;
+use serde::Serialize;
+
+/// A model and a batch to audit on, with the clipping norms to try (as multiples of the median
+/// true norm, unless the user fixes C).
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub name: String,
+    pub model: Gpt2,
+    pub batch: Batch,
+    pub c_multipliers: Vec<f64>,
+}
+
+struct CaseSpec {
+    name: &'static str,
+    vocab: usize,
+    d: usize,
+    layers: usize,
+    heads: usize,
+    tied: bool,
+    batch: usize,
+    seq: usize,
+    /// Ids drawn from 0..id_range (small: many repeated tokens).
+    id_range: usize,
+    ignore: f64,
+    init_std: f64,
+}
+
+const SUITE: &[CaseSpec] = &[
+    CaseSpec {
+        name: "tied-T2",
+        vocab: 29,
+        d: 16,
+        layers: 1,
+        heads: 2,
+        tied: true,
+        batch: 6,
+        seq: 2,
+        id_range: 29,
+        ignore: 0.0,
+        init_std: 0.5,
+    },
+    CaseSpec {
+        name: "tied-T16-repeats",
+        vocab: 29,
+        d: 16,
+        layers: 2,
+        heads: 4,
+        tied: true,
+        batch: 6,
+        seq: 16,
+        id_range: 5,
+        ignore: 0.0,
+        init_std: 0.5,
+    },
+    CaseSpec {
+        name: "tied-T24-ignored",
+        vocab: 31,
+        d: 16,
+        layers: 2,
+        heads: 2,
+        tied: true,
+        batch: 6,
+        seq: 24,
+        id_range: 12,
+        ignore: 0.3,
+        init_std: 0.5,
+    },
+    CaseSpec {
+        name: "tied-T64",
+        vocab: 61,
+        d: 24,
+        layers: 2,
+        heads: 3,
+        tied: true,
+        batch: 4,
+        seq: 64,
+        id_range: 61,
+        ignore: 0.0,
+        init_std: 0.4,
+    },
+    CaseSpec {
+        name: "tied-T32-vocab257",
+        vocab: 257,
+        d: 32,
+        layers: 1,
+        heads: 4,
+        tied: true,
+        batch: 4,
+        seq: 32,
+        id_range: 40,
+        ignore: 0.0,
+        init_std: 0.4,
+    },
+    CaseSpec {
+        name: "tied-T8-strong-cross",
+        vocab: 17,
+        d: 8,
+        layers: 1,
+        heads: 2,
+        tied: true,
+        batch: 8,
+        seq: 8,
+        id_range: 6,
+        ignore: 0.0,
+        init_std: 1.0,
+    },
+    CaseSpec {
+        name: "untied-T16",
+        vocab: 29,
+        d: 16,
+        layers: 2,
+        heads: 4,
+        tied: false,
+        batch: 6,
+        seq: 16,
+        id_range: 8,
+        ignore: 0.0,
+        init_std: 0.5,
+    },
+    CaseSpec {
+        name: "untied-T64",
+        vocab: 61,
+        d: 24,
+        layers: 2,
+        heads: 3,
+        tied: false,
+        batch: 4,
+        seq: 64,
+        id_range: 61,
+        ignore: 0.1,
+        init_std: 0.4,
+    },
+];
+
+/// C as multiples of the median true norm: most examples clipped, about half, almost none.
+pub const SUITE_C_MULTIPLIERS: [f64; 3] = [0.5, 1.0, 2.0];
+
+/// The built-in suite: seeded GPT-2-style models and batches, no files. Sequence length 1 is
+/// absent because a causal LM has no target there (the property tests cover T = 1 sites).
+pub fn builtin_suite() -> Vec<Case> {
+    SUITE
+        .iter()
+        .enumerate()
+        .map(|(k, s)| {
+            let mut cfg = Gpt2Config::tiny(s.vocab, s.seq.max(8), s.d, s.layers, s.heads);
+            cfg.tie_word_embeddings = s.tied;
+            let seed = 1000 + k as u64;
+            let model = Gpt2::random(cfg, seed, s.init_std);
+            let mut rng = SplitMix64::new(seed ^ 0xBA7C);
+            let ids = Array2::from_shape_fn((s.batch, s.seq), |_| rng.below(s.id_range) as i64);
+            let mut labels = ids.clone();
+            for i in 0..s.batch {
+                for t in 2..s.seq {
+                    if rng.uniform() < s.ignore {
+                        labels[(i, t)] = IGNORE;
+                    }
+                }
+            }
+            Case {
+                name: s.name.to_string(),
+                model,
+                batch: Batch::new(ids, Some(labels)),
+                c_multipliers: SUITE_C_MULTIPLIERS.to_vec(),
+            }
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+pub struct AuditOptions {
+    pub max_grad_norm: Option<f64>,
+    pub noise_multiplier: f64,
+    pub dtype: DType,
+    pub device: Device,
+    pub reduction: Reduction,
+}
+
+/// One clipper's results over every case.
+#[derive(Clone, Debug, Serialize)]
+pub struct ClipperAudit {
+    pub name: String,
+    pub verdict: Verdict,
+    pub worst_case: usize,
+    pub cases: Vec<CaseMetrics>,
+    pub warnings: Vec<String>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        0.5 * (s[n / 2 - 1] + s[n / 2])
+    }
+}
+
+/// The truth of a case and its trace in the clippers' dtype and device.
+pub struct PreparedCase {
+    pub truth: Truth,
+    pub trace: Trace,
+    /// (label, C) pairs to evaluate.
+    pub clip_norms: Vec<(String, f64)>,
+}
+
+pub fn prepare(case: &Case, opts: &AuditOptions) -> Result<PreparedCase> {
+    let ropts = reference::Options {
+        reduction: opts.reduction,
+        record_trace: true,
+        keep_gradients: true,
+    };
+    let r = reference::compute(&case.model, &case.batch, &ropts, &mut |_, _| {})
+        .map_err(|e| Error::from(e).context(&case.name))?;
+    let truth = Truth::from_reference(&r)?;
+    let trace = Trace::from_reference(
+        r.trace.as_ref().expect("trace recorded"),
+        opts.dtype,
+        &opts.device,
+    )?;
+    let clip_norms = match opts.max_grad_norm {
+        Some(c) => vec![(case.name.clone(), c)],
+        None => {
+            let med = median(&truth.norms);
+            if case.c_multipliers.len() == 1 {
+                vec![(case.name.clone(), med * case.c_multipliers[0])]
+            } else {
+                case.c_multipliers
+                    .iter()
+                    .map(|m| (format!("{}@C={m}xmedian", case.name), med * m))
+                    .collect()
+            }
+        }
+    };
+    Ok(PreparedCase {
+        truth,
+        trace,
+        clip_norms,
+    })
+}
+
+/// Runs every clipper on every case. `progress(done, total, label)` after each step.
+pub fn run(
+    cases: &[Case],
+    clippers: &[Box<dyn Clipper>],
+    opts: &AuditOptions,
+    progress: &mut dyn FnMut(usize, usize, &str),
+) -> Result<Vec<ClipperAudit>> {
+    let u = unit_roundoff(opts.dtype);
+    let mut out: Vec<ClipperAudit> = clippers
+        .iter()
+        .map(|c| ClipperAudit {
+            name: c.name(),
+            verdict: Verdict::Pass,
+            worst_case: 0,
+            cases: Vec::new(),
+            warnings: Vec::new(),
+        })
+        .collect();
+    let total = cases.len() * clippers.len();
+    let mut done = 0;
+    for case in cases {
+        let prepared = prepare(case, opts)?;
+        for (audit, clipper) in out.iter_mut().zip(clippers) {
+            for (label, c) in &prepared.clip_norms {
+                let clipped = clipper.clip(&prepared.trace, *c).map_err(|e| {
+                    e.context(format!("clipper {} on case {label}", clipper.name()))
+                })?;
+                for w in &clipped.report.warnings {
+                    if !audit.warnings.contains(w) {
+                        audit.warnings.push(w.clone());
+                    }
+                }
+                audit.cases.push(evaluate(
+                    label,
+                    &prepared.truth,
+                    &clipped,
+                    *c,
+                    opts.noise_multiplier,
+                    u,
+                )?);
+            }
+            done += 1;
+            progress(done, total, &case.name);
+        }
+    }
+    for a in &mut out {
+        a.worst_case = worst_case(&a.cases);
+        a.verdict = a
+            .cases
+            .get(a.worst_case)
+            .map_or(Verdict::Pass, |c| c.verdict);
+    }
+    Ok(out)
+}
+
+/// The case that decides a clipper's verdict: the most severe verdict, then the largest error.
+pub fn worst_case(cases: &[CaseMetrics]) -> usize {
+    let key = |c: &CaseMetrics| match c.verdict {
+        Verdict::PrivacyViolation => (c.verdict, c.max_sensitivity_ratio),
+        _ => (c.verdict, c.max_err_units),
+    };
+    (0..cases.len())
+        .max_by(|&a, &b| {
+            let (ka, kb) = (key(&cases[a]), key(&cases[b]));
+            ka.0.cmp(&kb.0).then(ka.1.total_cmp(&kb.1))
+        })
+        .unwrap_or(0)
+}

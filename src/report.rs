@@ -1,0 +1,239 @@
+//! Human-readable tables, the JSON document and JUnit XML.
+
+use crate::audit::ClipperAudit;
+use crate::metrics::Verdict;
+use ghost_oracle_reference::Reference;
+use serde_json::{json, Value};
+use std::fmt::Write;
+
+fn sci(v: f64) -> String {
+    if v == 0.0 {
+        "0".into()
+    } else if v.is_infinite() {
+        "inf".into()
+    } else {
+        format!("{v:.2e}")
+    }
+}
+
+pub fn reference_table(r: &Reference) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "per-example gradient norms (reduction: {})",
+        r.reduction.name()
+    );
+    let _ = writeln!(
+        s,
+        "{:>7}  {:>12}  {:>14}  {:>12}  {:>12}  {:>13}  {:>10}",
+        "example", "loss", "norm", "input_sq", "output_sq", "cross", "2·cross/n²"
+    );
+    for (i, e) in r.examples.iter().enumerate() {
+        match e.shared.first() {
+            Some((_, sp)) => {
+                let _ = writeln!(
+                    s,
+                    "{i:>7}  {:>12.6}  {:>14.8e}  {:>12.4e}  {:>12.4e}  {:>13.4e}  {:>10.4}",
+                    e.loss,
+                    e.norm,
+                    sp.input_sq,
+                    sp.output_sq,
+                    sp.cross,
+                    2.0 * sp.cross / (e.norm * e.norm)
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    s,
+                    "{i:>7}  {:>12.6}  {:>14.8e}  {:>12}  {:>12}  {:>13}  {:>10}",
+                    e.loss, e.norm, "-", "-", "-", "-"
+                );
+            }
+        }
+    }
+    if let Some((name, _)) = r.examples.first().and_then(|e| e.shared.first()) {
+        let _ = writeln!(
+            s,
+            "shared parameter: {name} (input = embedding use, output = LM head use)"
+        );
+    }
+    let _ = writeln!(s, "\nper-parameter norms");
+    let width = r.examples[0]
+        .params
+        .iter()
+        .map(|(n, _)| n.len())
+        .max()
+        .unwrap_or(10);
+    let mut header = format!("{:<width$}", "parameter");
+    for i in 0..r.examples.len() {
+        let _ = write!(header, "  {:>10}", format!("ex {i}"));
+    }
+    let _ = writeln!(s, "{header}");
+    for (k, (name, _)) in r.examples[0].params.iter().enumerate() {
+        let mut line = format!("{name:<width$}");
+        for e in &r.examples {
+            let _ = write!(line, "  {:>10.4e}", e.params[k].1);
+        }
+        let _ = writeln!(s, "{line}");
+    }
+    s
+}
+
+pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> String {
+    let mut s = String::new();
+    for a in audits {
+        let _ = writeln!(
+            s,
+            "\nclipper {} ({dtype}, {device}): {}",
+            a.name,
+            a.verdict.name().to_uppercase()
+        );
+        let w = a
+            .cases
+            .iter()
+            .map(|c| c.case.len())
+            .max()
+            .unwrap_or(4)
+            .max(4);
+        let _ = writeln!(
+            s,
+            "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8}  {:>7}  {:>8}  {:>8}  {:>8}  {:>9}",
+            "case", "verdict", "norm err", "err/bound", "max |Δc|", "flips", "sens", "σ_eff", "ρ", "ρ*", "cos", "2x/n² max"
+        );
+        for (k, c) in a.cases.iter().enumerate() {
+            let mark = if k == a.worst_case && c.verdict != Verdict::Pass {
+                " <- worst"
+            } else {
+                ""
+            };
+            let _ = writeln!(
+                s,
+                "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8.5}  {:>7.4}  {:>8.4}  {:>8.4}  {:>8.5}  {:>9.4}{mark}",
+                c.case,
+                c.verdict.name(),
+                sci(c.max_norm_rel_err),
+                sci(c.max_err_units),
+                sci(c.max_coef_abs_diff),
+                c.decision_flips,
+                c.max_sensitivity_ratio,
+                c.effective_noise_multiplier,
+                c.effective_noise_ratio,
+                c.reference_noise_ratio,
+                c.clipped_sum_cosine,
+                c.max_cross_share
+            );
+        }
+        if let Some(c) = a
+            .cases
+            .get(a.worst_case)
+            .filter(|c| c.verdict != Verdict::Pass)
+        {
+            let e = &c.examples[c.worst_example];
+            let _ = writeln!(
+                s,
+                "  worst: case {} example {}: norm {:.6e} vs true {:.6e} (rel err {}, bound {}), clipped contribution {:.4}·C",
+                c.case,
+                c.worst_example,
+                e.norm,
+                e.true_norm,
+                sci(e.norm_rel_err),
+                sci(e.bound),
+                e.sensitivity
+            );
+        }
+        for w in &a.warnings {
+            let _ = writeln!(s, "  warning: {w}");
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\ncolumns: norm err = max |n−n*|/n*; err/bound = that over the derived tolerance; Δc = clip coefficient difference;\n\
+         sens = max c·n*/C (above 1: the DP guarantee fails at the stated σ); σ_eff = σ/max(1, sens);\n\
+         ρ, ρ* = σC/‖Σ c_i g_i*‖ with this clipper's and exact coefficients; cos = cosine of the two clipped sums;\n\
+         2x/n² = largest share of a norm² that is the tied cross term."
+    );
+    s
+}
+
+pub fn audit_json(audits: &[ClipperAudit], dtype: &str, device: &str) -> Value {
+    let clippers: Vec<Value> = audits
+        .iter()
+        .map(|a| {
+            let worst = a.cases.get(a.worst_case);
+            let fmax = |f: &dyn Fn(&crate::metrics::CaseMetrics) -> f64| a.cases.iter().map(f).fold(0.0_f64, f64::max);
+            json!({
+                "name": a.name,
+                "verdict": a.verdict.name(),
+                "max_norm_rel_err": fmax(&|c| c.max_norm_rel_err),
+                "max_err_units": fmax(&|c| c.max_err_units),
+                "max_coef_abs_diff": fmax(&|c| c.max_coef_abs_diff),
+                "decision_flips": a.cases.iter().map(|c| c.decision_flips).sum::<usize>(),
+                "max_sensitivity_ratio": fmax(&|c| c.max_sensitivity_ratio),
+                "effective_noise_ratio": worst.map_or(0.0, |c| c.effective_noise_ratio),
+                "reference_noise_ratio": worst.map_or(0.0, |c| c.reference_noise_ratio),
+                "worst": {"case": worst.map(|c| c.case.clone()), "example": worst.map(|c| c.worst_example)},
+                "warnings": a.warnings,
+                "cases": a.cases,
+            })
+        })
+        .collect();
+    json!({"dtype": dtype, "device": device, "clippers": clippers})
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+pub fn audit_junit(audits: &[ClipperAudit]) -> String {
+    let mut s = String::from(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites name=\"ghost-oracle audit\">\n",
+    );
+    for a in audits {
+        let failures = a
+            .cases
+            .iter()
+            .filter(|c| c.verdict != Verdict::Pass)
+            .count();
+        let _ = writeln!(
+            s,
+            "  <testsuite name=\"{}\" tests=\"{}\" failures=\"{failures}\">",
+            xml_escape(&a.name),
+            a.cases.len()
+        );
+        for c in &a.cases {
+            let _ = write!(
+                s,
+                "    <testcase classname=\"{}\" name=\"{}\"",
+                xml_escape(&a.name),
+                xml_escape(&c.case)
+            );
+            if c.verdict == Verdict::Pass {
+                let _ = writeln!(s, "/>");
+            } else {
+                let e = &c.examples[c.worst_example];
+                let msg = format!(
+                    "{}: example {} norm {:e} vs true {:e} (rel err {:e}, bound {:e}); sensitivity ratio {:.6}",
+                    c.verdict.name(),
+                    c.worst_example,
+                    e.norm,
+                    e.true_norm,
+                    e.norm_rel_err,
+                    e.bound,
+                    c.max_sensitivity_ratio
+                );
+                let _ = writeln!(
+                    s,
+                    ">\n      <failure type=\"{}\" message=\"{}\"/>\n    </testcase>",
+                    c.verdict.name(),
+                    xml_escape(&msg)
+                );
+            }
+        }
+        let _ = writeln!(s, "  </testsuite>");
+    }
+    s.push_str("</testsuites>\n");
+    s
+}
