@@ -74,9 +74,10 @@ enum Command {
         clippers: Vec<String>,
         /// Clipping norm C. Default: the median true norm of each case (the built-in suite also
         /// tries 0.5× and 2× that).
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         max_grad_norm: Option<f64>,
-        #[arg(long, default_value_t = 1.0)]
+        /// Noise multiplier σ of the DP-SGD run being audited.
+        #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
         noise_multiplier: f64,
         #[arg(long, value_enum, default_value = "f32")]
         dtype: DtypeArg,

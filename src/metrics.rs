@@ -127,11 +127,20 @@ impl Truth {
         per_param.iter().map(|v| v * v).sum()
     }
 
-    /// Relative bound on |n̂_i − n_i| / n_i for a clipper working in unit roundoff `u`.
+    /// Relative bound on |n̂_i − n_i| / n_i for a clipper working in unit roundoff `u`: the
+    /// clipper's rounding (inputs and arithmetic) plus the reference's own f64 rounding.
     pub fn norm_bound(&self, i: usize, u: f64) -> f64 {
         let n2 = self.norms[i] * self.norms[i];
         let kappa = self.abs_sum(i) / n2;
-        0.5 * u * kappa * (INPUT_ROUNDING + LAMBDA * (self.reduction_len as f64).sqrt())
+        let clipper = u * (INPUT_ROUNDING + LAMBDA * (self.reduction_len as f64).sqrt());
+        let largest = self
+            .layout
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .max()
+            .unwrap_or(1);
+        let reference = f64::EPSILON / 2.0 * LAMBDA * ((self.seq_len + largest) as f64).sqrt();
+        0.5 * kappa * (clipper + reference)
     }
 }
 

@@ -1,5 +1,7 @@
 //! All integration tests in one binary (one link on a 2-core machine).
 
+mod audit;
+mod cli;
 mod clippers;
 mod common;
 mod model;

@@ -1,0 +1,308 @@
+//! The binary end to end: outputs against golden files, and every kind of bad input giving a
+//! clear message and exit status 2 (never a panic).
+
+use ghost_oracle_reference::{write_raw, Batch, Gpt2, Gpt2Config, RawTensor};
+use ndarray::array;
+use safetensors::Dtype;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ghost-oracle"))
+}
+
+pub fn golden(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("oracles/golden/cases")
+        .join(case)
+}
+
+pub fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ghost-oracle-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn run(args: &[&str]) -> Output {
+    bin().args(args).output().unwrap()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Exit status 2, a message containing every `needle`, and no panic.
+pub fn expect_input_error(args: &[&str], needles: &[&str]) {
+    let o = run(args);
+    let err = stderr(&o);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "args {args:?}: status {:?}, stderr: {err}",
+        o.status
+    );
+    assert!(!err.contains("panicked"), "panic for {args:?}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "args {args:?}: message lacks {n:?}: {err}");
+    }
+}
+
+#[test]
+fn reference_reproduces_torch_func_norms_on_a_save_pretrained_checkpoint() {
+    for case in ["tied_l2_h4_t33", "untied_l2_h3_t8", "tied_f32_hub_names"] {
+        let dir = golden(case);
+        let out = tmp(&format!("ref-{case}")).join("r.json");
+        let o = run(&[
+            "reference",
+            "--model",
+            dir.to_str().unwrap(),
+            "--batch",
+            dir.join("batch.safetensors").to_str().unwrap(),
+            "--json",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            stdout.contains("per-example gradient norms") && stdout.contains("per-parameter norms")
+        );
+        let got: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        let want: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
+                .unwrap();
+        assert_eq!(got["reduction"], "mean");
+        let (g, w) = (
+            got["examples"].as_array().unwrap(),
+            want["examples"].as_array().unwrap(),
+        );
+        assert_eq!(g.len(), w.len());
+        for (ge, we) in g.iter().zip(w) {
+            let (a, b) = (ge["norm"].as_f64().unwrap(), we["norm"].as_f64().unwrap());
+            assert!((a - b).abs() <= 1e-9 * b, "{case}: {a} vs {b}");
+            for (name, v) in we["params"].as_object().unwrap() {
+                let gv = ge["params"][name]
+                    .as_f64()
+                    .unwrap_or_else(|| panic!("{case}: {name} missing"));
+                assert!((gv - v.as_f64().unwrap()).abs() <= 1e-9 * v.as_f64().unwrap().max(1e-300));
+            }
+            for (name, s) in we["shared"].as_object().unwrap() {
+                for key in ["input_sq", "output_sq", "cross"] {
+                    let (x, y) = (
+                        ge["shared"][name][key].as_f64().unwrap(),
+                        s[key].as_f64().unwrap(),
+                    );
+                    assert!((x - y).abs() <= 1e-9 * a * a, "{case}: {name}.{key}");
+                }
+            }
+        }
+    }
+}
+
+/// A small valid checkpoint + batch in a fresh directory, for corrupting one thing at a time.
+fn valid_case(name: &str) -> (PathBuf, PathBuf) {
+    let dir = tmp(name);
+    Gpt2::random(Gpt2Config::tiny(11, 8, 8, 1, 2), 1, 0.3)
+        .save(&dir, true)
+        .unwrap();
+    let batch = dir.join("batch.safetensors");
+    Batch::new(array![[1_i64, 2, 3, 4]], None)
+        .save(&batch)
+        .unwrap();
+    (dir, batch)
+}
+
+fn reference_args<'a>(dir: &'a Path, batch: &'a Path) -> Vec<&'a str> {
+    vec![
+        "reference",
+        "--model",
+        dir.to_str().unwrap(),
+        "--batch",
+        batch.to_str().unwrap(),
+    ]
+}
+
+#[test]
+fn missing_model_directory_and_batch_file() {
+    let (dir, batch) = valid_case("missing");
+    expect_input_error(
+        &reference_args(&dir.join("nope"), &batch),
+        &["model directory", "nope"],
+    );
+    expect_input_error(
+        &reference_args(&dir, &dir.join("nope.safetensors")),
+        &["batch file", "nope.safetensors"],
+    );
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    expect_input_error(&reference_args(&dir, &batch), &["config", "config.json"]);
+}
+
+#[test]
+fn unreadable_config_json() {
+    let (dir, batch) = valid_case("badjson");
+    std::fs::write(dir.join("config.json"), "{ not json").unwrap();
+    expect_input_error(
+        &reference_args(&dir, &batch),
+        &["config.json", "not valid JSON"],
+    );
+}
+
+#[test]
+fn config_and_tensor_shapes_disagree() {
+    let (dir, batch) = valid_case("shape");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["n_embd"] = 12.into();
+    cfg["n_head"] = 3.into();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    expect_input_error(
+        &reference_args(&dir, &batch),
+        &["transformer.wte.weight", "shape", "config.json implies"],
+    );
+}
+
+#[test]
+fn unsupported_tensor_dtype() {
+    let (dir, batch) = valid_case("dtype");
+    let model = Gpt2::load(&dir).unwrap();
+    let mut raw: Vec<(String, RawTensor)> = model
+        .params
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (model.param_name(&n), RawTensor::from_f64(&t, Dtype::F32)))
+        .collect();
+    let ln = raw
+        .iter_mut()
+        .find(|(n, _)| n.ends_with("ln_f.bias"))
+        .unwrap();
+    ln.1 = RawTensor {
+        dtype: Dtype::I32,
+        shape: ln.1.shape.clone(),
+        bytes: ln.1.bytes.clone(),
+    };
+    write_raw(&dir.join("model.safetensors"), &raw, None).unwrap();
+    expect_input_error(
+        &reference_args(&dir, &batch),
+        &["transformer.ln_f.bias", "I32", "F32, F64, F16 or BF16"],
+    );
+}
+
+#[test]
+fn ids_outside_the_vocabulary() {
+    let (dir, batch) = valid_case("ids");
+    Batch::new(array![[1_i64, 2, 11, 4]], None)
+        .save(&batch)
+        .unwrap();
+    expect_input_error(
+        &reference_args(&dir, &batch),
+        &["input_ids[0][2] = 11", "vocabulary"],
+    );
+    Batch::new(array![[1_i64, -3, 1, 4]], None)
+        .save(&batch)
+        .unwrap();
+    expect_input_error(&reference_args(&dir, &batch), &["input_ids[0][1] = -3"]);
+}
+
+#[test]
+fn sequence_longer_than_n_positions() {
+    let (dir, batch) = valid_case("long");
+    Batch::new(ndarray::Array2::from_elem((1, 9), 1_i64), None)
+        .save(&batch)
+        .unwrap();
+    expect_input_error(
+        &reference_args(&dir, &batch),
+        &["sequence length 9", "n_positions = 8"],
+    );
+}
+
+#[test]
+fn labels_all_ignored_for_an_example() {
+    let (dir, batch) = valid_case("ignored");
+    Batch::new(
+        array![[1_i64, 2, 3, 4], [1, 2, 3, 4]],
+        Some(array![[1_i64, 2, 3, 4], [5, -100, -100, -100]]),
+    )
+    .save(&batch)
+    .unwrap();
+    expect_input_error(
+        &reference_args(&dir, &batch),
+        &["example 1 has no target", "-100"],
+    );
+}
+
+#[test]
+fn non_finite_weights() {
+    let (dir, batch) = valid_case("nan");
+    let mut model = Gpt2::load(&dir).unwrap();
+    model.params.blocks[0].c_fc.weight[(2, 3)] = f64::NAN;
+    model.save(&dir, true).unwrap();
+    expect_input_error(
+        &reference_args(&dir, &batch),
+        &["transformer.h.0.mlp.c_fc.weight", "non-finite"],
+    );
+    model.params.blocks[0].c_fc.weight[(2, 3)] = f64::INFINITY;
+    model.save(&dir, false).unwrap();
+    expect_input_error(
+        &reference_args(&dir, &batch),
+        &["transformer.h.0.mlp.c_fc.weight", "non-finite"],
+    );
+}
+
+#[test]
+fn safetensors_header_claiming_more_data_than_the_file_holds() {
+    let (dir, batch) = valid_case("header");
+    let header = br#"{"input_ids":{"dtype":"I64","shape":[1000000,1000000],"data_offsets":[0,8000000000000]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[0u8; 64]);
+    std::fs::write(&batch, &bytes).unwrap();
+    expect_input_error(
+        &reference_args(&dir, &batch),
+        &["batch.safetensors", "not a valid safetensors file"],
+    );
+    // And a header length that runs past the end of the file.
+    let mut bytes = (1u64 << 40).to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{}");
+    std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
+    expect_input_error(
+        &reference_args(&dir, &dir.join("batch.safetensors")),
+        &["model.safetensors", "not a valid safetensors file"],
+    );
+    // A truncated checkpoint.
+    let (dir2, batch2) = valid_case("truncated");
+    let full = std::fs::read(dir2.join("model.safetensors")).unwrap();
+    std::fs::write(dir2.join("model.safetensors"), &full[..full.len() - 10]).unwrap();
+    expect_input_error(
+        &reference_args(&dir2, &batch2),
+        &["model.safetensors", "not a valid safetensors file"],
+    );
+}
+
+#[test]
+fn bad_flags_are_named() {
+    let (dir, batch) = valid_case("flags");
+    let mut args = reference_args(&dir, &batch);
+    args.extend(["--reduction", "median"]);
+    expect_input_error(&args, &["--reduction", "median"]);
+    expect_input_error(
+        &["audit", "--clipper", "fastest"],
+        &["--clipper", "fastest", "ghost-tied"],
+    );
+    expect_input_error(&["audit", "--max-grad-norm", "-1"], &["--max-grad-norm"]);
+    expect_input_error(&["audit", "--max-grad-norm", "nan"], &["--max-grad-norm"]);
+    #[cfg(not(feature = "cuda"))]
+    expect_input_error(
+        &["audit", "--device", "cuda"],
+        &["--device cuda", "--features cuda"],
+    );
+}
+
+#[test]
+fn unwritable_json_path() {
+    let (dir, batch) = valid_case("unwritable");
+    let mut args = reference_args(&dir, &batch);
+    let bad = dir.join("no/such/dir/out.json");
+    args.extend(["--json", bad.to_str().unwrap()]);
+    expect_input_error(&args, &["--json", "out.json"]);
+}
