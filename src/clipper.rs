@@ -119,7 +119,7 @@ fn factor_all(trace: &Trace) -> Result<Vec<Factored>> {
     trace.sites.iter().map(Factored::of).collect()
 }
 
-fn finish(
+pub(crate) fn finish(
     site_sq: Vec<Vec<f64>>,
     cross: Vec<CrossTerm>,
     batch: usize,
@@ -275,10 +275,13 @@ pub fn builtin(name: &str) -> Result<Box<dyn Clipper>> {
         "materialize" => Ok(Box::new(MaterializeClipper)),
         "ghost" => Ok(Box::new(GhostClipper)),
         "ghost-tied" => Ok(Box::new(TiedGhostClipper)),
-        other => Err(Error::input(format!(
-            "--clipper: unknown clipper `{other}`; expected one of: {}",
-            BUILTIN_CLIPPERS.join(", ")
-        ))),
+        other => match other.strip_prefix("mutant:").map(crate::mutants::Mutant::parse) {
+            Some(Some(m)) => Ok(Box::new(crate::mutants::MutantClipper(m))),
+            _ => Err(Error::input(format!(
+                "--clipper: unknown clipper `{other}`; expected one of: {}, or mutant:NAME (see `ghost-oracle mutants --list`)",
+                BUILTIN_CLIPPERS.join(", ")
+            ))),
+        },
     }
 }
 

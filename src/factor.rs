@@ -197,6 +197,16 @@ pub fn inner(a: &Factored, b: &Factored, dtype: DType) -> Result<Tensor> {
     Ok((gl * gr)?.sum((1, 2))?)
 }
 
+/// Magnitudes of the terms of ⟨G_j, G_k⟩, per example: Σ_{t,s} |(l_jt·l_ks)(r_jt·r_ks)| and the
+/// diagonal Σ_t (l_jt·l_kt)(r_jt·r_kt) (for j = k: Σ_t ‖l_t‖²‖r_t‖²). They set the tolerance.
+pub fn term_magnitudes(a: &Factored, b: &Factored, dtype: DType) -> Result<(Tensor, Tensor)> {
+    let prod = (gram(&a.left, &b.left, dtype)? * gram(&a.right, &b.right, dtype)?)?;
+    let t = prod.dims()[1];
+    let eye = Tensor::eye(t, dtype, prod.device())?;
+    let diag = prod.broadcast_mul(&eye)?.sum((1, 2))?;
+    Ok((prod.abs()?.sum((1, 2))?, diag))
+}
+
 /// Example `i`'s gradient, rows × cols.
 pub fn materialize(f: &Factored, i: usize, dtype: DType) -> Result<Tensor> {
     let row = |x: &Tensor| -> Result<Tensor> { Ok(x.get(i)?) };

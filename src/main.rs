@@ -3,6 +3,7 @@ use ghost_oracle::{
     audit_json, audit_junit, audit_tables, builtin, builtin_suite, reference_table, run_audit,
     AuditOptions, Case, Error, Verdict,
 };
+use ghost_oracle::{kill_matrix, kill_matrix_json, kill_matrix_table, Mutant};
 use ghost_oracle_reference::{self as reference, Batch, Gpt2, Reduction};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -93,6 +94,16 @@ enum Command {
         /// Exit 1 unless every audited clipper passes.
         #[arg(long)]
         gate: bool,
+    },
+    /// Run every seeded-bug clipper (and the correct ones) on the built-in suite: the kill matrix.
+    Mutants {
+        /// Only list the mutants and the library behaviour each reproduces.
+        #[arg(long)]
+        list: bool,
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: DtypeArg,
+        #[arg(long)]
+        json: Option<PathBuf>,
     },
 }
 
@@ -276,7 +287,53 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
                 ExitCode::SUCCESS
             })
         }
+        Command::Mutants { list, dtype, json } => mutants(list, dtype, json),
     }
+}
+
+fn mutants(list: bool, dtype: DtypeArg, json: Option<PathBuf>) -> Result<ExitCode, Error> {
+    if list {
+        for m in Mutant::ALL {
+            println!("mutant:{:<18} {}", m.name(), m.reproduces());
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let dtype = match dtype {
+        DtypeArg::F32 => candle_core::DType::F32,
+        DtypeArg::F64 => candle_core::DType::F64,
+    };
+    let opts = AuditOptions {
+        max_grad_norm: None,
+        noise_multiplier: 1.0,
+        dtype,
+        device: candle_core::Device::Cpu,
+        reduction: Reduction::Mean,
+    };
+    let progress = Progress::new();
+    let m = kill_matrix(&builtin_suite(), &opts, &mut |d, t, l| {
+        progress.update(d, t, l)
+    })?;
+    print!("{}", kill_matrix_table(&m));
+    if let Some(path) = json {
+        write_file(
+            &path,
+            &serde_json::to_string_pretty(&kill_matrix_json(&m)).expect("json"),
+            "--json",
+        )?;
+    }
+    println!(
+        "{}",
+        if m.ok() {
+            "every mutant caught with the right verdict; no false alarm"
+        } else {
+            "DETECTION CHECK FAILED"
+        }
+    );
+    Ok(if m.ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 fn main() -> ExitCode {

@@ -3,6 +3,7 @@
 
 use crate::clipper::Clipped;
 use crate::error::{Error, Result};
+use crate::factor::{self, Factored};
 use candle_core::DType;
 use ghost_oracle_reference::{Reference, SiteKind, Trace as RefTrace};
 use serde::Serialize;
@@ -33,8 +34,13 @@ pub struct Truth {
     /// Parameter index of every site.
     pub site_param: Vec<usize>,
     pub params: Vec<String>,
-    /// Longest accumulation any site's norm needs: T² + p + q.
-    pub reduction_len: usize,
+    /// Per example, Σ|terms| of n² over the Gram route (own and 2× cross terms).
+    pub abs_terms: Vec<f64>,
+    /// Per example, Σ_params (Σ_{j∈p} √D_j)² with D_j = Σ_t ‖l_jt‖²‖r_jt‖²: the 2-norm scale of
+    /// the dot-product rounding errors (Cauchy–Schwarz bound of √Σ term-scale²).
+    pub dot_scale: Vec<f64>,
+    /// max over sites of √p + √q (dot-product lengths).
+    pub sqrt_width: f64,
     pub seq_len: usize,
     /// Per-example flattened true gradients (reference layout) and that layout.
     pub gradients: Vec<Vec<f64>>,
@@ -59,7 +65,7 @@ impl Truth {
         let params: Vec<String> = trace.params().into_iter().map(|(p, _)| p).collect();
         let mut site_param = Vec::new();
         let mut site_scale = Vec::new();
-        let mut reduction_len = 0;
+        let mut sqrt_width: f64 = 0.0;
         for s in &trace.sites {
             site_param.push(
                 params
@@ -73,7 +79,7 @@ impl Truth {
                 SiteKind::Bias | SiteKind::LayerNorm => 1,
                 _ => s.activations.as_ref().map_or(1, |a| a.dim().2),
             };
-            reduction_len = reduction_len.max(t * t + p + q);
+            sqrt_width = sqrt_width.max((p as f64).sqrt() + (q as f64).sqrt());
             let scale: Vec<f64> = (0..b)
                 .map(|i| {
                     (0..t)
@@ -99,6 +105,7 @@ impl Truth {
                 .collect();
             site_scale.push(scale);
         }
+        let (abs_terms, dot_scale) = term_statistics(trace, &site_param, params.len())?;
         let cross_share = r
             .examples
             .iter()
@@ -110,7 +117,9 @@ impl Truth {
             site_scale,
             site_param,
             params,
-            reduction_len,
+            abs_terms,
+            dot_scale,
+            sqrt_width,
             seq_len: trace.sites.first().map_or(0, |s| s.backprops.dim().1),
             gradients: r.gradients.clone().unwrap_or_default(),
             layout: r.layout.clone(),
@@ -118,30 +127,59 @@ impl Truth {
         })
     }
 
-    /// A_i = Σ_params (Σ_{sites of p} scale)², an upper bound on Σ|terms| of example i's n².
-    pub fn abs_sum(&self, i: usize) -> f64 {
-        let mut per_param = vec![0.0; self.params.len()];
-        for (j, s) in self.site_scale.iter().enumerate() {
-            per_param[self.site_param[j]] += s[i];
-        }
-        per_param.iter().map(|v| v * v).sum()
-    }
-
-    /// Relative bound on |n̂_i − n_i| / n_i for a clipper working in unit roundoff `u`: the
-    /// clipper's rounding (inputs and arithmetic) plus the reference's own f64 rounding.
+    /// Relative bound on |n̂_i − n_i| / n_i for a clipper working in unit roundoff `u`
+    /// (docs/tolerances.md): dot-product and input rounding, the T² accumulation of the terms,
+    /// and the reference's own f64 rounding.
     pub fn norm_bound(&self, i: usize, u: f64) -> f64 {
         let n2 = self.norms[i] * self.norms[i];
-        let kappa = self.abs_sum(i) / n2;
-        let clipper = u * (INPUT_ROUNDING + LAMBDA * (self.reduction_len as f64).sqrt());
+        let t = self.seq_len as f64;
+        let dots = LAMBDA * u * (INPUT_ROUNDING + self.sqrt_width) * self.dot_scale[i];
+        let accumulation = LAMBDA * u * t * self.abs_terms[i];
         let largest = self
             .layout
             .iter()
             .map(|(_, s)| s.iter().product::<usize>())
             .max()
             .unwrap_or(1);
-        let reference = f64::EPSILON / 2.0 * LAMBDA * ((self.seq_len + largest) as f64).sqrt();
-        0.5 * kappa * (clipper + reference)
+        let reference =
+            LAMBDA * f64::EPSILON / 2.0 * (t + largest as f64).sqrt() * self.abs_terms[i];
+        0.5 * (dots + accumulation + reference) / n2
     }
+}
+
+/// Σ|terms| and the dot-product scale per example, from the reference's f64 trace, with the same
+/// Gram identity the clippers use (evaluated in f64 on the CPU).
+fn term_statistics(
+    trace: &RefTrace,
+    site_param: &[usize],
+    n_params: usize,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let t = crate::trace::Trace::from_reference(trace, DType::F64, &candle_core::Device::Cpu)?;
+    let factored: Vec<Factored> = t.sites.iter().map(Factored::of).collect::<Result<_>>()?;
+    let b = t.batch_size();
+    let mut abs_terms = vec![0.0; b];
+    let mut sqrt_d = vec![vec![0.0; b]; n_params];
+    for (j, f) in factored.iter().enumerate() {
+        let (abs, diag) = factor::term_magnitudes(f, f, DType::F64)?;
+        for (i, (a, d)) in factor::to_f64_vec(&abs)?
+            .into_iter()
+            .zip(factor::to_f64_vec(&diag)?)
+            .enumerate()
+        {
+            abs_terms[i] += a;
+            sqrt_d[site_param[j]][i] += d.max(0.0).sqrt();
+        }
+    }
+    for (_, j, k) in t.shared_pairs() {
+        let (abs, _) = factor::term_magnitudes(&factored[j], &factored[k], DType::F64)?;
+        for (i, a) in factor::to_f64_vec(&abs)?.into_iter().enumerate() {
+            abs_terms[i] += 2.0 * a;
+        }
+    }
+    let dot_scale = (0..b)
+        .map(|i| sqrt_d.iter().map(|p| p[i] * p[i]).sum())
+        .collect();
+    Ok((abs_terms, dot_scale))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]

@@ -4,4 +4,5 @@ mod audit;
 mod cli;
 mod clippers;
 mod common;
+mod detection;
 mod model;

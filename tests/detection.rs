@@ -1,0 +1,112 @@
+//! Detection power: every seeded bug caught with the right verdict class, no false alarm, and
+//! the CLI contracts of `mutants` and `audit --clipper mutant:NAME --gate`.
+
+use crate::cli::{golden, run, stderr, tmp};
+use candle_core::{DType, Device};
+use ghost_oracle::*;
+use ghost_oracle_reference::Reduction;
+
+#[test]
+fn kill_matrix_catches_every_mutant_without_false_alarms() {
+    for dtype in [DType::F32, DType::F64] {
+        let opts = AuditOptions {
+            max_grad_norm: None,
+            noise_multiplier: 1.0,
+            dtype,
+            device: Device::Cpu,
+            reduction: Reduction::Mean,
+        };
+        let m = kill_matrix(&builtin_suite(), &opts, &mut |_, _, _| {}).unwrap();
+        assert!(m.ok(), "{dtype:?}\n{}", kill_matrix_table(&m));
+        assert_eq!(
+            m.rows.iter().filter(|r| r.mutant.is_some()).count(),
+            Mutant::ALL.len()
+        );
+        for r in &m.rows {
+            let caught = r.cells.iter().filter(|v| **v != Verdict::Pass).count();
+            match r.mutant {
+                Some(Mutant::CauchySchwarz) => {
+                    assert!(caught > 0 && r.cells.iter().all(|v| *v != Verdict::PrivacyViolation))
+                }
+                Some(_) => assert!(caught > 0, "{} missed", r.clipper),
+                None => assert_eq!(caught, 0, "{} flagged", r.clipper),
+            }
+        }
+    }
+}
+
+#[test]
+fn t1_effective_cases_hide_the_bias_and_repeat_bugs() {
+    // With T = 2 only position 0 has a target, so position 1's backprops are all zero: the case
+    // behaves as T = 1, where ‖ΔΔᵀ‖_F = Σ(ΔΔᵀ) and no token repeats. Both bugs must slip through
+    // there (the reason a T = 1 test suite missed them) and be caught at longer T.
+    let opts = AuditOptions {
+        max_grad_norm: None,
+        noise_multiplier: 1.0,
+        dtype: DType::F64,
+        device: Device::Cpu,
+        reduction: Reduction::Mean,
+    };
+    let suite = builtin_suite();
+    for m in [Mutant::BiasFrobenius, Mutant::NoRepeatMerge] {
+        let a = &run_audit(
+            &suite,
+            &[Box::new(MutantClipper(m)) as Box<dyn Clipper>],
+            &opts,
+            &mut |_, _, _| {},
+        )
+        .unwrap()[0];
+        for c in &a.cases {
+            let short = c.case.starts_with("tied-T2@");
+            assert_eq!(
+                c.verdict == Verdict::Pass,
+                short,
+                "{} on {}",
+                m.name(),
+                c.case
+            );
+        }
+    }
+}
+
+#[test]
+fn mutants_cli_lists_runs_and_writes_json() {
+    let o = run(&["mutants", "--list"]);
+    assert!(o.status.success());
+    let listed = String::from_utf8_lossy(&o.stdout);
+    for m in Mutant::ALL {
+        assert!(listed.contains(&format!("mutant:{}", m.name())));
+    }
+    let json = tmp("mutants").join("m.json");
+    let o = run(&["mutants", "--json", json.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["ok"], true);
+    assert_eq!(doc["rows"].as_array().unwrap().len(), Mutant::ALL.len() + 2);
+}
+
+#[test]
+fn drop_cross_gate_fails_on_tied_and_passes_on_untied_checkpoints() {
+    let gate = |case: &str| {
+        let d = golden(case);
+        run(&[
+            "audit",
+            "--model",
+            d.to_str().unwrap(),
+            "--batch",
+            d.join("batch.safetensors").to_str().unwrap(),
+            "--clipper",
+            "mutant:drop-cross",
+            "--max-grad-norm",
+            "1.0",
+            "--gate",
+        ])
+        .status
+        .code()
+    };
+    assert_eq!(gate("tied_l1_h2_t2"), Some(1));
+    assert_eq!(gate("tied_l2_h4_t33"), Some(1));
+    assert_eq!(gate("untied_l2_h3_t8"), Some(0));
+    assert_eq!(gate("untied_l1_h2_t2"), Some(0));
+}
