@@ -7,6 +7,7 @@ mod metrics;
 mod model;
 mod mutants;
 mod report;
+pub mod synthetic;
 mod trace;
 
 pub use audit::{

@@ -62,6 +62,78 @@ impl Truth {
         let gram = r
             .gradient_gram()
             .ok_or_else(|| Error::internal("reference ran without gradients"))?;
+        let cross_share = r
+            .examples
+            .iter()
+            .map(|e| e.shared.iter().map(|(_, s)| 2.0 * s.cross).sum::<f64>() / (e.norm * e.norm))
+            .collect();
+        let norms = r.examples.iter().map(|e| e.norm).collect();
+        let gradients = r.gradients.clone().unwrap_or_default();
+        Self::build(trace, norms, gram, gradients, r.layout.clone(), cross_share)
+    }
+
+    /// The truth of any trace, by the reference's brute force: every site's gradient
+    /// materialized in f64, sites of a parameter summed (no model needed).
+    pub fn from_trace(trace: &RefTrace) -> Result<Self> {
+        let m = trace.materialized_norms()?;
+        let params = trace.params();
+        let mut gradients = Vec::new();
+        let mut layout = Vec::new();
+        for i in 0..trace.batch_size() {
+            let mut flat = Vec::new();
+            for (param, js) in &params {
+                let mut sum: Option<ndarray::Array2<f64>> = None;
+                for &j in js {
+                    let g = trace.site_gradient(j, i)?;
+                    sum = Some(match sum {
+                        None => g,
+                        Some(acc) => acc + g,
+                    });
+                }
+                let sum = sum.expect("parameter has a site");
+                if i == 0 {
+                    layout.push((param.clone(), sum.shape().to_vec()));
+                }
+                flat.extend(sum.iter().copied());
+            }
+            gradients.push(flat);
+        }
+        let gram = gradients
+            .iter()
+            .map(|a| {
+                gradients
+                    .iter()
+                    .map(|b| a.iter().zip(b).map(|(x, y)| x * y).sum())
+                    .collect()
+            })
+            .collect();
+        let cross_share = m
+            .iter()
+            .map(|e| {
+                let off: f64 = e
+                    .shared_inner
+                    .values()
+                    .map(|k| {
+                        let all: f64 = k.iter().flatten().sum();
+                        let diag: f64 = (0..k.len()).map(|a| k[a][a]).sum();
+                        all - diag
+                    })
+                    .sum();
+                off / e.total_sq
+            })
+            .collect();
+        let norms = m.iter().map(|e| e.total_sq.sqrt()).collect();
+        Self::build(trace, norms, gram, gradients, layout, cross_share)
+    }
+
+    fn build(
+        trace: &RefTrace,
+        norms: Vec<f64>,
+        gram: Vec<Vec<f64>>,
+        gradients: Vec<Vec<f64>>,
+        layout: Vec<(String, Vec<usize>)>,
+        cross_share: Vec<f64>,
+    ) -> Result<Self> {
         let params: Vec<String> = trace.params().into_iter().map(|(p, _)| p).collect();
         let mut site_param = Vec::new();
         let mut site_scale = Vec::new();
@@ -106,13 +178,8 @@ impl Truth {
             site_scale.push(scale);
         }
         let (abs_terms, dot_scale) = term_statistics(trace, &site_param, params.len())?;
-        let cross_share = r
-            .examples
-            .iter()
-            .map(|e| e.shared.iter().map(|(_, s)| 2.0 * s.cross).sum::<f64>() / (e.norm * e.norm))
-            .collect();
         Ok(Truth {
-            norms: r.examples.iter().map(|e| e.norm).collect(),
+            norms,
             gram,
             site_scale,
             site_param,
@@ -121,8 +188,8 @@ impl Truth {
             dot_scale,
             sqrt_width,
             seq_len: trace.sites.first().map_or(0, |s| s.backprops.dim().1),
-            gradients: r.gradients.clone().unwrap_or_default(),
-            layout: r.layout.clone(),
+            gradients,
+            layout,
             cross_share,
         })
     }

@@ -6,3 +6,4 @@ mod clippers;
 mod common;
 mod detection;
 mod model;
+mod properties;
