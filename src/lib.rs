@@ -1,4 +1,5 @@
 mod audit;
+mod check;
 mod clipper;
 mod detection;
 mod error;
@@ -14,6 +15,7 @@ pub use audit::{
     builtin_suite, prepare, run as run_audit, worst_case, AuditOptions, Case, ClipperAudit,
     PreparedCase, SUITE_C_MULTIPLIERS,
 };
+pub use check::{check_trace, stored_dtype, write_claimed_trace};
 pub use clipper::{
     builtin, clip_coefficients, clipped_sum, Clipped, Clipper, CrossTerm, GhostClipper,
     MaterializeClipper, NormReport, TiedGhostClipper, BUILTIN_CLIPPERS,

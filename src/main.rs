@@ -3,7 +3,10 @@ use ghost_oracle::{
     audit_json, audit_junit, audit_tables, builtin, builtin_suite, reference_table, run_audit,
     AuditOptions, Case, Error, Verdict,
 };
-use ghost_oracle::{kill_matrix, kill_matrix_json, kill_matrix_table, Mutant};
+use ghost_oracle::{
+    check_trace, clip_coefficients, kill_matrix, kill_matrix_json, kill_matrix_table,
+    write_claimed_trace, CandleGpt2, Mutant,
+};
 use ghost_oracle_reference::{self as reference, Batch, Gpt2, Reduction};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -40,6 +43,23 @@ impl From<ReductionArg> for Reduction {
 enum DtypeArg {
     F32,
     F64,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PrecisionArg {
+    F16,
+    Bf16,
+    F32,
+    F64,
+}
+
+impl From<DtypeArg> for candle_core::DType {
+    fn from(d: DtypeArg) -> Self {
+        match d {
+            DtypeArg::F32 => candle_core::DType::F32,
+            DtypeArg::F64 => candle_core::DType::F64,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -94,6 +114,42 @@ enum Command {
         /// Exit 1 unless every audited clipper passes.
         #[arg(long)]
         gate: bool,
+    },
+    /// Audit the norms a clipper claimed in a trace file (see docs/trace-format.md).
+    Check {
+        /// Trace file (safetensors, format ghost-oracle-trace/1).
+        trace: PathBuf,
+        /// Precision the bound assumes. Default: that of the stored factors.
+        #[arg(long, value_enum)]
+        precision: Option<PrecisionArg>,
+        /// Noise multiplier σ. Default: the trace's, else 1.
+        #[arg(long, allow_negative_numbers = true)]
+        noise_multiplier: Option<f64>,
+        #[arg(long)]
+        json: Option<PathBuf>,
+        #[arg(long)]
+        junit: Option<PathBuf>,
+        /// Exit 1 unless the claimed norms pass.
+        #[arg(long)]
+        gate: bool,
+    },
+    /// Write a trace of the built-in candle model, with a clipper's norms as the claim.
+    ExportTrace {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        batch: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "ghost-tied")]
+        clipper: String,
+        /// Default: the median of the clipper's norms.
+        #[arg(long, allow_negative_numbers = true)]
+        max_grad_norm: Option<f64>,
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: DtypeArg,
+        #[arg(long, value_enum, default_value = "mean")]
+        reduction: ReductionArg,
     },
     /// Run every seeded-bug clipper (and the correct ones) on the built-in suite: the kill matrix.
     Mutants {
@@ -288,6 +344,98 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             })
         }
         Command::Mutants { list, dtype, json } => mutants(list, dtype, json),
+        Command::Check {
+            trace,
+            precision,
+            noise_multiplier,
+            json,
+            junit,
+            gate,
+        } => {
+            let precision = precision.map(|p| match p {
+                PrecisionArg::F16 => candle_core::DType::F16,
+                PrecisionArg::Bf16 => candle_core::DType::BF16,
+                PrecisionArg::F32 => candle_core::DType::F32,
+                PrecisionArg::F64 => candle_core::DType::F64,
+            });
+            if let Some(s) = noise_multiplier {
+                if !(s.is_finite() && s >= 0.0) {
+                    return Err(Error::input(format!(
+                        "--noise-multiplier must be a non-negative number, got {s}"
+                    )));
+                }
+            }
+            let (audit, precision) = check_trace(&trace, precision, noise_multiplier)?;
+            let audits = vec![audit];
+            let precision = format!("{precision:?}").to_lowercase();
+            print!("{}", audit_tables(&audits, &precision, "trace file"));
+            if let Some(path) = json {
+                let doc = audit_json(&audits, &precision, "trace file");
+                write_file(
+                    &path,
+                    &serde_json::to_string_pretty(&doc).expect("json"),
+                    "--json",
+                )?;
+            }
+            if let Some(path) = junit {
+                write_file(&path, &audit_junit(&audits), "--junit")?;
+            }
+            let pass = audits[0].verdict == Verdict::Pass;
+            Ok(if gate && !pass {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            })
+        }
+        Command::ExportTrace {
+            model,
+            batch,
+            out,
+            clipper,
+            max_grad_norm,
+            dtype,
+            reduction,
+        } => {
+            let clip = builtin(&clipper)?;
+            let m = Gpt2::load(&model)?;
+            let b = Batch::load(&batch)?;
+            b.validate(&m.config, &batch.display().to_string())?;
+            let extracted =
+                CandleGpt2::from_reference(&m, dtype.into(), &candle_core::Device::Cpu)?
+                    .extract(&b, reduction.into())?;
+            let report = clip.norms(&extracted.trace)?;
+            let c = match max_grad_norm {
+                Some(c) if c.is_finite() && c > 0.0 => c,
+                Some(c) => {
+                    return Err(Error::input(format!(
+                        "--max-grad-norm must be a positive number, got {c}"
+                    )))
+                }
+                None => {
+                    let mut n = report.norms.clone();
+                    n.sort_by(|a, b| a.total_cmp(b));
+                    n[n.len() / 2]
+                }
+            };
+            let coefs = clip_coefficients(&report.norms, c);
+            write_claimed_trace(
+                &out,
+                &extracted.trace,
+                &clip.name(),
+                &report.norms,
+                &coefs,
+                c,
+            )
+            .map_err(|e| e.context(format!("--out {}", out.display())))?;
+            println!(
+                "wrote {} ({} sites, {} examples, claims of {}, C = {c})",
+                out.display(),
+                extracted.trace.sites.len(),
+                b.len(),
+                clip.name()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

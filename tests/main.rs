@@ -7,3 +7,4 @@ mod common;
 mod detection;
 mod model;
 mod properties;
+mod traces;

@@ -30,6 +30,7 @@ mod reference;
 mod rng;
 mod tensors;
 mod trace;
+mod trace_file;
 
 pub use batch::{Batch, IGNORE};
 pub use config::Gpt2Config;
@@ -39,8 +40,12 @@ pub use io::{write_f64_tensors, write_raw, RawTensor};
 pub use model::{Block, Conv1d, Gpt2, LayerNorm, Params, LM_HEAD};
 pub use reference::{compute, ExampleReport, Options, Reference, SharedSplit};
 pub use rng::SplitMix64;
+pub use safetensors::Dtype;
 pub use tensors::{
     parse as parse_safetensors, read_bytes, to_f64 as tensor_f64, to_i64 as tensor_i64,
     MAX_FILE_BYTES,
 };
 pub use trace::{MaterializedNorm, Site, SiteKind, SiteRecord, SiteSpec, Trace};
+pub use trace_file::{
+    gradient_shape, read_trace, write_trace, TraceMeta, MAX_SITE_ENTRIES, MAX_VOCAB, TRACE_FORMAT,
+};

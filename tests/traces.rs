@@ -1,0 +1,284 @@
+//! Trace files: the committed PyTorch/Opacus traces, export → check end to end, the round trip,
+//! and every kind of malformed trace rejected with a message naming the site and tensor.
+
+use crate::cli::{expect_input_error, golden, run, stderr, tmp};
+use ghost_oracle::synthetic::{synthetic_trace, SyntheticSpec};
+use ghost_oracle_reference::{read_trace, write_trace, Dtype, TraceMeta};
+use proptest::prelude::*;
+use std::path::{Path, PathBuf};
+
+fn pytorch_trace(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("oracles/golden/traces")
+        .join(format!("{name}.safetensors"))
+}
+
+fn check_json(path: &Path, gate_code: i32) -> serde_json::Value {
+    let json = tmp(&format!(
+        "check-{}",
+        path.file_stem().unwrap().to_string_lossy()
+    ))
+    .join("c.json");
+    let o = run(&[
+        "check",
+        path.to_str().unwrap(),
+        "--gate",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(gate_code),
+        "{}: {}",
+        path.display(),
+        stderr(&o)
+    );
+    serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap()
+}
+
+#[test]
+fn pytorch_traces_exact_opacus_norms_pass_and_broken_claims_fail_with_the_right_verdict() {
+    let doc = check_json(&pytorch_trace("opacus_per_sample"), 0);
+    assert_eq!(doc["clippers"][0]["verdict"], "pass");
+    assert_eq!(doc["clippers"][0]["name"], "opacus-grad-sample");
+    for name in ["opacus_ghost_untied", "embedding_only", "batch_mean_loss"] {
+        let doc = check_json(&pytorch_trace(name), 1);
+        assert_eq!(doc["clippers"][0]["verdict"], "privacy-violation", "{name}");
+        assert!(
+            doc["clippers"][0]["max_sensitivity_ratio"]
+                .as_f64()
+                .unwrap()
+                > 1.0
+        );
+    }
+}
+
+#[test]
+fn exported_traces_round_trip_through_check() {
+    let d = golden("tied_l2_h4_t33");
+    let dir = tmp("export");
+    for (clipper, code) in [
+        ("ghost-tied", 0),
+        ("materialize", 0),
+        ("ghost", 1),
+        ("mutant:batch-mean-loss", 1),
+    ] {
+        let out = dir.join(format!("{}.safetensors", clipper.replace(':', "_")));
+        let o = run(&[
+            "export-trace",
+            "--model",
+            d.to_str().unwrap(),
+            "--batch",
+            d.join("batch.safetensors").to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--clipper",
+            clipper,
+            "--max-grad-norm",
+            "3.0",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        check_json(&out, code);
+    }
+}
+
+fn spec_strategy() -> impl Strategy<Value = (SyntheticSpec, u64)> {
+    ((1usize..4, 1usize..6, 1usize..5, 1usize..9), any::<u64>()).prop_map(
+        |((batch, seq, width, vocab), seed)| {
+            let spec = SyntheticSpec {
+                batch,
+                seq,
+                width,
+                vocab,
+                id_range: vocab,
+                cancellation: 0.0,
+                leftover_log10: -3.0,
+                scale_log10_range: 1.0,
+            };
+            (spec, seed)
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+    #[test]
+    fn trace_write_read_round_trip((spec, seed) in spec_strategy()) {
+        let t = synthetic_trace(&spec, seed);
+        let b = t.batch_size();
+        let meta = TraceMeta {
+            max_grad_norm: 1.25,
+            noise_multiplier: Some(0.7),
+            clipper: Some("prop".into()),
+            claimed_norms: (0..b).map(|i| 1.0 + i as f64).collect(),
+            claimed_coefficients: Some(vec![0.5; b]),
+            dtype: Dtype::F64,
+        };
+        let path = tmp("roundtrip").join("t.safetensors");
+        write_trace(&path, &t, &meta).unwrap();
+        let (back, back_meta) = read_trace(&path).unwrap();
+        prop_assert_eq!(&back_meta, &meta);
+        prop_assert_eq!(back.sites.len(), t.sites.len());
+        for (a, b) in back.sites.iter().zip(&t.sites) {
+            prop_assert_eq!(&a.spec, &b.spec);
+            prop_assert_eq!(&a.backprops, &b.backprops);
+            prop_assert_eq!(&a.activations, &b.activations);
+            prop_assert_eq!(&a.ids, &b.ids);
+        }
+    }
+}
+
+/// A valid trace file to corrupt, with its header and tensors editable.
+struct RawTrace {
+    meta: std::collections::HashMap<String, String>,
+    tensors: Vec<(String, ghost_oracle_reference::RawTensor)>,
+}
+
+fn valid_raw() -> RawTrace {
+    let spec = SyntheticSpec {
+        batch: 2,
+        seq: 3,
+        width: 2,
+        vocab: 4,
+        id_range: 4,
+        cancellation: 0.0,
+        leftover_log10: -3.0,
+        scale_log10_range: 0.0,
+    };
+    let t = synthetic_trace(&spec, 5);
+    let meta = TraceMeta {
+        max_grad_norm: 1.0,
+        noise_multiplier: None,
+        clipper: None,
+        claimed_norms: vec![1.0, 2.0],
+        claimed_coefficients: None,
+        dtype: Dtype::F32,
+    };
+    let path = tmp("valid-raw").join("t.safetensors");
+    write_trace(&path, &t, &meta).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            (
+                n,
+                ghost_oracle_reference::RawTensor {
+                    dtype: v.dtype(),
+                    shape: v.shape().to_vec(),
+                    bytes: v.data().to_vec(),
+                },
+            )
+        })
+        .collect();
+    RawTrace {
+        meta: header.metadata().clone().unwrap(),
+        tensors,
+    }
+}
+
+impl RawTrace {
+    fn write(&self, name: &str) -> PathBuf {
+        let path = tmp(&format!("bad-trace-{name}")).join("t.safetensors");
+        ghost_oracle_reference::write_raw(&path, &self.tensors, Some(self.meta.clone())).unwrap();
+        path
+    }
+    fn drop(&mut self, name: &str) {
+        self.tensors.retain(|(n, _)| n != name);
+    }
+    fn get(&mut self, name: &str) -> &mut ghost_oracle_reference::RawTensor {
+        &mut self.tensors.iter_mut().find(|(n, _)| n == name).unwrap().1
+    }
+    fn sites(&self) -> serde_json::Value {
+        serde_json::from_str(&self.meta["sites"]).unwrap()
+    }
+    fn set_sites(&mut self, v: serde_json::Value) {
+        self.meta.insert("sites".into(), v.to_string());
+    }
+}
+
+fn expect_check_error(path: &Path, needles: &[&str]) {
+    expect_input_error(&["check", path.to_str().unwrap()], needles);
+}
+
+#[test]
+fn malformed_traces_are_rejected_with_the_site_and_tensor_named() {
+    let mut r = valid_raw();
+    r.drop("conv.weight.activations");
+    expect_check_error(
+        &r.write("missing"),
+        &["site `conv.weight`", "`conv.weight.activations` is missing"],
+    );
+
+    let mut r = valid_raw();
+    let t = r.get("ln.bias.backprops");
+    t.shape = vec![3, 2, t.shape[2]];
+    expect_check_error(&r.write("bt"), &["site `ln.bias`", "3×2", "2×3"]);
+
+    let mut r = valid_raw();
+    let ids = r.get("emb.ids");
+    ids.bytes[0..8].copy_from_slice(&9i64.to_le_bytes());
+    expect_check_error(
+        &r.write("ids"),
+        &["site `emb`", "`emb.ids`[0][0] = 9", "vocab 0..4"],
+    );
+
+    let mut r = valid_raw();
+    let mut sites = r.sites();
+    sites[0]["vocab"] = 7.into();
+    sites[0]["name"] = "emb".into();
+    r.set_sites(sites);
+    expect_check_error(
+        &r.write("shapes"),
+        &["parameter `tied`", "site `head`", "site `emb`"],
+    );
+
+    let mut r = valid_raw();
+    let mut sites = r.sites();
+    sites[2]["kind"] = "conv2d".into();
+    r.set_sites(sites);
+    expect_check_error(
+        &r.write("kind"),
+        &["site `conv.weight`", "unknown kind `conv2d`"],
+    );
+
+    let mut r = valid_raw();
+    r.meta
+        .insert("format".into(), "ghost-oracle-trace/9".into());
+    expect_check_error(
+        &r.write("version"),
+        &["format", "ghost-oracle-trace/9", "ghost-oracle-trace/1"],
+    );
+
+    let mut r = valid_raw();
+    let t = r.get("head.backprops");
+    t.bytes[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+    expect_check_error(&r.write("nan"), &["head.backprops", "non-finite"]);
+    let mut r = valid_raw();
+    let t = r.get("claimed.norms");
+    t.bytes[0..8].copy_from_slice(&f64::INFINITY.to_le_bytes());
+    expect_check_error(&r.write("inf"), &["claimed.norms", "non-finite"]);
+
+    let mut r = valid_raw();
+    r.drop("claimed.norms");
+    expect_check_error(&r.write("noclaim"), &["`claimed.norms` is missing"]);
+
+    let mut r = valid_raw();
+    let mut sites = r.sites();
+    sites[0]["vocab"] = serde_json::json!(1u64 << 40);
+    r.set_sites(sites);
+    expect_check_error(&r.write("hugevocab"), &["site `emb`", "vocab"]);
+
+    // A header claiming more data than the file holds.
+    let path = r.write("lying");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes.truncate(bytes.len() - 16);
+    std::fs::write(&path, bytes).unwrap();
+    expect_check_error(&path, &["t.safetensors", "not a valid safetensors file"]);
+    expect_check_error(
+        &path.with_file_name("absent.safetensors"),
+        &["cannot open trace", "absent.safetensors"],
+    );
+}
