@@ -66,7 +66,7 @@ pub fn check_trace(
 fn to_array3(t: &Tensor) -> Result<Array3<f64>> {
     let (b, tt, m) = t.dims3()?;
     let v: Vec<f64> = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-    Ok(Array3::from_shape_vec((b, tt, m), v).map_err(|e| Error::internal(e.to_string()))?)
+    Array3::from_shape_vec((b, tt, m), v).map_err(|e| Error::internal(e.to_string()))
 }
 
 impl Trace {
