@@ -122,6 +122,11 @@ impl Truth {
                 off / e.total_sq
             })
             .collect();
+        if let Some(i) = m.iter().position(|e| !e.total_sq.is_finite()) {
+            return Err(Error::input(format!(
+                "example {i}: the squared gradient norm overflows f64"
+            )));
+        }
         let norms = m.iter().map(|e| e.total_sq.sqrt()).collect();
         Self::build(trace, norms, gram, gradients, layout, cross_share)
     }

@@ -55,15 +55,19 @@ impl Batch {
 
     pub fn load(path: &Path) -> Result<Self> {
         let bytes = tensors::read_bytes(path, "batch file")?;
-        let label = path.display().to_string();
-        let st = tensors::parse(&bytes, &label)?;
-        let ids = tensors::to_i64(&st, "input_ids", &label)?;
+        Self::from_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// Parses a batch file's contents; `label` names it in messages.
+    pub fn from_bytes(bytes: &[u8], label: &str) -> Result<Self> {
+        let st = tensors::parse(bytes, label)?;
+        let ids = tensors::to_i64(&st, "input_ids", label)?;
         let ids = match ids.into_dimensionality::<Ix2>() {
             Ok(a) => a,
             Err(_) => bail!("{label}: `input_ids` must be 2-D (batch × sequence)"),
         };
         let labels = if tensors::has(&st, "labels") {
-            let l = tensors::to_i64(&st, "labels", &label)?;
+            let l = tensors::to_i64(&st, "labels", label)?;
             if l.shape() != ids.shape() {
                 bail!(
                     "{label}: `labels` has shape {:?} but `input_ids` has {:?}",

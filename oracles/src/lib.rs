@@ -47,5 +47,6 @@ pub use tensors::{
 };
 pub use trace::{MaterializedNorm, Site, SiteKind, SiteRecord, SiteSpec, Trace};
 pub use trace_file::{
-    gradient_shape, read_trace, write_trace, TraceMeta, MAX_SITE_ENTRIES, MAX_VOCAB, TRACE_FORMAT,
+    gradient_shape, read_trace, read_trace_bytes, write_trace, TraceMeta, MAX_SITE_ENTRIES,
+    MAX_VOCAB, TRACE_FORMAT,
 };

@@ -54,6 +54,22 @@ pub struct Gpt2 {
 
 pub const LM_HEAD: &str = "lm_head.weight";
 
+/// A block's tensors, by their names relative to `h.{layer}.`, in checkpoint order.
+const BLOCK_PARTS: [&str; 12] = [
+    "ln_1.weight",
+    "ln_1.bias",
+    "attn.c_attn.weight",
+    "attn.c_attn.bias",
+    "attn.c_proj.weight",
+    "attn.c_proj.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "mlp.c_fc.weight",
+    "mlp.c_fc.bias",
+    "mlp.c_proj.weight",
+    "mlp.c_proj.bias",
+];
+
 impl Params {
     pub fn zeros(cfg: &Gpt2Config, with_head: bool) -> Self {
         let (d, i) = (cfg.n_embd, cfg.n_inner);
@@ -83,6 +99,40 @@ impl Params {
         }
     }
 
+    /// (name, shape) of every tensor of a config, in `tensors()` order, without allocating.
+    pub fn layout(cfg: &Gpt2Config, with_head: bool) -> Vec<(String, Vec<usize>)> {
+        let (v, p, d, i) = (cfg.vocab_size, cfg.n_positions, cfg.n_embd, cfg.n_inner);
+        let mut out = vec![
+            ("wte.weight".to_string(), vec![v, d]),
+            ("wpe.weight".to_string(), vec![p, d]),
+        ];
+        for l in 0..cfg.n_layer {
+            let shapes: [Vec<usize>; 12] = [
+                vec![d],
+                vec![d],
+                vec![d, 3 * d],
+                vec![3 * d],
+                vec![d, d],
+                vec![d],
+                vec![d],
+                vec![d],
+                vec![d, i],
+                vec![i],
+                vec![i, d],
+                vec![d],
+            ];
+            for (local, shape) in BLOCK_PARTS.iter().zip(shapes) {
+                out.push((format!("h.{l}.{local}"), shape));
+            }
+        }
+        out.push(("ln_f.weight".into(), vec![d]));
+        out.push(("ln_f.bias".into(), vec![d]));
+        if with_head {
+            out.push((LM_HEAD.into(), vec![v, d]));
+        }
+        out
+    }
+
     /// Every tensor with its name relative to the transformer (`lm_head.weight` last).
     pub fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
         let mut out = vec![
@@ -108,24 +158,21 @@ impl Params {
             ("wpe.weight".to_string(), self.wpe.view_mut().into_dyn()),
         ];
         for (l, b) in self.blocks.iter_mut().enumerate() {
-            let parts: [(&str, ArrayViewMutD<f64>); 12] = [
-                ("ln_1.weight", b.ln_1.weight.view_mut().into_dyn()),
-                ("ln_1.bias", b.ln_1.bias.view_mut().into_dyn()),
-                ("attn.c_attn.weight", b.c_attn.weight.view_mut().into_dyn()),
-                ("attn.c_attn.bias", b.c_attn.bias.view_mut().into_dyn()),
-                (
-                    "attn.c_proj.weight",
-                    b.attn_proj.weight.view_mut().into_dyn(),
-                ),
-                ("attn.c_proj.bias", b.attn_proj.bias.view_mut().into_dyn()),
-                ("ln_2.weight", b.ln_2.weight.view_mut().into_dyn()),
-                ("ln_2.bias", b.ln_2.bias.view_mut().into_dyn()),
-                ("mlp.c_fc.weight", b.c_fc.weight.view_mut().into_dyn()),
-                ("mlp.c_fc.bias", b.c_fc.bias.view_mut().into_dyn()),
-                ("mlp.c_proj.weight", b.mlp_proj.weight.view_mut().into_dyn()),
-                ("mlp.c_proj.bias", b.mlp_proj.bias.view_mut().into_dyn()),
+            let parts: [ArrayViewMutD<f64>; 12] = [
+                b.ln_1.weight.view_mut().into_dyn(),
+                b.ln_1.bias.view_mut().into_dyn(),
+                b.c_attn.weight.view_mut().into_dyn(),
+                b.c_attn.bias.view_mut().into_dyn(),
+                b.attn_proj.weight.view_mut().into_dyn(),
+                b.attn_proj.bias.view_mut().into_dyn(),
+                b.ln_2.weight.view_mut().into_dyn(),
+                b.ln_2.bias.view_mut().into_dyn(),
+                b.c_fc.weight.view_mut().into_dyn(),
+                b.c_fc.bias.view_mut().into_dyn(),
+                b.mlp_proj.weight.view_mut().into_dyn(),
+                b.mlp_proj.bias.view_mut().into_dyn(),
             ];
-            for (local, w) in parts {
+            for (local, w) in BLOCK_PARTS.iter().zip(parts) {
                 out.push((format!("h.{l}.{local}"), w));
             }
         }
@@ -138,21 +185,22 @@ impl Params {
     }
 }
 
-fn block_parts(b: &Block) -> [(&'static str, ArrayViewD<'_, f64>); 12] {
-    [
-        ("ln_1.weight", b.ln_1.weight.view().into_dyn()),
-        ("ln_1.bias", b.ln_1.bias.view().into_dyn()),
-        ("attn.c_attn.weight", b.c_attn.weight.view().into_dyn()),
-        ("attn.c_attn.bias", b.c_attn.bias.view().into_dyn()),
-        ("attn.c_proj.weight", b.attn_proj.weight.view().into_dyn()),
-        ("attn.c_proj.bias", b.attn_proj.bias.view().into_dyn()),
-        ("ln_2.weight", b.ln_2.weight.view().into_dyn()),
-        ("ln_2.bias", b.ln_2.bias.view().into_dyn()),
-        ("mlp.c_fc.weight", b.c_fc.weight.view().into_dyn()),
-        ("mlp.c_fc.bias", b.c_fc.bias.view().into_dyn()),
-        ("mlp.c_proj.weight", b.mlp_proj.weight.view().into_dyn()),
-        ("mlp.c_proj.bias", b.mlp_proj.bias.view().into_dyn()),
-    ]
+fn block_parts(b: &Block) -> impl Iterator<Item = (&'static str, ArrayViewD<'_, f64>)> {
+    let views: [ArrayViewD<f64>; 12] = [
+        b.ln_1.weight.view().into_dyn(),
+        b.ln_1.bias.view().into_dyn(),
+        b.c_attn.weight.view().into_dyn(),
+        b.c_attn.bias.view().into_dyn(),
+        b.attn_proj.weight.view().into_dyn(),
+        b.attn_proj.bias.view().into_dyn(),
+        b.ln_2.weight.view().into_dyn(),
+        b.ln_2.bias.view().into_dyn(),
+        b.c_fc.weight.view().into_dyn(),
+        b.c_fc.bias.view().into_dyn(),
+        b.mlp_proj.weight.view().into_dyn(),
+        b.mlp_proj.bias.view().into_dyn(),
+    ];
+    BLOCK_PARTS.into_iter().zip(views)
 }
 
 impl Gpt2 {
@@ -215,8 +263,12 @@ impl Gpt2 {
         let config = Gpt2Config::from_file(&dir.join("config.json"))?;
         let path = dir.join("model.safetensors");
         let bytes = tensors::read_bytes(&path, "checkpoint")?;
-        let label = path.display().to_string();
-        let st = tensors::parse(&bytes, &label)?;
+        Self::from_parts(config, &bytes, &path.display().to_string())
+    }
+
+    /// Builds a model from a parsed config and the contents of `model.safetensors`.
+    pub fn from_parts(config: Gpt2Config, bytes: &[u8], label: &str) -> Result<Self> {
+        let st = tensors::parse(bytes, label)?;
         let prefix = if tensors::has(&st, "transformer.wte.weight") {
             "transformer."
         } else if tensors::has(&st, "wte.weight") {
@@ -228,6 +280,26 @@ impl Gpt2 {
         if !config.tie_word_embeddings && !has_head {
             bail!("{label}: config says tie_word_embeddings = false but tensor `{LM_HEAD}` is missing");
         }
+        // Every tensor is checked against the header before anything is allocated: a config can
+        // claim any size, but only tensors actually present in the file (so bounded by its
+        // length) are ever built.
+        for (local, shape) in Params::layout(&config, !config.tie_word_embeddings) {
+            let name = if local == LM_HEAD {
+                local.clone()
+            } else {
+                format!("{prefix}{local}")
+            };
+            let view = st
+                .tensor(&name)
+                .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
+            if view.shape() != shape.as_slice() {
+                bail!(
+                    "{label}: tensor `{name}` has shape {:?}; config.json implies {:?}",
+                    view.shape(),
+                    shape
+                );
+            }
+        }
         let mut params = Params::zeros(&config, !config.tie_word_embeddings);
         let mut expected: Vec<String> = Vec::new();
         for (local, mut slot) in params.tensors_mut() {
@@ -236,7 +308,7 @@ impl Gpt2 {
             } else {
                 format!("{prefix}{local}")
             };
-            let t = tensors::to_f64(&st, &name, &label)?;
+            let t = tensors::to_f64(&st, &name, label)?;
             if t.shape() != slot.shape() {
                 bail!(
                     "{label}: tensor `{name}` has shape {:?}; config.json implies {:?}",
@@ -261,7 +333,7 @@ impl Gpt2 {
             }
             if name == LM_HEAD && model.config.tie_word_embeddings {
                 // A tied checkpoint may still carry a copy of the head; it must be that copy.
-                let head = tensors::to_f64(&st, LM_HEAD, &label)?;
+                let head = tensors::to_f64(&st, LM_HEAD, label)?;
                 if head.view() != model.params.wte.view().into_dyn() {
                     bail!("{label}: tie_word_embeddings is true but `{LM_HEAD}` differs from `{prefix}wte.weight`");
                 }

@@ -18,8 +18,10 @@ pub const TRACE_FORMAT: &str = "ghost-oracle-trace/1";
 /// Embedding tables larger than this (rows) are refused: materializing one per example is the
 /// reference's job, and a header must not be able to ask for terabytes.
 pub const MAX_VOCAB: usize = 1 << 24;
-/// Largest gradient (entries) the reference will materialize for one site.
-pub const MAX_SITE_ENTRIES: usize = 1 << 31;
+/// Largest gradient (entries) the reference will materialize for one site: 2²⁷ f64 is 1 GiB,
+/// three times GPT-2 XL's embedding. Checked before any allocation, since a small file can
+/// declare a huge `vocab`.
+pub const MAX_SITE_ENTRIES: usize = 1 << 27;
 
 /// What a trace says besides its factors.
 #[derive(Clone, Debug, PartialEq)]
@@ -93,28 +95,32 @@ fn parse_specs(text: &str, label: &str) -> Result<Vec<SiteSpec>> {
 /// Reads and validates a trace file.
 pub fn read_trace(path: &Path) -> Result<(Trace, TraceMeta)> {
     let bytes = tensors::read_bytes(path, "trace")?;
-    let label = path.display().to_string();
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
+    read_trace_bytes(&bytes, &path.display().to_string())
+}
+
+/// Parses and validates a trace file's contents; `label` names it in messages.
+pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)> {
+    let (_, header) = safetensors::SafeTensors::read_metadata(bytes)
         .map_err(|e| Error::new(format!("{label} is not a valid safetensors file ({e})")))?;
-    let st = tensors::parse(&bytes, &label)?;
+    let st = tensors::parse(bytes, label)?;
     let meta = header.metadata().clone().unwrap_or_default();
-    let format = meta_str(&meta, "format", &label)?;
+    let format = meta_str(&meta, "format", label)?;
     if format != TRACE_FORMAT {
         bail!("{label}: `__metadata__.format` is {format:?}; this version reads {TRACE_FORMAT:?}");
     }
     let max_grad_norm = positive(
-        meta_str(&meta, "max_grad_norm", &label)?,
+        meta_str(&meta, "max_grad_norm", label)?,
         "max_grad_norm",
-        &label,
+        label,
     )?;
     if max_grad_norm == 0.0 {
         bail!("{label}: `__metadata__.max_grad_norm` must be positive");
     }
     let noise_multiplier = meta
         .get("noise_multiplier")
-        .map(|s| positive(s, "noise_multiplier", &label))
+        .map(|s| positive(s, "noise_multiplier", label))
         .transpose()?;
-    let specs = parse_specs(meta_str(&meta, "sites", &label)?, &label)?;
+    let specs = parse_specs(meta_str(&meta, "sites", label)?, label)?;
 
     let mut expected: HashSet<String> = HashSet::new();
     let mut bt: Option<(usize, usize, String)> = None;
@@ -131,7 +137,7 @@ pub fn read_trace(path: &Path) -> Result<(Trace, TraceMeta)> {
                 );
             }
             expected.insert(tname.clone());
-            let a = tensors::to_f64(&st, &tname, &label)?;
+            let a = tensors::to_f64(&st, &tname, label)?;
             let shape = a.shape().to_vec();
             a.into_dimensionality::<Ix3>()
                 .map_err(|_| Error::new(format!("{label}: tensor `{tname}` has shape {shape:?}; expected 3-D (batch × sequence × features)")))
@@ -169,7 +175,7 @@ pub fn read_trace(path: &Path) -> Result<(Trace, TraceMeta)> {
                 bail!("{label}: site `{n}` (embedding): tensor `{tname}` is missing");
             }
             expected.insert(tname.clone());
-            let ids = tensors::to_i64(&st, &tname, &label)?;
+            let ids = tensors::to_i64(&st, &tname, label)?;
             let shape = ids.shape().to_vec();
             let ids = ids.into_dimensionality::<Ix2>().map_err(|_| {
                 Error::new(format!(
@@ -226,7 +232,7 @@ pub fn read_trace(path: &Path) -> Result<(Trace, TraceMeta)> {
     }
     let vector = |name: &str, expected: &mut HashSet<String>| -> Result<Vec<f64>> {
         expected.insert(name.to_string());
-        let a = tensors::to_f64(&st, name, &label)?;
+        let a = tensors::to_f64(&st, name, label)?;
         let shape = a.shape().to_vec();
         let a = a.into_dimensionality::<Ix1>().map_err(|_| {
             Error::new(format!(

@@ -1,0 +1,59 @@
+//! Tied norm math on arbitrary shapes, values and ids: exact tied ghost clipping in f64 agrees
+//! with the reference's materialization within the derived bound, or the input is refused with
+//! an error (ids outside the table); never a panic.
+#![no_main]
+
+use arbitrary::Arbitrary;
+use candle_core::{DType, Device};
+use ghost_oracle::{evaluate, unit_roundoff, Clipper, TiedGhostClipper, Trace, Truth, Verdict};
+use ghost_oracle_reference::{Site, SiteKind, SiteSpec, Trace as RefTrace};
+use libfuzzer_sys::fuzz_target;
+use ndarray::{Array2, Array3};
+
+#[derive(Arbitrary, Debug)]
+struct Input {
+    batch: u8,
+    seq: u8,
+    width: u8,
+    vocab: u8,
+    ids: Vec<u8>,
+    values: Vec<i16>,
+    exponents: Vec<i8>,
+}
+
+fuzz_target!(|inp: Input| {
+    let (b, t, d, v) = (
+        inp.batch as usize % 3 + 1,
+        inp.seq as usize % 6 + 1,
+        inp.width as usize % 4 + 1,
+        inp.vocab as usize % 7 + 1,
+    );
+    // Values: arbitrary mantissas times powers of ten over ±12 decades (finite by construction).
+    let mut k = 0usize;
+    let mut next = || {
+        let m = *inp.values.get(k % inp.values.len().max(1)).unwrap_or(&1) as f64 / 1024.0;
+        let e = *inp.exponents.get(k % inp.exponents.len().max(1)).unwrap_or(&0) as i32 % 13;
+        k += 1;
+        m * 10f64.powi(e)
+    };
+    let e = Array3::from_shape_fn((b, t, d), |_| next());
+    let h = Array3::from_shape_fn((b, t, d), |_| next());
+    let delta = Array3::from_shape_fn((b, t, v), |_| next());
+    // Ids may fall outside the table: the trace must then be refused, not mis-read.
+    let ids = Array2::from_shape_fn((b, t), |(i, j)| *inp.ids.get(i * t + j).unwrap_or(&0) as i64 % (v as i64 + 1));
+    let rt = RefTrace {
+        sites: vec![
+            Site { spec: SiteSpec { name: "emb".into(), param: "w".into(), kind: SiteKind::Embedding, vocab: Some(v) }, activations: None, ids: Some(ids), backprops: e },
+            Site { spec: SiteSpec { name: "head".into(), param: "w".into(), kind: SiteKind::Linear, vocab: None }, activations: Some(h), ids: None, backprops: delta },
+        ],
+    };
+    let Ok(trace) = Trace::from_reference(&rt, DType::F64, &Device::Cpu) else { return };
+    let Ok(truth) = Truth::from_trace(&rt) else { return };
+    if truth.norms.iter().any(|n| *n == 0.0 || !n.is_finite()) {
+        return;
+    }
+    let c = truth.norms[0];
+    let clipped = TiedGhostClipper.clip(&trace, c).expect("clipping a valid trace");
+    let m = evaluate("fuzz", &truth, &clipped, c, 1.0, unit_roundoff(DType::F64)).expect("evaluate");
+    assert_eq!(m.verdict, Verdict::Pass, "{:?}", m.examples[m.worst_example]);
+});
