@@ -25,7 +25,14 @@ fn time<F: FnMut()>(mut f: F) -> f64 {
 
 fn main() {
     // (m, k, n): a square product and the GPT-2 head shapes (T = 128, d = 768, V = 50257).
-    let shapes = [(1024, 1024, 1024), (128, 768, 50257), (50257, 128, 768)];
+    // The last two are the head's Gram ΔΔᵀ at T = 128 and 512.
+    let shapes = [
+        (1024, 1024, 1024),
+        (128, 768, 50257),
+        (50257, 128, 768),
+        (128, 50257, 128),
+        (512, 50257, 512),
+    ];
     println!(
         "{:>22}  {:>16}  {:>16}",
         "m×k · k×n", "ndarray f64 GF/s", "candle f32 GF/s"

@@ -128,7 +128,7 @@ pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
     let (batch, t) = a.batch_seq();
     let (_, s) = b.batch_seq();
     Ok(match (a, b) {
-        (Factor::Dense(x), Factor::Dense(y)) => x.matmul(&y.transpose(1, 2)?.contiguous()?)?,
+        (Factor::Dense(x), Factor::Dense(y)) => x.matmul(&y.transpose(1, 2)?)?,
         // ⟨onehot(x_t), y_s⟩ = y_s[x_t]: a gather, never a one-hot product.
         (Factor::OneHot { ids, .. }, Factor::Dense(y)) => {
             let idx = ids

@@ -1,4 +1,5 @@
 mod audit;
+mod bench;
 mod check;
 mod clipper;
 mod detection;
@@ -15,6 +16,7 @@ pub use audit::{
     builtin_suite, prepare, run as run_audit, worst_case, AuditOptions, Case, ClipperAudit,
     PreparedCase, SUITE_C_MULTIPLIERS,
 };
+pub use bench::{bench, tied_head_trace, BenchResult};
 pub use check::{check_trace, stored_dtype, write_claimed_trace};
 pub use clipper::{
     builtin, clip_coefficients, clipped_sum, Clipped, Clipper, CrossTerm, GhostClipper,

@@ -4,8 +4,8 @@ use ghost_oracle::{
     AuditOptions, Case, Error, Verdict,
 };
 use ghost_oracle::{
-    check_trace, clip_coefficients, kill_matrix, kill_matrix_json, kill_matrix_table,
-    write_claimed_trace, CandleGpt2, Mutant,
+    bench as bench_clipper, check_trace, clip_coefficients, kill_matrix, kill_matrix_json,
+    kill_matrix_table, tied_head_trace, write_claimed_trace, CandleGpt2, Mutant,
 };
 use ghost_oracle_reference::{self as reference, Batch, Gpt2, Reduction};
 use std::io::{IsTerminal, Write};
@@ -151,6 +151,32 @@ enum Command {
         #[arg(long, value_enum, default_value = "mean")]
         reduction: ReductionArg,
     },
+    /// Time per-example norm computation from a trace (median of repeated runs after a
+    /// warm-up) and measure its peak memory with a counting allocator.
+    Bench {
+        #[arg(long, default_value_t = 50257)]
+        vocab: usize,
+        #[arg(long, default_value_t = 768)]
+        hidden: usize,
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// Clipper to time (repeatable). Default: ghost, ghost-tied, materialize.
+        #[arg(long = "clipper")]
+        clippers: Vec<String>,
+        /// Time on this trace file instead of a random tied GPT-2 head of the given shape.
+        #[arg(long)]
+        trace: Option<PathBuf>,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: DtypeArg,
+        #[arg(long, value_enum, default_value = "cpu")]
+        device: DeviceArg,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Run every seeded-bug clipper (and the correct ones) on the built-in suite: the kill matrix.
     Mutants {
         /// Only list the mutants and the library behaviour each reproduces.
@@ -162,6 +188,66 @@ enum Command {
         json: Option<PathBuf>,
     },
 }
+
+/// Peak-memory measurement for `bench`: every allocation of the process is counted.
+mod alloc {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+    pub struct Counting;
+    static CURRENT: AtomicU64 = AtomicU64::new(0);
+    static PEAK: AtomicU64 = AtomicU64::new(0);
+    static BASE: AtomicU64 = AtomicU64::new(0);
+
+    fn grow(n: usize) {
+        let now = CURRENT.fetch_add(n as u64, Relaxed) + n as u64;
+        PEAK.fetch_max(now, Relaxed);
+    }
+
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+            let p = unsafe { System.alloc(l) };
+            if !p.is_null() {
+                grow(l.size());
+            }
+            p
+        }
+        unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+            let p = unsafe { System.alloc_zeroed(l) };
+            if !p.is_null() {
+                grow(l.size());
+            }
+            p
+        }
+        unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+            unsafe { System.dealloc(p, l) };
+            CURRENT.fetch_sub(l.size() as u64, Relaxed);
+        }
+        unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+            let q = unsafe { System.realloc(p, l, new) };
+            if !q.is_null() {
+                CURRENT.fetch_sub(l.size() as u64, Relaxed);
+                grow(new);
+            }
+            q
+        }
+    }
+
+    /// `reset = true`: start a measurement now; `false`: bytes above the start's level at peak.
+    pub fn peak_probe(reset: bool) -> u64 {
+        if reset {
+            let now = CURRENT.load(Relaxed);
+            BASE.store(now, Relaxed);
+            PEAK.store(now, Relaxed);
+            0
+        } else {
+            PEAK.load(Relaxed).saturating_sub(BASE.load(Relaxed))
+        }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: alloc::Counting = alloc::Counting;
 
 /// A progress bar on stderr, drawn only on a terminal.
 struct Progress {
@@ -344,6 +430,92 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             })
         }
         Command::Mutants { list, dtype, json } => mutants(list, dtype, json),
+        Command::Bench {
+            vocab,
+            hidden,
+            seq,
+            batch,
+            clippers,
+            trace,
+            runs,
+            dtype,
+            device: dev,
+            json,
+        } => {
+            for (flag, v) in [
+                ("--vocab", vocab),
+                ("--hidden", hidden),
+                ("--seq", seq),
+                ("--batch", batch),
+                ("--runs", runs),
+            ] {
+                if v == 0 {
+                    return Err(Error::input(format!("{flag} must be at least 1")));
+                }
+            }
+            let names: Vec<String> = if clippers.is_empty() {
+                ["ghost", "ghost-tied", "materialize"]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect()
+            } else {
+                clippers
+            };
+            let clippers = names
+                .iter()
+                .map(|n| builtin(n))
+                .collect::<Result<Vec<_>, _>>()?;
+            let device = device(dev)?;
+            let dtype: candle_core::DType = dtype.into();
+            let (t, shape) = match &trace {
+                Some(path) => {
+                    let (rt, _) = reference::read_trace(path)?;
+                    let t = ghost_oracle::Trace::from_reference(&rt, dtype, &device)?;
+                    (t, format!("trace {}", path.display()))
+                }
+                None => (
+                    tied_head_trace(vocab, hidden, seq, batch, dtype, &device)?,
+                    format!("tied head V={vocab} d={hidden} T={seq} B={batch}"),
+                ),
+            };
+            println!("{shape}, {dtype:?}, {runs} timed runs after a warm-up");
+            println!("{:<14} {:>12} {:>14}", "clipper", "seconds", "peak MiB");
+            let mut results = Vec::new();
+            for c in &clippers {
+                let r = bench_clipper(c.as_ref(), &t, runs, &mut alloc::peak_probe)?;
+                println!(
+                    "{:<14} {:>12.4} {:>14.1}",
+                    r.clipper,
+                    r.seconds,
+                    r.peak_bytes as f64 / (1 << 20) as f64
+                );
+                results.push(r);
+            }
+            let find = |n: &str| results.iter().find(|r| r.clipper == n);
+            if let (Some(g), Some(gt)) = (find("ghost"), find("ghost-tied")) {
+                println!(
+                    "ghost-tied / ghost: time {:.3}, peak memory {:.3}",
+                    gt.seconds / g.seconds,
+                    gt.peak_bytes as f64 / g.peak_bytes as f64
+                );
+            }
+            if let (Some(gt), Some(m)) = (find("ghost-tied"), find("materialize")) {
+                println!(
+                    "materialize / ghost-tied: time {:.3}, peak memory {:.3}",
+                    m.seconds / gt.seconds,
+                    m.peak_bytes as f64 / gt.peak_bytes as f64
+                );
+            }
+            if let Some(path) = json {
+                let doc = serde_json::json!({"shape": {"vocab": vocab, "hidden": hidden, "seq": seq, "batch": batch}, "trace": trace, "results": results});
+                write_file(
+                    &path,
+                    &serde_json::to_string_pretty(&doc).expect("json"),
+                    "--json",
+                )?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Check {
             trace,
             precision,

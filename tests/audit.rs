@@ -56,7 +56,17 @@ fn exact_clippers_pass_every_builtin_and_golden_case_in_f32_and_f64() {
                     c.case,
                     c.examples[c.worst_example]
                 );
-                assert!(c.max_sensitivity_ratio <= 1.0 + 1e-6 && c.decision_flips == 0);
+                // A flip is rounding only where the true norm sits within the bound of C (the
+                // suite's C is the median true norm, so one example can sit exactly on it).
+                for e in &c.examples {
+                    assert!(e.sensitivity <= 1.0 + e.bound, "{} {}", a.name, c.case);
+                    assert!(
+                        !e.flipped || (e.true_norm / c.max_grad_norm - 1.0).abs() <= e.bound,
+                        "{} {}",
+                        a.name,
+                        c.case
+                    );
+                }
                 if dtype == DType::F32 {
                     // Well conditioned sums: f32 norms far inside 1e-4.
                     assert!(

@@ -311,11 +311,19 @@ fn unwritable_json_path() {
 fn a_config_claiming_a_huge_model_fails_on_the_header_not_on_allocation() {
     // 2^20 × 4096 f64 would be 32 GiB per table; the file holds a 11×8 table.
     let (dir, batch) = valid_case("huge-config");
-    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     cfg["vocab_size"] = (1u64 << 20).into();
     cfg["n_embd"] = 4096.into();
     cfg["n_head"] = 64.into();
     cfg["n_inner"] = 16384.into();
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    expect_input_error(&reference_args(&dir, &batch), &["transformer.wte.weight", "has shape [11, 8]", "[1048576, 4096]"]);
+    expect_input_error(
+        &reference_args(&dir, &batch),
+        &[
+            "transformer.wte.weight",
+            "has shape [11, 8]",
+            "[1048576, 4096]",
+        ],
+    );
 }

@@ -1,0 +1,89 @@
+//! Timing of per-example norm computation from a trace: the tied embedding / LM-head pair at
+//! GPT-2 shapes, or any trace file.
+
+use crate::clipper::Clipper;
+use crate::error::Result;
+use crate::trace::Trace;
+use candle_core::{DType, Device, Tensor};
+use ghost_oracle_reference::{SiteKind, SiteSpec};
+use serde::Serialize;
+use std::time::Instant;
+
+/// The two sites of a tied GPT-2 head at the given shape, random values (N(0,1) backprops and
+/// activations, ids uniform): what dominates every clipper's cost on GPT-2.
+pub fn tied_head_trace(
+    vocab: usize,
+    hidden: usize,
+    seq: usize,
+    batch: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<Trace> {
+    let randn = |shape: (usize, usize, usize)| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, shape, device)?.to_dtype(dtype)?)
+    };
+    let ids = Tensor::rand(0f32, vocab as f32, (batch, seq), device)?
+        .floor()?
+        .clamp(0f32, (vocab - 1) as f32)?
+        .to_dtype(DType::U32)?;
+    let spec = |name: &str, kind, vocab| SiteSpec {
+        name: name.into(),
+        param: "wte.weight".into(),
+        kind,
+        vocab,
+    };
+    Ok(Trace {
+        sites: vec![
+            crate::trace::Site {
+                spec: spec("wte.weight", SiteKind::Embedding, Some(vocab)),
+                activations: None,
+                ids: Some(ids),
+                backprops: randn((batch, seq, hidden))?,
+            },
+            crate::trace::Site {
+                spec: spec("lm_head.weight", SiteKind::Linear, None),
+                activations: Some(randn((batch, seq, hidden))?),
+                ids: None,
+                backprops: randn((batch, seq, vocab))?,
+            },
+        ],
+    })
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchResult {
+    pub clipper: String,
+    /// Median wall time of one `norms` call.
+    pub seconds: f64,
+    pub runs: usize,
+    /// Largest extra memory held during a call, as measured by the caller's probe.
+    pub peak_bytes: u64,
+}
+
+/// Times `norms` on the trace: one warm-up, then `runs` timed calls (median). `peak` resets and
+/// reads a peak-memory probe (e.g. a counting allocator) around each call.
+pub fn bench(
+    clipper: &dyn Clipper,
+    trace: &Trace,
+    runs: usize,
+    peak: &mut dyn FnMut(bool) -> u64,
+) -> Result<BenchResult> {
+    clipper.norms(trace)?;
+    let mut times = Vec::with_capacity(runs);
+    let mut peak_bytes = 0;
+    for _ in 0..runs.max(1) {
+        peak(true);
+        let t = Instant::now();
+        let r = clipper.norms(trace)?;
+        times.push(t.elapsed().as_secs_f64());
+        peak_bytes = peak_bytes.max(peak(false));
+        drop(r);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(BenchResult {
+        clipper: clipper.name(),
+        seconds: times[times.len() / 2],
+        runs: times.len(),
+        peak_bytes,
+    })
+}
