@@ -60,30 +60,42 @@ pub struct BenchResult {
     pub peak_bytes: u64,
 }
 
-/// Times `norms` on the trace: one warm-up, then `runs` timed calls (median). `peak` resets and
-/// reads a peak-memory probe (e.g. a counting allocator) around each call.
+/// Times `norms` of every clipper on the trace: one warm-up each, then `runs` rounds in which
+/// every clipper runs once (interleaved, so that drifting machine load hits all alike); the
+/// median per clipper. `peak` resets and reads a peak-memory probe (e.g. a counting allocator).
 pub fn bench(
-    clipper: &dyn Clipper,
+    clippers: &[Box<dyn Clipper>],
     trace: &Trace,
     runs: usize,
     peak: &mut dyn FnMut(bool) -> u64,
-) -> Result<BenchResult> {
-    clipper.norms(trace)?;
-    let mut times = Vec::with_capacity(runs);
-    let mut peak_bytes = 0;
-    for _ in 0..runs.max(1) {
-        peak(true);
-        let t = Instant::now();
-        let r = clipper.norms(trace)?;
-        times.push(t.elapsed().as_secs_f64());
-        peak_bytes = peak_bytes.max(peak(false));
-        drop(r);
+) -> Result<Vec<BenchResult>> {
+    for c in clippers {
+        c.norms(trace)?;
     }
-    times.sort_by(|a, b| a.total_cmp(b));
-    Ok(BenchResult {
-        clipper: clipper.name(),
-        seconds: times[times.len() / 2],
-        runs: times.len(),
-        peak_bytes,
-    })
+    let mut times = vec![Vec::with_capacity(runs); clippers.len()];
+    let mut peaks = vec![0; clippers.len()];
+    for _ in 0..runs.max(1) {
+        for (k, c) in clippers.iter().enumerate() {
+            peak(true);
+            let t = Instant::now();
+            let r = c.norms(trace)?;
+            times[k].push(t.elapsed().as_secs_f64());
+            peaks[k] = peaks[k].max(peak(false));
+            drop(r);
+        }
+    }
+    Ok(clippers
+        .iter()
+        .zip(times)
+        .zip(peaks)
+        .map(|((c, mut t), peak_bytes)| {
+            t.sort_by(|a, b| a.total_cmp(b));
+            BenchResult {
+                clipper: c.name(),
+                seconds: t[t.len() / 2],
+                runs: t.len(),
+                peak_bytes,
+            }
+        })
+        .collect())
 }

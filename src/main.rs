@@ -480,16 +480,14 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             };
             println!("{shape}, {dtype:?}, {runs} timed runs after a warm-up");
             println!("{:<14} {:>12} {:>14}", "clipper", "seconds", "peak MiB");
-            let mut results = Vec::new();
-            for c in &clippers {
-                let r = bench_clipper(c.as_ref(), &t, runs, &mut alloc::peak_probe)?;
+            let results = bench_clipper(&clippers, &t, runs, &mut alloc::peak_probe)?;
+            for r in &results {
                 println!(
                     "{:<14} {:>12.4} {:>14.1}",
                     r.clipper,
                     r.seconds,
                     r.peak_bytes as f64 / (1 << 20) as f64
                 );
-                results.push(r);
             }
             let find = |n: &str| results.iter().find(|r| r.clipper == n);
             if let (Some(g), Some(gt)) = (find("ghost"), find("ghost-tied")) {

@@ -1,19 +1,17 @@
 use crate::common::*;
-use candle_core::{DType, Device};
+use candle_core::DType;
 use ghost_oracle::*;
 
 fn rel(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs()
 }
 
-#[test]
-fn exact_clippers_match_the_reference_in_f64() {
+crate::device_test!(exact_clippers_match_the_reference_in_f64, |device| {
     for tied in [true, false] {
         let model = tiny(tied, 2, 3);
         let b = batch(3, 9, 23, 4);
         let r = reference_with_trace(&model, &b);
-        let trace =
-            Trace::from_reference(r.trace.as_ref().unwrap(), DType::F64, &Device::Cpu).unwrap();
+        let trace = Trace::from_reference(r.trace.as_ref().unwrap(), DType::F64, device).unwrap();
         for c in [&TiedGhostClipper as &dyn Clipper, &MaterializeClipper] {
             let rep = c.norms(&trace).unwrap();
             for (i, e) in r.examples.iter().enumerate() {
@@ -39,4 +37,4 @@ fn exact_clippers_match_the_reference_in_f64() {
             }
         }
     }
-}
+});

@@ -23,3 +23,28 @@ pub fn reference_with_trace(model: &Gpt2, batch: &Batch) -> reference::Reference
     };
     reference::compute(model, batch, &opts, &mut |_, _| {}).unwrap()
 }
+
+/// Generates `<name>::cpu` and, with the `cuda` feature, `<name>::cuda` from one test body
+/// that takes the device.
+#[macro_export]
+macro_rules! device_test {
+    ($name:ident, $body:expr) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            #[test]
+            fn cpu() {
+                let body: fn(&candle_core::Device) = $body;
+                body(&candle_core::Device::Cpu);
+            }
+
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn cuda() {
+                let body: fn(&candle_core::Device) = $body;
+                body(&candle_core::Device::new_cuda(0).expect("a CUDA device"));
+            }
+        }
+    };
+}
