@@ -300,6 +300,18 @@ fn device(arg: DeviceArg) -> Result<candle_core::Device, Error> {
     }
 }
 
+/// The clippers named by `--clipper`, or `default` when none is.
+fn clippers_or(
+    names: Vec<String>,
+    default: &[&str],
+) -> Result<Vec<Box<dyn ghost_oracle::Clipper>>, Error> {
+    if names.is_empty() {
+        default.iter().map(|n| builtin(n)).collect()
+    } else {
+        names.iter().map(|n| builtin(n)).collect()
+    }
+}
+
 fn load_case(model: &Path, batch: &Path) -> Result<Case, Error> {
     let m = Gpt2::load(model)?;
     let b = Batch::load(batch)?;
@@ -367,18 +379,7 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
                     "--noise-multiplier must be a non-negative number, got {noise_multiplier}"
                 )));
             }
-            let names: Vec<String> = if clippers.is_empty() {
-                ghost_oracle::BUILTIN_CLIPPERS
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect()
-            } else {
-                clippers
-            };
-            let clippers = names
-                .iter()
-                .map(|n| builtin(n))
-                .collect::<Result<Vec<_>, _>>()?;
+            let clippers = clippers_or(clippers, &ghost_oracle::BUILTIN_CLIPPERS)?;
             let cases = match (model, batch) {
                 (Some(m), Some(b)) => vec![load_case(&m, &b)?],
                 _ => builtin_suite(),
@@ -453,18 +454,7 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
                     return Err(Error::input(format!("{flag} must be at least 1")));
                 }
             }
-            let names: Vec<String> = if clippers.is_empty() {
-                ["ghost", "ghost-tied", "materialize"]
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect()
-            } else {
-                clippers
-            };
-            let clippers = names
-                .iter()
-                .map(|n| builtin(n))
-                .collect::<Result<Vec<_>, _>>()?;
+            let clippers = clippers_or(clippers, &["ghost", "ghost-tied", "materialize"])?;
             let device = device(dev)?;
             let dtype: candle_core::DType = dtype.into();
             let (t, shape) = match &trace {

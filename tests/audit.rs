@@ -1,7 +1,7 @@
 //! The audit's verdicts: exact clippers pass everywhere, `ghost` is flagged exactly where the
 //! truth says its dropped cross term matters, and the CLI's JSON / JUnit / gate contracts.
 
-use crate::cli::{golden, run, stderr, tmp};
+use crate::cli::{gate_on_golden, golden, run, stderr, tmp};
 use candle_core::{DType, Device};
 use ghost_oracle::*;
 use ghost_oracle_reference::{Batch, Gpt2, Reduction};
@@ -192,22 +192,7 @@ fn audit_json_junit_and_exit_status() {
 
 #[test]
 fn audit_on_checkpoints_gates_ghost_on_tied_but_not_untied() {
-    let ck = |case: &str, clipper: &str| {
-        let d = golden(case);
-        run(&[
-            "audit",
-            "--model",
-            d.to_str().unwrap(),
-            "--batch",
-            d.join("batch.safetensors").to_str().unwrap(),
-            "--clipper",
-            clipper,
-            "--max-grad-norm",
-            "1.0",
-            "--gate",
-        ])
-    };
-    assert_eq!(ck("untied_l2_h3_t8", "ghost").status.code(), Some(0));
-    assert_eq!(ck("tied_l1_h2_t2", "ghost").status.code(), Some(1));
-    assert_eq!(ck("tied_l1_h2_t2", "ghost-tied").status.code(), Some(0));
+    assert_eq!(gate_on_golden("untied_l2_h3_t8", "ghost"), Some(0));
+    assert_eq!(gate_on_golden("tied_l1_h2_t2", "ghost"), Some(1));
+    assert_eq!(gate_on_golden("tied_l1_h2_t2", "ghost-tied"), Some(0));
 }

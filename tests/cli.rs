@@ -28,6 +28,25 @@ pub fn run(args: &[&str]) -> Output {
     bin().args(args).output().unwrap()
 }
 
+/// `audit --gate` of one clipper on a golden checkpoint at C = 1: the exit status.
+pub fn gate_on_golden(case: &str, clipper: &str) -> Option<i32> {
+    let d = golden(case);
+    run(&[
+        "audit",
+        "--model",
+        d.to_str().unwrap(),
+        "--batch",
+        d.join("batch.safetensors").to_str().unwrap(),
+        "--clipper",
+        clipper,
+        "--max-grad-norm",
+        "1.0",
+        "--gate",
+    ])
+    .status
+    .code()
+}
+
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }

@@ -1,7 +1,7 @@
 //! Detection power: every seeded bug caught with the right verdict class, no false alarm, and
 //! the CLI contracts of `mutants` and `audit --clipper mutant:NAME --gate`.
 
-use crate::cli::{golden, run, stderr, tmp};
+use crate::cli::{gate_on_golden, run, stderr, tmp};
 use candle_core::{DType, Device};
 use ghost_oracle::*;
 use ghost_oracle_reference::Reduction;
@@ -88,23 +88,7 @@ fn mutants_cli_lists_runs_and_writes_json() {
 
 #[test]
 fn drop_cross_gate_fails_on_tied_and_passes_on_untied_checkpoints() {
-    let gate = |case: &str| {
-        let d = golden(case);
-        run(&[
-            "audit",
-            "--model",
-            d.to_str().unwrap(),
-            "--batch",
-            d.join("batch.safetensors").to_str().unwrap(),
-            "--clipper",
-            "mutant:drop-cross",
-            "--max-grad-norm",
-            "1.0",
-            "--gate",
-        ])
-        .status
-        .code()
-    };
+    let gate = |case: &str| gate_on_golden(case, "mutant:drop-cross");
     assert_eq!(gate("tied_l1_h2_t2"), Some(1));
     assert_eq!(gate("tied_l2_h4_t33"), Some(1));
     assert_eq!(gate("untied_l2_h3_t8"), Some(0));

@@ -1,0 +1,60 @@
+//! Variants of the LM head's Gram ΔΔᵀ (B×T×V by its transpose), side by side in one run:
+//! `cargo bench --bench gram_variants`.
+
+use candle_core::{Device, Tensor};
+use std::time::Instant;
+
+fn median<F: FnMut()>(mut f: F) -> f64 {
+    f();
+    let mut v: Vec<f64> = (0..7)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    let v = 50257;
+    println!(
+        "{:>4} {:>3}  {:>22}  {:>22}  {:>22}",
+        "T", "B", "transposed view GF/s", "contiguous copy GF/s", "V split in 4 GF/s"
+    );
+    for (t, b) in [(128, 1), (128, 8), (512, 1)] {
+        let x = Tensor::randn(0f32, 1.0, (b, t, v), &Device::Cpu).unwrap();
+        let flops = 2.0 * (b * t * t * v) as f64;
+        let view = median(|| {
+            std::hint::black_box(x.matmul(&x.transpose(1, 2).unwrap()).unwrap());
+        });
+        let copy = median(|| {
+            std::hint::black_box(
+                x.matmul(&x.transpose(1, 2).unwrap().contiguous().unwrap())
+                    .unwrap(),
+            );
+        });
+        let split = median(|| {
+            let chunk = v.div_ceil(4);
+            let mut acc: Option<Tensor> = None;
+            for k in 0..4 {
+                let start = k * chunk;
+                let len = chunk.min(v - start);
+                let xs = x.narrow(2, start, len).unwrap();
+                let g = xs.matmul(&xs.transpose(1, 2).unwrap()).unwrap();
+                acc = Some(match acc {
+                    None => g,
+                    Some(a) => (a + g).unwrap(),
+                });
+            }
+            std::hint::black_box(acc);
+        });
+        println!(
+            "{t:>4} {b:>3}  {:>22.1}  {:>22.1}  {:>22.1}",
+            flops / view / 1e9,
+            flops / copy / 1e9,
+            flops / split / 1e9
+        );
+    }
+}
