@@ -45,6 +45,57 @@ enum DtypeArg {
     F64,
 }
 
+/// Where an audit's results go, and whether they decide the exit status.
+#[derive(clap::Args)]
+struct ReportArgs {
+    /// Also write the full metrics as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// JUnit XML: one testcase per clipper × case.
+    #[arg(long)]
+    junit: Option<PathBuf>,
+    /// Exit 1 unless every audited clipper passes.
+    #[arg(long)]
+    gate: bool,
+}
+
+impl ReportArgs {
+    /// Prints the tables, writes the files, and gives the exit status.
+    fn emit(
+        &self,
+        audits: &[ghost_oracle::ClipperAudit],
+        dtype: &str,
+        device: &str,
+    ) -> Result<ExitCode, Error> {
+        print!("{}", audit_tables(audits, dtype, device));
+        if let Some(path) = &self.json {
+            let doc = audit_json(audits, dtype, device);
+            write_file(
+                path,
+                &serde_json::to_string_pretty(&doc).expect("json"),
+                "--json",
+            )?;
+        }
+        if let Some(path) = &self.junit {
+            write_file(path, &audit_junit(audits), "--junit")?;
+        }
+        let all_pass = audits.iter().all(|a| a.verdict == Verdict::Pass);
+        println!(
+            "\n{}",
+            if all_pass {
+                "all audited clippers pass"
+            } else {
+                "some audited clippers fail"
+            }
+        );
+        Ok(if self.gate && !all_pass {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        })
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum PrecisionArg {
     F16,
@@ -106,14 +157,8 @@ enum Command {
         device: DeviceArg,
         #[arg(long, value_enum, default_value = "mean")]
         reduction: ReductionArg,
-        #[arg(long)]
-        json: Option<PathBuf>,
-        /// JUnit XML: one testcase per clipper × case.
-        #[arg(long)]
-        junit: Option<PathBuf>,
-        /// Exit 1 unless every audited clipper passes.
-        #[arg(long)]
-        gate: bool,
+        #[command(flatten)]
+        report: ReportArgs,
     },
     /// Audit the norms a clipper claimed in a trace file (see docs/trace-format.md).
     Check {
@@ -125,13 +170,8 @@ enum Command {
         /// Noise multiplier σ. Default: the trace's, else 1.
         #[arg(long, allow_negative_numbers = true)]
         noise_multiplier: Option<f64>,
-        #[arg(long)]
-        json: Option<PathBuf>,
-        #[arg(long)]
-        junit: Option<PathBuf>,
-        /// Exit 1 unless the claimed norms pass.
-        #[arg(long)]
-        gate: bool,
+        #[command(flatten)]
+        report: ReportArgs,
     },
     /// Write a trace of the built-in candle model, with a clipper's norms as the claim.
     ExportTrace {
@@ -363,9 +403,7 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             dtype,
             device: dev,
             reduction,
-            json,
-            junit,
-            gate,
+            report,
         } => {
             if let Some(c) = max_grad_norm {
                 if !(c.is_finite() && c > 0.0) {
@@ -403,32 +441,7 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             let audits = run_audit(&cases, &clippers, &opts, &mut |d, t, l| {
                 progress.update(d, t, l)
             })?;
-            print!("{}", audit_tables(&audits, dtype_name, device_name));
-            if let Some(path) = json {
-                let doc = audit_json(&audits, dtype_name, device_name);
-                write_file(
-                    &path,
-                    &serde_json::to_string_pretty(&doc).expect("json"),
-                    "--json",
-                )?;
-            }
-            if let Some(path) = junit {
-                write_file(&path, &audit_junit(&audits), "--junit")?;
-            }
-            let all_pass = audits.iter().all(|a| a.verdict == Verdict::Pass);
-            println!(
-                "\n{}",
-                if all_pass {
-                    "all audited clippers pass"
-                } else {
-                    "some audited clippers fail"
-                }
-            );
-            Ok(if gate && !all_pass {
-                ExitCode::from(1)
-            } else {
-                ExitCode::SUCCESS
-            })
+            report.emit(&audits, dtype_name, device_name)
         }
         Command::Mutants { list, dtype, json } => mutants(list, dtype, json),
         Command::Bench {
@@ -508,9 +521,7 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             trace,
             precision,
             noise_multiplier,
-            json,
-            junit,
-            gate,
+            report,
         } => {
             let precision = precision.map(|p| match p {
                 PrecisionArg::F16 => candle_core::DType::F16,
@@ -528,24 +539,7 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             let (audit, precision) = check_trace(&trace, precision, noise_multiplier)?;
             let audits = vec![audit];
             let precision = format!("{precision:?}").to_lowercase();
-            print!("{}", audit_tables(&audits, &precision, "trace file"));
-            if let Some(path) = json {
-                let doc = audit_json(&audits, &precision, "trace file");
-                write_file(
-                    &path,
-                    &serde_json::to_string_pretty(&doc).expect("json"),
-                    "--json",
-                )?;
-            }
-            if let Some(path) = junit {
-                write_file(&path, &audit_junit(&audits), "--junit")?;
-            }
-            let pass = audits[0].verdict == Verdict::Pass;
-            Ok(if gate && !pass {
-                ExitCode::from(1)
-            } else {
-                ExitCode::SUCCESS
-            })
+            report.emit(&audits, &precision, "trace file")
         }
         Command::ExportTrace {
             model,
