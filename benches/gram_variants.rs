@@ -20,8 +20,13 @@ fn median<F: FnMut()>(mut f: F) -> f64 {
 fn main() {
     let v = 50257;
     println!(
-        "{:>4} {:>3}  {:>22}  {:>22}  {:>22}",
-        "T", "B", "transposed view GF/s", "contiguous copy GF/s", "V split in 4 GF/s"
+        "{:>4} {:>3}  {:>22}  {:>22}  {:>22}  {:>24}",
+        "T",
+        "B",
+        "transposed view GF/s",
+        "contiguous copy GF/s",
+        "V split in 4 GF/s",
+        "V halves, 2 threads GF/s"
     );
     for (t, b) in [(128, 1), (128, 8), (512, 1)] {
         let x = Tensor::randn(0f32, 1.0, (b, t, v), &Device::Cpu).unwrap();
@@ -50,11 +55,25 @@ fn main() {
             }
             std::hint::black_box(acc);
         });
+        let threads = median(|| {
+            let half = v / 2;
+            let (a, c) = (
+                x.narrow(2, 0, half).unwrap(),
+                x.narrow(2, half, v - half).unwrap(),
+            );
+            let (ga, gc) = std::thread::scope(|s| {
+                let ha = s.spawn(|| a.matmul(&a.transpose(1, 2).unwrap()).unwrap());
+                let gc = c.matmul(&c.transpose(1, 2).unwrap()).unwrap();
+                (ha.join().unwrap(), gc)
+            });
+            std::hint::black_box((ga + gc).unwrap());
+        });
         println!(
-            "{t:>4} {b:>3}  {:>22.1}  {:>22.1}  {:>22.1}",
+            "{t:>4} {b:>3}  {:>22.1}  {:>22.1}  {:>22.1}  {:>24.1}",
             flops / view / 1e9,
             flops / copy / 1e9,
-            flops / split / 1e9
+            flops / split / 1e9,
+            flops / threads / 1e9
         );
     }
 }

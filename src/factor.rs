@@ -128,15 +128,18 @@ pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
     let (batch, t) = a.batch_seq();
     let (_, s) = b.batch_seq();
     Ok(match (a, b) {
-        (Factor::Dense(x), Factor::Dense(y)) => x.matmul(&y.transpose(1, 2)?)?,
+        (Factor::Dense(x), Factor::Dense(y)) => dense_gram(x, y)?,
         // ⟨onehot(x_t), y_s⟩ = y_s[x_t]: a gather, never a one-hot product.
-        (Factor::OneHot { ids, .. }, Factor::Dense(y)) => {
-            let idx = ids
-                .unsqueeze(1)?
-                .broadcast_as((batch, s, t))?
-                .contiguous()?;
-            y.gather(&idx, 2)?.transpose(1, 2)?.contiguous()?
-        }
+        (Factor::OneHot { ids, .. }, Factor::Dense(y)) => match gather_columns_cpu(y, ids)? {
+            Some(g) => g,
+            None => {
+                let idx = ids
+                    .unsqueeze(1)?
+                    .broadcast_as((batch, s, t))?
+                    .contiguous()?;
+                y.gather(&idx, 2)?.transpose(1, 2)?.contiguous()?
+            }
+        },
         (Factor::Dense(x), Factor::OneHot { ids, .. }) => {
             let idx = ids
                 .unsqueeze(1)?
@@ -169,6 +172,89 @@ pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
             }
         }
     })
+}
+
+/// g[b, t, s] = y[b, s, ids[b, t]], read straight from CPU memory: candle's generic gather
+/// costs ~50 ns an element, which made the T² gather of the tied cross term dearer than its
+/// Gram. `None` where the fast path does not apply (another device or dtype, a strided y).
+fn gather_columns_cpu(y: &Tensor, ids: &Tensor) -> Result<Option<Tensor>> {
+    fn run<T: candle_core::WithDType>(
+        data: &[T],
+        ids: &[u32],
+        (b, s, v): (usize, usize, usize),
+        t: usize,
+    ) -> Vec<T> {
+        let mut out = Vec::with_capacity(b * t * s);
+        for bb in 0..b {
+            for tt in 0..t {
+                let col = ids[bb * t + tt] as usize;
+                out.extend((0..s).map(|ss| data[(bb * s + ss) * v + col]));
+            }
+        }
+        out
+    }
+    if !y.device().is_cpu() {
+        return Ok(None);
+    }
+    let dims = y.dims3()?;
+    let t = ids.dims()[1];
+    let ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
+    let (storage, layout) = y.storage_and_layout();
+    let (Some((start, end)), candle_core::Storage::Cpu(cpu)) =
+        (layout.contiguous_offsets(), &*storage)
+    else {
+        return Ok(None);
+    };
+    let out = match cpu {
+        candle_core::CpuStorage::F32(d) => Tensor::from_vec(
+            run(&d[start..end], &ids, dims, t),
+            (dims.0, t, dims.1),
+            y.device(),
+        )?,
+        candle_core::CpuStorage::F64(d) => Tensor::from_vec(
+            run(&d[start..end], &ids, dims, t),
+            (dims.0, t, dims.1),
+            y.device(),
+        )?,
+        _ => return Ok(None),
+    };
+    Ok(Some(out))
+}
+
+/// Reductions at least this long (an LM head's vocabulary) are split across threads.
+const SPLIT_WIDTH: usize = 8192;
+
+/// x yᵀ per example, reading y's transpose in place (a contiguous copy of a B×T×V logit
+/// gradient costs more than the product). A long reduction with short T sides is split into one
+/// slice per core: the GEMM parallelizes poorly over a 128×128 output, the slices do not.
+fn dense_gram(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let width = x.dims()[2];
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(8);
+    if width < SPLIT_WIDTH || threads < 2 || !x.device().is_cpu() {
+        return Ok(x.matmul(&y.transpose(1, 2)?)?);
+    }
+    let chunk = width.div_ceil(threads);
+    let parts: Vec<Result<Tensor>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|k| {
+                s.spawn(move || -> Result<Tensor> {
+                    let start = k * chunk;
+                    let len = chunk.min(width - start);
+                    let (xs, ys) = (x.narrow(2, start, len)?, y.narrow(2, start, len)?);
+                    Ok(xs.matmul(&ys.transpose(1, 2)?)?)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("gram thread"))
+            .collect()
+    });
+    let mut parts = parts.into_iter();
+    let first = parts.next().expect("at least one slice")?;
+    parts.try_fold(first, |acc, p| Ok((acc + p?)?))
 }
 
 fn a_device(a: &Factor, b: &Factor) -> candle_core::Device {

@@ -38,3 +38,50 @@ crate::device_test!(exact_clippers_match_the_reference_in_f64, |device| {
         }
     }
 });
+
+/// A vocabulary past the width where the Gram splits its reduction across threads: the split
+/// must give the reference's norms.
+#[test]
+fn long_reductions_split_across_threads_keep_the_norm_exact() {
+    use ghost_oracle_reference::{Site, SiteKind, SiteSpec, SplitMix64, Trace as RefTrace};
+    use ndarray::{Array2, Array3};
+    // T(V + d) < V·d: the head takes the Gram route, not materialization.
+    let (b, t, d, v) = (2, 5, 16, 9001);
+    let mut rng = SplitMix64::new(3);
+    let mut dense = |m: usize| Array3::from_shape_fn((b, t, m), |_| rng.normal());
+    let (e, h, delta) = (dense(d), dense(d), dense(v));
+    let ids = Array2::from_shape_fn((b, t), |(i, j)| ((i * 7 + j * 3) % 4) as i64 * 2000);
+    let spec = |name: &str, kind, vocab| SiteSpec {
+        name: name.into(),
+        param: "w".into(),
+        kind,
+        vocab,
+    };
+    let rt = RefTrace {
+        sites: vec![
+            Site {
+                spec: spec("emb", SiteKind::Embedding, Some(v)),
+                activations: None,
+                ids: Some(ids),
+                backprops: e,
+            },
+            Site {
+                spec: spec("head", SiteKind::Linear, None),
+                activations: Some(h),
+                ids: None,
+                backprops: delta,
+            },
+        ],
+    };
+    let truth = rt.materialized_norms().unwrap();
+    let trace = Trace::from_reference(&rt, DType::F64, &candle_core::Device::Cpu).unwrap();
+    let got = TiedGhostClipper.norms(&trace).unwrap();
+    for (i, m) in truth.iter().enumerate() {
+        assert!(
+            rel(got.norms[i].powi(2), m.total_sq) < 1e-12,
+            "{} vs {}",
+            got.norms[i].powi(2),
+            m.total_sq
+        );
+    }
+}
