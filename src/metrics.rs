@@ -75,27 +75,52 @@ impl Truth {
     /// The truth of any trace, by the reference's brute force: every site's gradient
     /// materialized in f64, sites of a parameter summed (no model needed).
     pub fn from_trace(trace: &RefTrace) -> Result<Self> {
-        let m = trace.materialized_norms()?;
         let params = trace.params();
         let mut gradients = Vec::new();
         let mut layout = Vec::new();
+        let mut norms = Vec::new();
+        let mut cross_share = Vec::new();
         for i in 0..trace.batch_size() {
-            let mut flat = Vec::new();
+            // One pass materializes every site once: the summed gradient of each parameter,
+            // and Σ_{j≠k}⟨G_j, G_k⟩ = ‖Σ_j G_j‖² − Σ_j ‖G_j‖² for the cross share.
+            let (mut flat, mut total_sq, mut cross) = (Vec::new(), 0.0, 0.0);
             for (param, js) in &params {
                 let mut sum: Option<ndarray::Array2<f64>> = None;
+                let mut own_sq = 0.0;
                 for &j in js {
                     let g = trace.site_gradient(j, i)?;
+                    own_sq += g.iter().map(|v| v * v).sum::<f64>();
                     sum = Some(match sum {
                         None => g,
-                        Some(acc) => acc + g,
+                        Some(acc) if acc.dim() == g.dim() => acc + g,
+                        Some(acc) => {
+                            return Err(Error::input(format!(
+                                "parameter `{param}`: site `{}` writes a {:?} gradient but an earlier site writes {:?}",
+                                trace.sites[j].spec.name,
+                                g.dim(),
+                                acc.dim()
+                            )))
+                        }
                     });
                 }
                 let sum = sum.expect("parameter has a site");
+                let sq = sum.iter().map(|v| v * v).sum::<f64>();
+                total_sq += sq;
+                if js.len() > 1 {
+                    cross += sq - own_sq;
+                }
                 if i == 0 {
                     layout.push((param.clone(), sum.shape().to_vec()));
                 }
                 flat.extend(sum.iter().copied());
             }
+            if !total_sq.is_finite() {
+                return Err(Error::input(format!(
+                    "example {i}: the squared gradient norm overflows f64"
+                )));
+            }
+            norms.push(total_sq.sqrt());
+            cross_share.push(cross / total_sq);
             gradients.push(flat);
         }
         let gram = gradients
@@ -107,27 +132,6 @@ impl Truth {
                     .collect()
             })
             .collect();
-        let cross_share = m
-            .iter()
-            .map(|e| {
-                let off: f64 = e
-                    .shared_inner
-                    .values()
-                    .map(|k| {
-                        let all: f64 = k.iter().flatten().sum();
-                        let diag: f64 = (0..k.len()).map(|a| k[a][a]).sum();
-                        all - diag
-                    })
-                    .sum();
-                off / e.total_sq
-            })
-            .collect();
-        if let Some(i) = m.iter().position(|e| !e.total_sq.is_finite()) {
-            return Err(Error::input(format!(
-                "example {i}: the squared gradient norm overflows f64"
-            )));
-        }
-        let norms = m.iter().map(|e| e.total_sq.sqrt()).collect();
         Self::build(trace, norms, gram, gradients, layout, cross_share)
     }
 
