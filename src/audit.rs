@@ -197,7 +197,8 @@ pub struct ClipperAudit {
     pub warnings: Vec<String>,
 }
 
-fn median(v: &[f64]) -> f64 {
+/// The median (mean of the middle two for an even count): the default clipping norm.
+pub fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.total_cmp(b));
     let n = s.len();

@@ -41,7 +41,7 @@ pub mod synthetic;
 mod trace;
 
 pub use audit::{
-    builtin_suite, prepare, run as run_audit, worst_case, AuditOptions, Case, ClipperAudit,
+    builtin_suite, median, prepare, run as run_audit, worst_case, AuditOptions, Case, ClipperAudit,
     PreparedCase, SUITE_C_MULTIPLIERS,
 };
 pub use bench::{bench, tied_head_trace, BenchResult};

@@ -5,7 +5,7 @@ use ghost_oracle::{
 };
 use ghost_oracle::{
     bench as bench_clipper, check_trace, clip_coefficients, kill_matrix, kill_matrix_json,
-    kill_matrix_table, tied_head_trace, write_claimed_trace, CandleGpt2, Mutant,
+    kill_matrix_table, median, tied_head_trace, write_claimed_trace, CandleGpt2, Mutant,
 };
 use ghost_oracle_reference::{self as reference, Batch, Gpt2, Reduction};
 use std::io::{IsTerminal, Write};
@@ -340,6 +340,21 @@ fn device(arg: DeviceArg) -> Result<candle_core::Device, Error> {
     }
 }
 
+/// C must be positive and σ non-negative, checked before any work is done.
+fn check_flags(max_grad_norm: Option<f64>, noise_multiplier: Option<f64>) -> Result<(), Error> {
+    if let Some(c) = max_grad_norm.filter(|c| !(c.is_finite() && *c > 0.0)) {
+        return Err(Error::input(format!(
+            "--max-grad-norm must be a positive number, got {c}"
+        )));
+    }
+    if let Some(s) = noise_multiplier.filter(|s| !(s.is_finite() && *s >= 0.0)) {
+        return Err(Error::input(format!(
+            "--noise-multiplier must be a non-negative number, got {s}"
+        )));
+    }
+    Ok(())
+}
+
 /// The clippers named by `--clipper`, or `default` when none is.
 fn clippers_or(
     names: Vec<String>,
@@ -405,18 +420,7 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             reduction,
             report,
         } => {
-            if let Some(c) = max_grad_norm {
-                if !(c.is_finite() && c > 0.0) {
-                    return Err(Error::input(format!(
-                        "--max-grad-norm must be a positive number, got {c}"
-                    )));
-                }
-            }
-            if !(noise_multiplier.is_finite() && noise_multiplier >= 0.0) {
-                return Err(Error::input(format!(
-                    "--noise-multiplier must be a non-negative number, got {noise_multiplier}"
-                )));
-            }
+            check_flags(max_grad_norm, Some(noise_multiplier))?;
             let clippers = clippers_or(clippers, &ghost_oracle::BUILTIN_CLIPPERS)?;
             let cases = match (model, batch) {
                 (Some(m), Some(b)) => vec![load_case(&m, &b)?],
@@ -529,13 +533,7 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
                 PrecisionArg::F32 => candle_core::DType::F32,
                 PrecisionArg::F64 => candle_core::DType::F64,
             });
-            if let Some(s) = noise_multiplier {
-                if !(s.is_finite() && s >= 0.0) {
-                    return Err(Error::input(format!(
-                        "--noise-multiplier must be a non-negative number, got {s}"
-                    )));
-                }
-            }
+            check_flags(None, noise_multiplier)?;
             let (audit, precision) = check_trace(&trace, precision, noise_multiplier)?;
             let audits = vec![audit];
             let precision = format!("{precision:?}").to_lowercase();
@@ -550,6 +548,7 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             dtype,
             reduction,
         } => {
+            check_flags(max_grad_norm, None)?;
             let clip = builtin(&clipper)?;
             let m = Gpt2::load(&model)?;
             let b = Batch::load(&batch)?;
@@ -558,19 +557,7 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
                 CandleGpt2::from_reference(&m, dtype.into(), &candle_core::Device::Cpu)?
                     .extract(&b, reduction.into())?;
             let report = clip.norms(&extracted.trace)?;
-            let c = match max_grad_norm {
-                Some(c) if c.is_finite() && c > 0.0 => c,
-                Some(c) => {
-                    return Err(Error::input(format!(
-                        "--max-grad-norm must be a positive number, got {c}"
-                    )))
-                }
-                None => {
-                    let mut n = report.norms.clone();
-                    n.sort_by(|a, b| a.total_cmp(b));
-                    n[n.len() / 2]
-                }
-            };
+            let c = max_grad_norm.unwrap_or_else(|| median(&report.norms));
             let coefs = clip_coefficients(&report.norms, c);
             write_claimed_trace(
                 &out,
