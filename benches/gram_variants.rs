@@ -1,7 +1,9 @@
-//! Variants of the LM head's Gram ΔΔᵀ (B×T×V by its transpose), side by side in one run:
+//! Variants of the LM head's Gram ΔΔᵀ (B×T×V by its transpose), side by side in one run, the
+//! last column the kernel `factor::gram` ships:
 //! `cargo bench --bench gram_variants`.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
+use ghost_oracle::factor::{gram, Factor};
 use std::time::Instant;
 
 fn median<F: FnMut()>(mut f: F) -> f64 {
@@ -20,15 +22,16 @@ fn median<F: FnMut()>(mut f: F) -> f64 {
 fn main() {
     let v = 50257;
     println!(
-        "{:>4} {:>3}  {:>22}  {:>22}  {:>22}  {:>24}",
+        "{:>4} {:>3}  {:>22}  {:>22}  {:>22}  {:>24}  {:>28}",
         "T",
         "B",
         "transposed view GF/s",
         "contiguous copy GF/s",
         "V split in 4 GF/s",
-        "V halves, 2 threads GF/s"
+        "V halves, 2 threads GF/s",
+        "gemm pieces (shipped) GF/s"
     );
-    for (t, b) in [(128, 1), (128, 8), (512, 1)] {
+    for (t, b) in [(128, 1), (128, 8), (256, 1), (512, 1)] {
         let x = Tensor::randn(0f32, 1.0, (b, t, v), &Device::Cpu).unwrap();
         let flops = 2.0 * (b * t * t * v) as f64;
         let view = median(|| {
@@ -68,12 +71,17 @@ fn main() {
             });
             std::hint::black_box((ga + gc).unwrap());
         });
+        let dense = Factor::Dense(x.clone());
+        let shipped = median(|| {
+            std::hint::black_box(gram(&dense, &dense, DType::F32).unwrap());
+        });
         println!(
-            "{t:>4} {b:>3}  {:>22.1}  {:>22.1}  {:>22.1}  {:>24.1}",
+            "{t:>4} {b:>3}  {:>22.1}  {:>22.1}  {:>22.1}  {:>24.1}  {:>28.1}",
             flops / view / 1e9,
             flops / copy / 1e9,
             flops / split / 1e9,
-            flops / threads / 1e9
+            flops / threads / 1e9,
+            flops / shipped / 1e9
         );
     }
 }

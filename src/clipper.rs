@@ -105,7 +105,7 @@ fn own_norms(trace: &Trace, factored: &[Factored], dtype: DType) -> Result<Vec<V
         .iter()
         .map(|f| {
             if f.prefers_gram() {
-                factor::to_f64_vec(&factor::inner(f, f, dtype)?)
+                factor::inner(f, f, dtype)
             } else {
                 (0..trace.batch_size())
                     .map(|i| factor::sum_sq(&factor::materialize(f, i, dtype)?))
@@ -189,7 +189,7 @@ impl Clipper for TiedGhostClipper {
             .shared_pairs()
             .into_iter()
             .map(|(param, j, k)| {
-                let values = factor::to_f64_vec(&factor::inner(&factored[j], &factored[k], dtype)?)
+                let values = factor::inner(&factored[j], &factored[k], dtype)
                     .map_err(|e| e.context(format!("parameter `{param}`")))?;
                 Ok(CrossTerm {
                     param,

@@ -178,83 +178,285 @@ pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
 /// costs ~50 ns an element, which made the T² gather of the tied cross term dearer than its
 /// Gram. `None` where the fast path does not apply (another device or dtype, a strided y).
 fn gather_columns_cpu(y: &Tensor, ids: &Tensor) -> Result<Option<Tensor>> {
-    fn run<T: candle_core::WithDType>(
-        data: &[T],
-        ids: &[u32],
-        (b, s, v): (usize, usize, usize),
-        t: usize,
-    ) -> Vec<T> {
-        let mut out = Vec::with_capacity(b * t * s);
-        for bb in 0..b {
-            for tt in 0..t {
-                let col = ids[bb * t + tt] as usize;
-                out.extend((0..s).map(|ss| data[(bb * s + ss) * v + col]));
-            }
-        }
-        out
-    }
     if !y.device().is_cpu() {
         return Ok(None);
     }
-    let dims = y.dims3()?;
+    let (b, s, v) = y.dims3()?;
     let t = ids.dims()[1];
     let ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
+    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= v) {
+        return Err(Error::input(format!(
+            "one-hot id {bad} is outside the table's {v} rows"
+        )));
+    }
+    let dims = GatherDims { b, t, s, v };
+    let threads = threads_for(b * t * s, PARALLEL_GATHER);
     let (storage, layout) = y.storage_and_layout();
-    let (Some((start, end)), candle_core::Storage::Cpu(cpu)) =
-        (layout.contiguous_offsets(), &*storage)
-    else {
-        return Ok(None);
-    };
-    let out = match cpu {
-        candle_core::CpuStorage::F32(d) => Tensor::from_vec(
-            run(&d[start..end], &ids, dims, t),
-            (dims.0, t, dims.1),
+    Ok(match CpuData::of(&storage, layout) {
+        Some(CpuData::F32(d)) => Some(Tensor::from_vec(
+            gather_rows(d, &ids, dims, threads),
+            (b, t, s),
             y.device(),
-        )?,
-        candle_core::CpuStorage::F64(d) => Tensor::from_vec(
-            run(&d[start..end], &ids, dims, t),
-            (dims.0, t, dims.1),
+        )?),
+        Some(CpuData::F64(d)) => Some(Tensor::from_vec(
+            gather_rows(d, &ids, dims, threads),
+            (b, t, s),
             y.device(),
-        )?,
-        _ => return Ok(None),
-    };
-    Ok(Some(out))
+        )?),
+        None => None,
+    })
 }
 
-/// Reductions at least this long (an LM head's vocabulary) are split across threads.
-const SPLIT_WIDTH: usize = 8192;
+#[derive(Clone, Copy)]
+struct GatherDims {
+    b: usize,
+    t: usize,
+    s: usize,
+    v: usize,
+}
 
-/// x yᵀ per example, reading y's transpose in place (a contiguous copy of a B×T×V logit
-/// gradient costs more than the product). A long reduction with short T sides is split into one
-/// slice per core: the GEMM parallelizes poorly over a 128×128 output, the slices do not.
-fn dense_gram(x: &Tensor, y: &Tensor) -> Result<Tensor> {
-    let width = x.dims()[2];
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(8);
-    if width < SPLIT_WIDTH || threads < 2 || !x.device().is_cpu() {
-        return Ok(x.matmul(&y.transpose(1, 2)?)?);
+/// Gathers at least this many values are split across threads: every read is a cache miss.
+const PARALLEL_GATHER: usize = 1 << 16;
+
+fn gather_rows<T: candle_core::WithDType>(
+    data: &[T],
+    ids: &[u32],
+    d: GatherDims,
+    threads: usize,
+) -> Vec<T> {
+    let GatherDims { b, t, s, v } = d;
+    let mut out = vec![T::zero(); b * t * s];
+    if out.is_empty() {
+        return out;
     }
-    let chunk = width.div_ceil(threads);
-    let parts: Vec<Result<Tensor>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|k| {
-                s.spawn(move || -> Result<Tensor> {
-                    let start = k * chunk;
-                    let len = chunk.min(width - start);
-                    let (xs, ys) = (x.narrow(2, start, len)?, y.narrow(2, start, len)?);
-                    Ok(xs.matmul(&ys.transpose(1, 2)?)?)
+    // Output rows (b, t) first..first + n, each S long. Row by row of y: the reads of one row of
+    // y stay within V values (a few pages); column by column every read is on another page.
+    let fill = |first: usize, out: &mut [T]| {
+        let n = out.len() / s;
+        let mut r = 0;
+        while r < n {
+            let bb = (first + r) / t;
+            let run = n.min((bb + 1) * t - first) - r;
+            for ss in 0..s {
+                let row = &data[(bb * s + ss) * v..][..v];
+                for k in 0..run {
+                    out[(r + k) * s + ss] = row[ids[first + r + k] as usize];
+                }
+            }
+            r += run;
+        }
+    };
+    if threads < 2 {
+        fill(0, &mut out);
+        return out;
+    }
+    let rows_per = (b * t).div_ceil(threads);
+    std::thread::scope(|sc| {
+        for (k, chunk) in out.chunks_mut(rows_per * s).enumerate() {
+            let fill = &fill;
+            sc.spawn(move || fill(k * rows_per, chunk));
+        }
+    });
+    out
+}
+
+/// x yᵀ per example. On the CPU (f32 or f64, contiguous) the products go to gemm with the work
+/// split by hand (`cpu_gram`); elsewhere candle's matmul reads a transposed *view* of y: a
+/// contiguous copy of a B×T×V logit gradient costs more than the product.
+fn dense_gram(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let ((b, t, k), s) = (x.dims3()?, y.dims()[1]);
+    {
+        let (xs, xl) = x.storage_and_layout();
+        let (ys, yl) = y.storage_and_layout();
+        let dims = GramDims { b, t, s, k };
+        match (CpuData::of(&xs, xl), CpuData::of(&ys, yl)) {
+            (Some(CpuData::F32(a)), Some(CpuData::F32(c))) => {
+                let g = cpu_gram(a, c, dims, threads_for(2 * b * t * s * k, PARALLEL_FLOPS));
+                return Ok(Tensor::from_vec(g, (b, t, s), x.device())?);
+            }
+            (Some(CpuData::F64(a)), Some(CpuData::F64(c))) => {
+                let g = cpu_gram(a, c, dims, threads_for(2 * b * t * s * k, PARALLEL_FLOPS));
+                return Ok(Tensor::from_vec(g, (b, t, s), x.device())?);
+            }
+            _ => {}
+        }
+    }
+    Ok(x.matmul(&y.transpose(1, 2)?)?)
+}
+
+/// A tensor's values in CPU memory, when contiguous and f32 or f64.
+enum CpuData<'a> {
+    F32(&'a [f32]),
+    F64(&'a [f64]),
+}
+
+impl<'a> CpuData<'a> {
+    fn of(storage: &'a candle_core::Storage, layout: &candle_core::Layout) -> Option<Self> {
+        use candle_core::{CpuStorage, Storage};
+        let (start, end) = layout.contiguous_offsets()?;
+        match storage {
+            Storage::Cpu(CpuStorage::F32(d)) => Some(CpuData::F32(&d[start..end])),
+            Storage::Cpu(CpuStorage::F64(d)) => Some(CpuData::F64(&d[start..end])),
+            _ => None,
+        }
+    }
+}
+
+/// B examples of a T×k by S×k product, row-major.
+#[derive(Clone, Copy)]
+struct GramDims {
+    b: usize,
+    t: usize,
+    s: usize,
+    k: usize,
+}
+
+/// Products smaller than this run on one thread: spawning costs more than it saves.
+const PARALLEL_FLOPS: usize = 1 << 26;
+
+/// x yᵀ per example with gemm, each piece single-threaded and the pieces spread over the cores.
+/// A piece is one example, or for a small batch one slice of the reduction (an LM head's
+/// vocabulary): gemm's own threading splits the output, which for a 128×128 Gram leaves the cores
+/// idle (`cargo bench --bench gram_variants`: 138 → 193 GFLOP/s at T = 128).
+fn cpu_gram<T: candle_core::WithDType>(x: &[T], y: &[T], d: GramDims, threads: usize) -> Vec<T> {
+    let GramDims { b, t, s, k } = d;
+    let out_len = t * s;
+    let mut out = vec![T::zero(); b * out_len];
+    if out.is_empty() || k == 0 {
+        return out;
+    }
+    if threads < 2 {
+        for (i, o) in out.chunks_mut(out_len).enumerate() {
+            gemm_piece(x, y, d, i, 0..k, o);
+        }
+        return out;
+    }
+    // Pieces per example: enough for every thread to get the same number of equal pieces, and
+    // at least two per thread so that one slow piece does not leave a core waiting.
+    let mut parts = threads / gcd(b, threads);
+    if b * parts < 2 * threads {
+        parts *= 2;
+    }
+    let parts = parts.min(k);
+    if parts == 1 {
+        // Whole examples: every thread writes its own examples' blocks of the output.
+        let mut shares: Vec<Vec<(usize, &mut [T])>> = (0..threads).map(|_| Vec::new()).collect();
+        for (i, o) in out.chunks_mut(out_len).enumerate() {
+            shares[i % threads].push((i, o));
+        }
+        let run = |share: Vec<(usize, &mut [T])>| {
+            for (i, o) in share {
+                gemm_piece(x, y, d, i, 0..k, o);
+            }
+        };
+        std::thread::scope(|sc| {
+            let mut shares = shares.into_iter();
+            let own = shares.next().expect("at least two threads");
+            for share in shares {
+                let run = &run;
+                sc.spawn(move || run(share));
+            }
+            run(own);
+        });
+        return out;
+    }
+    // Thread th takes pieces th, th + threads, ...; the calling thread is thread 0 and writes
+    // into the output, the others into buffers of their own, added at the end.
+    let chunk = k.div_ceil(parts);
+    let pieces = |th: usize, acc: &mut [T]| {
+        for piece in (th..b * parts).step_by(threads) {
+            let (i, p) = (piece / parts, piece % parts);
+            let range = (p * chunk).min(k)..((p + 1) * chunk).min(k);
+            gemm_piece(x, y, d, i, range, &mut acc[i * out_len..][..out_len]);
+        }
+    };
+    let partials: Vec<Vec<T>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (1..threads)
+            .map(|th| {
+                let pieces = &pieces;
+                sc.spawn(move || {
+                    let mut acc = vec![T::zero(); b * out_len];
+                    pieces(th, &mut acc);
+                    acc
                 })
             })
             .collect();
+        pieces(0, &mut out);
         handles
             .into_iter()
-            .map(|h| h.join().expect("gram thread"))
+            .map(|h| h.join().expect("gram thread panicked"))
             .collect()
     });
-    let mut parts = parts.into_iter();
-    let first = parts.next().expect("at least one slice")?;
-    parts.try_fold(first, |acc, p| Ok((acc + p?)?))
+    for part in &partials {
+        for (o, v) in out.iter_mut().zip(part) {
+            *o += *v;
+        }
+    }
+    out
+}
+
+/// The cores to use for a job of `work` units: one below `parallel_from`, else up to 8.
+fn threads_for(work: usize, parallel_from: usize) -> usize {
+    if work < parallel_from {
+        return 1;
+    }
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(8)
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// o += x_i[:, range] · y_i[:, range]ᵀ on the calling thread.
+fn gemm_piece<T: candle_core::WithDType>(
+    x: &[T],
+    y: &[T],
+    d: GramDims,
+    i: usize,
+    range: std::ops::Range<usize>,
+    o: &mut [T],
+) {
+    let GramDims { b, t, s, k } = d;
+    assert!(
+        x.len() == b * t * k && y.len() == b * s * k && o.len() == t * s && range.end <= k,
+        "gemm_piece: slice lengths do not match the dimensions"
+    );
+    if range.is_empty() {
+        return;
+    }
+    let (xp, yp) = (&x[i * t * k + range.start..], &y[i * s * k + range.start..]);
+    // SAFETY: the assert above bounds every access: gemm reads x at row·k + col and y at
+    // col + row·k for row < t (resp. s) and col < range.len(), inside example i's block, and
+    // writes o at row·s + col for row < t, col < s.
+    unsafe {
+        gemm::gemm(
+            t,
+            s,
+            range.len(),
+            o.as_mut_ptr(),
+            1,
+            s as isize,
+            true,
+            xp.as_ptr(),
+            1,
+            k as isize,
+            yp.as_ptr(),
+            k as isize,
+            1,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
 }
 
 fn a_device(a: &Factor, b: &Factor) -> candle_core::Device {
@@ -270,7 +472,7 @@ fn a_device(a: &Factor, b: &Factor) -> candle_core::Device {
 
 /// ⟨G_j, G_k⟩ per example = Σ_{t,s} (l_jt·l_ks)(r_jt·r_ks): the Gram identity, used for a site's
 /// own squared norm (j = k) and for the cross term of two uses of one parameter.
-pub fn inner(a: &Factored, b: &Factored, dtype: DType) -> Result<Tensor> {
+pub fn inner(a: &Factored, b: &Factored, dtype: DType) -> Result<Vec<f64>> {
     if a.shape() != b.shape() {
         return Err(Error::input(format!(
             "gradient shapes differ: {:?} vs {:?}",
@@ -280,7 +482,33 @@ pub fn inner(a: &Factored, b: &Factored, dtype: DType) -> Result<Tensor> {
     }
     let gl = gram(&a.left, &b.left, dtype)?;
     let gr = gram(&a.right, &b.right, dtype)?;
-    Ok((gl * gr)?.sum((1, 2))?)
+    frobenius_per_example(&gl, &gr)
+}
+
+/// Σ_{t,s} x[i,t,s]·y[i,t,s] for every example i. On the CPU one pass accumulating in f64 (the
+/// sum has T² terms; candle's product-then-sum took longer than the cross term's Gram).
+fn frobenius_per_example(x: &Tensor, y: &Tensor) -> Result<Vec<f64>> {
+    fn run<T: candle_core::WithDType>(x: &[T], y: &[T], n: usize) -> Vec<f64> {
+        let per = x.len() / n.max(1);
+        if per == 0 {
+            return vec![0.0; n];
+        }
+        x.chunks(per)
+            .zip(y.chunks(per))
+            .map(|(a, b)| a.iter().zip(b).map(|(p, q)| p.to_f64() * q.to_f64()).sum())
+            .collect()
+    }
+    let n = x.dims()[0];
+    if x.dims() == y.dims() {
+        let (xs, xl) = x.storage_and_layout();
+        let (ys, yl) = y.storage_and_layout();
+        match (CpuData::of(&xs, xl), CpuData::of(&ys, yl)) {
+            (Some(CpuData::F32(a)), Some(CpuData::F32(b))) => return Ok(run(a, b, n)),
+            (Some(CpuData::F64(a)), Some(CpuData::F64(b))) => return Ok(run(a, b, n)),
+            _ => {}
+        }
+    }
+    to_f64_vec(&(x * y)?.sum((1, 2))?)
 }
 
 /// Magnitudes of the terms of ⟨G_j, G_k⟩, per example: Σ_{t,s} |(l_jt·l_ks)(r_jt·r_ks)| and the
@@ -353,4 +581,69 @@ pub fn dot_all(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// A per-example vector as f64.
 pub fn to_f64_vec(t: &Tensor) -> Result<Vec<f64>> {
     Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ghost_oracle_reference::SplitMix64;
+
+    fn normals(rng: &mut SplitMix64, n: usize) -> Vec<f64> {
+        (0..n).map(|_| rng.normal()).collect()
+    }
+
+    // Every schedule (one thread; whole examples per thread; slices of the reduction, with
+    // batches that do and do not divide the thread count, and more threads than pieces) against
+    // the sum written out.
+    #[test]
+    fn gram_schedules_agree_with_the_plain_sum() {
+        let mut rng = SplitMix64::new(11);
+        for (b, t, s, k) in [
+            (1, 3, 4, 37),
+            (2, 5, 3, 101),
+            (3, 2, 2, 7),
+            (4, 1, 6, 64),
+            (6, 4, 4, 3),
+            (1, 2, 2, 1),
+        ] {
+            let (x, y) = (normals(&mut rng, b * t * k), normals(&mut rng, b * s * k));
+            let plain: Vec<f64> = (0..b * t * s)
+                .map(|o| {
+                    let (i, tt, ss) = (o / (t * s), o / s % t, o % s);
+                    (0..k)
+                        .map(|kk| x[(i * t + tt) * k + kk] * y[(i * s + ss) * k + kk])
+                        .sum()
+                })
+                .collect();
+            for threads in 1..=5 {
+                let got = cpu_gram(&x, &y, GramDims { b, t, s, k }, threads);
+                for (g, p) in got.iter().zip(&plain) {
+                    assert!(
+                        (g - p).abs() <= 1e-12 * (1.0 + p.abs()),
+                        "b {b} t {t} s {s} k {k}, {threads} threads: {g} vs {p}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gather_schedules_agree_with_indexing() {
+        let mut rng = SplitMix64::new(12);
+        for (b, t, s, v) in [(1, 5, 3, 11), (3, 4, 2, 7), (2, 1, 5, 3), (4, 3, 3, 1)] {
+            let data = normals(&mut rng, b * s * v);
+            let ids: Vec<u32> = (0..b * t).map(|j| ((j * 7 + 3) % v) as u32).collect();
+            for threads in 1..=5 {
+                let got = gather_rows(&data, &ids, GatherDims { b, t, s, v }, threads);
+                for (o, g) in got.iter().enumerate() {
+                    let (i, tt, ss) = (o / (t * s), o / s % t, o % s);
+                    let want = data[(i * s + ss) * v + ids[i * t + tt] as usize];
+                    assert_eq!(
+                        *g, want,
+                        "b {b} t {t} s {s} v {v}, {threads} threads, at {o}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -131,13 +131,9 @@ impl MutantClipper {
                 } else {
                     DType::BF16
                 };
-                per_example(&factor::inner(
-                    &to_half(a, half)?,
-                    &to_half(b, half)?,
-                    half,
-                )?)
+                factor::inner(&to_half(a, half)?, &to_half(b, half)?, half)
             }
-            _ => per_example(&factor::inner(a, b, dtype)?),
+            _ => factor::inner(a, b, dtype),
         }
     }
 
