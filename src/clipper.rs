@@ -184,7 +184,9 @@ impl Clipper for TiedGhostClipper {
     fn norms(&self, trace: &Trace) -> Result<NormReport> {
         let factored = factor_all(trace)?;
         let dtype = trace.dtype();
-        let site_sq = own_norms(trace, &factored, dtype)?;
+        // Cross terms before the own norms: the site's d-wide factors they read are then still
+        // in cache for the own norms' small Grams. Computed after the head's V-wide Gram, which
+        // streams B×T×V values through the cache, they cost twice as much (docs/results.md).
         let cross = trace
             .shared_pairs()
             .into_iter()
@@ -198,6 +200,7 @@ impl Clipper for TiedGhostClipper {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let site_sq = own_norms(trace, &factored, dtype)?;
         Ok(finish(site_sq, cross, trace.batch_size(), Vec::new()))
     }
 }

@@ -130,16 +130,13 @@ pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
     Ok(match (a, b) {
         (Factor::Dense(x), Factor::Dense(y)) => dense_gram(x, y)?,
         // ⟨onehot(x_t), y_s⟩ = y_s[x_t]: a gather, never a one-hot product.
-        (Factor::OneHot { ids, .. }, Factor::Dense(y)) => match gather_columns_cpu(y, ids)? {
-            Some(g) => g,
-            None => {
-                let idx = ids
-                    .unsqueeze(1)?
-                    .broadcast_as((batch, s, t))?
-                    .contiguous()?;
-                y.gather(&idx, 2)?.transpose(1, 2)?.contiguous()?
-            }
-        },
+        (Factor::OneHot { ids, .. }, Factor::Dense(y)) => {
+            let idx = ids
+                .unsqueeze(1)?
+                .broadcast_as((batch, s, t))?
+                .contiguous()?;
+            y.gather(&idx, 2)?.transpose(1, 2)?.contiguous()?
+        }
         (Factor::Dense(x), Factor::OneHot { ids, .. }) => {
             let idx = ids
                 .unsqueeze(1)?
@@ -172,92 +169,6 @@ pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
             }
         }
     })
-}
-
-/// g[b, t, s] = y[b, s, ids[b, t]], read straight from CPU memory: candle's generic gather
-/// costs ~50 ns an element, which made the T² gather of the tied cross term dearer than its
-/// Gram. `None` where the fast path does not apply (another device or dtype, a strided y).
-fn gather_columns_cpu(y: &Tensor, ids: &Tensor) -> Result<Option<Tensor>> {
-    if !y.device().is_cpu() {
-        return Ok(None);
-    }
-    let (b, s, v) = y.dims3()?;
-    let t = ids.dims()[1];
-    let ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
-    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= v) {
-        return Err(Error::input(format!(
-            "one-hot id {bad} is outside the table's {v} rows"
-        )));
-    }
-    let dims = GatherDims { b, t, s, v };
-    let threads = threads_for(b * t * s, PARALLEL_GATHER);
-    let (storage, layout) = y.storage_and_layout();
-    Ok(match CpuData::of(&storage, layout) {
-        Some(CpuData::F32(d)) => Some(Tensor::from_vec(
-            gather_rows(d, &ids, dims, threads),
-            (b, t, s),
-            y.device(),
-        )?),
-        Some(CpuData::F64(d)) => Some(Tensor::from_vec(
-            gather_rows(d, &ids, dims, threads),
-            (b, t, s),
-            y.device(),
-        )?),
-        None => None,
-    })
-}
-
-#[derive(Clone, Copy)]
-struct GatherDims {
-    b: usize,
-    t: usize,
-    s: usize,
-    v: usize,
-}
-
-/// Gathers at least this many values are split across threads: every read is a cache miss.
-const PARALLEL_GATHER: usize = 1 << 16;
-
-fn gather_rows<T: candle_core::WithDType>(
-    data: &[T],
-    ids: &[u32],
-    d: GatherDims,
-    threads: usize,
-) -> Vec<T> {
-    let GatherDims { b, t, s, v } = d;
-    let mut out = vec![T::zero(); b * t * s];
-    if out.is_empty() {
-        return out;
-    }
-    // Output rows (b, t) first..first + n, each S long. Row by row of y: the reads of one row of
-    // y stay within V values (a few pages); column by column every read is on another page.
-    let fill = |first: usize, out: &mut [T]| {
-        let n = out.len() / s;
-        let mut r = 0;
-        while r < n {
-            let bb = (first + r) / t;
-            let run = n.min((bb + 1) * t - first) - r;
-            for ss in 0..s {
-                let row = &data[(bb * s + ss) * v..][..v];
-                for k in 0..run {
-                    out[(r + k) * s + ss] = row[ids[first + r + k] as usize];
-                }
-            }
-            r += run;
-        }
-    };
-    if threads < 2 {
-        fill(0, &mut out);
-        return out;
-    }
-    let rows_per = (b * t).div_ceil(threads);
-    std::thread::scope(|sc| {
-        for (k, chunk) in out.chunks_mut(rows_per * s).enumerate() {
-            let fill = &fill;
-            sc.spawn(move || fill(k * rows_per, chunk));
-        }
-    });
-    out
 }
 
 /// x yᵀ per example. On the CPU (f32 or f64, contiguous) the products go to gemm with the work
@@ -480,9 +391,164 @@ pub fn inner(a: &Factored, b: &Factored, dtype: DType) -> Result<Vec<f64>> {
             b.shape()
         )));
     }
-    let gl = gram(&a.left, &b.left, dtype)?;
     let gr = gram(&a.right, &b.right, dtype)?;
+    if let Some(v) = onehot_inner_cpu(&a.left, &b.left, &gr)? {
+        return Ok(v);
+    }
+    let gl = gram(&a.left, &b.left, dtype)?;
     frobenius_per_example(&gl, &gr)
+}
+
+/// Σ_{t,s} ⟨l_t, m_s⟩·w[t,s] per example where l or m is one-hot, with ⟨onehot(x_t), y_s⟩ =
+/// y_s[x_t] read in place while summing (CPU, f32/f64; `None` elsewhere). The one-hot side of the
+/// Gram never becomes a T×S matrix: for the tied cross term that matrix cost more in page faults
+/// and a second pass than the gather itself.
+fn onehot_inner_cpu(l: &Factor, m: &Factor, w: &Tensor) -> Result<Option<Vec<f64>>> {
+    let ids_of = |ids: &Tensor, size: usize| -> Result<Vec<u32>> {
+        let ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
+        match ids.iter().find(|&&i| i as usize >= size) {
+            Some(bad) => Err(Error::input(format!(
+                "one-hot id {bad} is outside the table's {size} rows"
+            ))),
+            None => Ok(ids),
+        }
+    };
+    let (b, t, s) = w.dims3()?;
+    // (one-hot ids, the dense factor whose rows are read, w laid out ids-index first)
+    let (ids, table, ids_first) = match (l, m) {
+        (Factor::OneHot { ids: x, size }, Factor::OneHot { ids: y, .. }) => {
+            let (x, y) = (ids_of(x, *size)?, ids_of(y, *size)?);
+            if (x.len(), y.len()) != (b * t, b * s) {
+                return Ok(None);
+            }
+            let (ws, wl) = w.storage_and_layout();
+            return Ok(match CpuData::of(&ws, wl) {
+                Some(CpuData::F32(w)) => Some(equal_ids_sum(&x, &y, w, (b, t, s))),
+                Some(CpuData::F64(w)) => Some(equal_ids_sum(&x, &y, w, (b, t, s))),
+                None => None,
+            });
+        }
+        (Factor::OneHot { ids, size }, Factor::Dense(y)) => (ids_of(ids, *size)?, y, true),
+        (Factor::Dense(x), Factor::OneHot { ids, size }) => (ids_of(ids, *size)?, x, false),
+        _ => return Ok(None),
+    };
+    let (rows, n_ids) = if ids_first { (s, t) } else { (t, s) };
+    let d = RowDims {
+        b,
+        rows,
+        ids: n_ids,
+        v: table.dims()[2],
+    };
+    let threads = threads_for(b * t * s, PARALLEL_GATHER);
+    if ids.len() != b * n_ids || table.dims()[..2] != [b, rows] {
+        return Ok(None);
+    }
+    let (ys, yl) = table.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    Ok(match (CpuData::of(&ys, yl), CpuData::of(&ws, wl)) {
+        (Some(CpuData::F32(y)), Some(CpuData::F32(w))) => {
+            Some(table_weighted_sum(y, &ids, w, d, ids_first, threads))
+        }
+        (Some(CpuData::F64(y)), Some(CpuData::F64(w))) => {
+            Some(table_weighted_sum(y, &ids, w, d, ids_first, threads))
+        }
+        _ => None,
+    })
+}
+
+/// Σ_{t,s: x_t = y_s} w[t,s] per example: the Gram identity's one-hot × one-hot side.
+fn equal_ids_sum<T: candle_core::WithDType>(
+    x: &[u32],
+    y: &[u32],
+    w: &[T],
+    (b, t, s): (usize, usize, usize),
+) -> Vec<f64> {
+    (0..b)
+        .map(|i| {
+            let (x, y, w) = (&x[i * t..][..t], &y[i * s..][..s], &w[i * t * s..][..t * s]);
+            let mut acc = 0.0;
+            for (tt, xt) in x.iter().enumerate() {
+                for (ss, ys) in y.iter().enumerate() {
+                    if xt == ys {
+                        acc += w[tt * s + ss].to_f64();
+                    }
+                }
+            }
+            acc
+        })
+        .collect()
+}
+
+/// A B×rows×V table read at B×ids column indices.
+#[derive(Clone, Copy)]
+struct RowDims {
+    b: usize,
+    rows: usize,
+    ids: usize,
+    v: usize,
+}
+
+/// Sums of at least this many table reads are split across threads: every read is a cache miss.
+const PARALLEL_GATHER: usize = 1 << 16;
+
+/// Σ_{r,j} y[b, r, ids[b, j]]·w_b(j, r) per example, where w is B×ids×rows (`ids_first`) or
+/// B×rows×ids. Row by row of y: the reads of one row stay within V values (a few pages), where
+/// column by column every read is on another page.
+fn table_weighted_sum<T: candle_core::WithDType>(
+    y: &[T],
+    ids: &[u32],
+    w: &[T],
+    d: RowDims,
+    ids_first: bool,
+    threads: usize,
+) -> Vec<f64> {
+    let RowDims { b, rows, ids: n, v } = d;
+    // Rows q in `range` of the B×rows stack, summed into per-example partials.
+    let sum_rows = |range: std::ops::Range<usize>| -> Vec<f64> {
+        let mut acc = vec![0.0; b];
+        for q in range {
+            let (i, r) = (q / rows, q % rows);
+            let row = &y[q * v..][..v];
+            let ids = &ids[i * n..][..n];
+            let w = &w[i * n * rows..][..n * rows];
+            acc[i] += if ids_first {
+                ids.iter()
+                    .enumerate()
+                    .map(|(j, &c)| row[c as usize].to_f64() * w[j * rows + r].to_f64())
+                    .sum::<f64>()
+            } else {
+                let w = &w[r * n..][..n];
+                ids.iter()
+                    .zip(w)
+                    .map(|(&c, wj)| row[c as usize].to_f64() * wj.to_f64())
+                    .sum::<f64>()
+            };
+        }
+        acc
+    };
+    let total = b * rows;
+    if threads < 2 || total == 0 {
+        return sum_rows(0..total);
+    }
+    let per = total.div_ceil(threads);
+    let partials: Vec<Vec<f64>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (1..threads)
+            .map(|th| {
+                let sum_rows = &sum_rows;
+                sc.spawn(move || sum_rows((th * per).min(total)..((th + 1) * per).min(total)))
+            })
+            .collect();
+        let mut all = vec![sum_rows(0..per.min(total))];
+        all.extend(
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("one-hot sum thread panicked")),
+        );
+        all
+    });
+    (0..b)
+        .map(|i| partials.iter().map(|p| p[i]).sum())
+        .collect()
 }
 
 /// Σ_{t,s} x[i,t,s]·y[i,t,s] for every example i. On the CPU one pass accumulating in f64 (the
@@ -628,20 +694,38 @@ mod tests {
     }
 
     #[test]
-    fn gather_schedules_agree_with_indexing() {
+    fn one_hot_sums_agree_with_indexing_on_every_schedule() {
         let mut rng = SplitMix64::new(12);
-        for (b, t, s, v) in [(1, 5, 3, 11), (3, 4, 2, 7), (2, 1, 5, 3), (4, 3, 3, 1)] {
-            let data = normals(&mut rng, b * s * v);
-            let ids: Vec<u32> = (0..b * t).map(|j| ((j * 7 + 3) % v) as u32).collect();
-            for threads in 1..=5 {
-                let got = gather_rows(&data, &ids, GatherDims { b, t, s, v }, threads);
-                for (o, g) in got.iter().enumerate() {
-                    let (i, tt, ss) = (o / (t * s), o / s % t, o % s);
-                    let want = data[(i * s + ss) * v + ids[i * t + tt] as usize];
-                    assert_eq!(
-                        *g, want,
-                        "b {b} t {t} s {s} v {v}, {threads} threads, at {o}"
-                    );
+        for (b, rows, n, v) in [(1, 5, 3, 11), (3, 4, 2, 7), (2, 1, 5, 3), (4, 3, 3, 1)] {
+            let y = normals(&mut rng, b * rows * v);
+            let w = normals(&mut rng, b * rows * n);
+            let ids: Vec<u32> = (0..b * n).map(|j| ((j * 7 + 3) % v) as u32).collect();
+            for ids_first in [true, false] {
+                let plain: Vec<f64> = (0..b)
+                    .map(|i| {
+                        let mut acc = 0.0;
+                        for r in 0..rows {
+                            for j in 0..n {
+                                let wj = if ids_first {
+                                    w[(i * n + j) * rows + r]
+                                } else {
+                                    w[(i * rows + r) * n + j]
+                                };
+                                acc += y[(i * rows + r) * v + ids[i * n + j] as usize] * wj;
+                            }
+                        }
+                        acc
+                    })
+                    .collect();
+                for threads in 1..=5 {
+                    let d = RowDims { b, rows, ids: n, v };
+                    let got = table_weighted_sum(&y, &ids, &w, d, ids_first, threads);
+                    for (g, p) in got.iter().zip(&plain) {
+                        assert!(
+                            (g - p).abs() <= 1e-12 * (1.0 + p.abs()),
+                            "b {b} rows {rows} ids {n} v {v}, ids_first {ids_first}, {threads} threads: {g} vs {p}"
+                        );
+                    }
                 }
             }
         }
