@@ -45,12 +45,15 @@ crate::device_test!(exact_clippers_match_the_reference_in_f64, |device| {
 fn long_reductions_split_across_threads_keep_the_norm_exact() {
     use ghost_oracle_reference::{Site, SiteKind, SiteSpec, SplitMix64, Trace as RefTrace};
     use ndarray::{Array2, Array3};
-    // T(V + d) < V·d: the head takes the Gram route, not materialization.
-    let (b, t, d, v) = (2, 5, 16, 9001);
+    // T(V + d) < V·d: the head takes the Gram route, not materialization. Large enough for the
+    // threaded schedules of the Gram (≥ 2^26 flops; a batch of 3 splits V on 2 cores) and of the
+    // one-hot sums (≥ 2^16 reads) on any machine with two or more cores.
+    let (b, t, d, v) = (3, 160, 256, 9001);
     let mut rng = SplitMix64::new(3);
     let mut dense = |m: usize| Array3::from_shape_fn((b, t, m), |_| rng.normal());
     let (e, h, delta) = (dense(d), dense(d), dense(v));
-    let ids = Array2::from_shape_fn((b, t), |(i, j)| ((i * 7 + j * 3) % 4) as i64 * 2000);
+    // Few distinct ids: every example repeats tokens, so the tied paths overlap.
+    let ids = Array2::from_shape_fn((b, t), |(i, j)| ((i * 7 + j * 3) % 37) as i64 * 241);
     let spec = |name: &str, kind, vocab| SiteSpec {
         name: name.into(),
         param: "w".into(),
