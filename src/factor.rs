@@ -228,7 +228,8 @@ const PARALLEL_FLOPS: usize = 1 << 26;
 /// x yᵀ per example with gemm, each piece single-threaded and the pieces spread over the cores.
 /// A piece is one example, or for a small batch one slice of the reduction (an LM head's
 /// vocabulary): gemm's own threading splits the output, which for a 128×128 Gram leaves the cores
-/// idle (`cargo bench --bench gram_variants`: 138 → 193 GFLOP/s at T = 128).
+/// idle (`cargo bench --bench gram_variants`, docs/results.md: 124 → 199 GFLOP/s at T = 128,
+/// B = 8).
 fn cpu_gram<T: candle_core::WithDType>(x: &[T], y: &[T], d: GramDims, threads: usize) -> Vec<T> {
     let GramDims { b, t, s, k } = d;
     let out_len = t * s;
