@@ -175,7 +175,14 @@ pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
 /// split by hand (`cpu_gram`); elsewhere candle's matmul reads a transposed *view* of y: a
 /// contiguous copy of a B×T×V logit gradient costs more than the product.
 fn dense_gram(x: &Tensor, y: &Tensor) -> Result<Tensor> {
-    let ((b, t, k), s) = (x.dims3()?, y.dims()[1]);
+    let ((b, t, k), (yb, s, yk)) = (x.dims3()?, y.dims3()?);
+    if (yb, yk) != (b, k) {
+        return Err(Error::input(format!(
+            "Gram of {:?} and {:?}: batch sizes or widths differ",
+            x.dims(),
+            y.dims()
+        )));
+    }
     {
         let (xs, xl) = x.storage_and_layout();
         let (ys, yl) = y.storage_and_layout();
