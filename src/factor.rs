@@ -702,6 +702,15 @@ mod tests {
     }
 
     #[test]
+    fn gram_of_factors_from_different_batches_is_an_error() {
+        let dev = candle_core::Device::Cpu;
+        let x = Factor::Dense(Tensor::zeros((2, 3, 4), DType::F32, &dev).unwrap());
+        let y = Factor::Dense(Tensor::zeros((3, 3, 4), DType::F32, &dev).unwrap());
+        let err = gram(&x, &y, DType::F32).unwrap_err().to_string();
+        assert!(err.contains("batch sizes or widths differ"), "{err}");
+    }
+
+    #[test]
     fn one_hot_sums_agree_with_indexing_on_every_schedule() {
         let mut rng = SplitMix64::new(12);
         for (b, rows, n, v) in [(1, 5, 3, 11), (3, 4, 2, 7), (2, 1, 5, 3), (4, 3, 3, 1)] {
