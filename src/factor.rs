@@ -116,17 +116,16 @@ impl Factored {
     }
 }
 
-/// The B×T×S matrix of inner products ⟨a_t, b_s⟩ of two factors of equal width.
+/// The B×T×S matrix of inner products ⟨a_t, b_s⟩ of two factors of equal batch and width.
 pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
-    if a.width() != b.width() {
+    let ((batch, t), (b_batch, s)) = (a.batch_seq(), b.batch_seq());
+    if (batch, a.width()) != (b_batch, b.width()) {
         return Err(Error::input(format!(
-            "factor widths differ: {} vs {}",
+            "factor batch sizes or widths differ: {batch}×{t}×{} vs {b_batch}×{s}×{}",
             a.width(),
             b.width()
         )));
     }
-    let (batch, t) = a.batch_seq();
-    let (_, s) = b.batch_seq();
     Ok(match (a, b) {
         (Factor::Dense(x), Factor::Dense(y)) => dense_gram(x, y)?,
         // ⟨onehot(x_t), y_s⟩ = y_s[x_t]: a gather, never a one-hot product.
@@ -173,16 +172,10 @@ pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
 
 /// x yᵀ per example. On the CPU (f32 or f64, contiguous) the products go to gemm with the work
 /// split by hand (`cpu_gram`); elsewhere candle's matmul reads a transposed *view* of y: a
-/// contiguous copy of a B×T×V logit gradient costs more than the product.
+/// contiguous copy of a B×T×V logit gradient costs more than the product. `gram` has checked
+/// that batch and width agree.
 fn dense_gram(x: &Tensor, y: &Tensor) -> Result<Tensor> {
-    let ((b, t, k), (yb, s, yk)) = (x.dims3()?, y.dims3()?);
-    if (yb, yk) != (b, k) {
-        return Err(Error::input(format!(
-            "Gram of {:?} and {:?}: batch sizes or widths differ",
-            x.dims(),
-            y.dims()
-        )));
-    }
+    let ((b, t, k), s) = (x.dims3()?, y.dims()[1]);
     {
         let (xs, xl) = x.storage_and_layout();
         let (ys, yl) = y.storage_and_layout();
@@ -409,8 +402,8 @@ pub fn inner(a: &Factored, b: &Factored, dtype: DType) -> Result<Vec<f64>> {
 
 /// Σ_{t,s} ⟨l_t, m_s⟩·w[t,s] per example where l or m is one-hot, with ⟨onehot(x_t), y_s⟩ =
 /// y_s[x_t] read in place while summing (CPU, f32/f64; `None` elsewhere). The one-hot side of the
-/// Gram never becomes a T×S matrix: for the tied cross term that matrix cost more in page faults
-/// and a second pass than the gather itself.
+/// Gram never becomes a T×S matrix: building it cost an allocation (fresh pages, faulted in on
+/// every call at large T) and a second pass over it.
 fn onehot_inner_cpu(l: &Factor, m: &Factor, w: &Tensor) -> Result<Option<Vec<f64>>> {
     let ids_of = |ids: &Tensor, size: usize| -> Result<Vec<u32>> {
         let ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
@@ -447,10 +440,10 @@ fn onehot_inner_cpu(l: &Factor, m: &Factor, w: &Tensor) -> Result<Option<Vec<f64
         ids: n_ids,
         v: table.dims()[2],
     };
-    let threads = threads_for(b * t * s, PARALLEL_GATHER);
     if ids.len() != b * n_ids || table.dims()[..2] != [b, rows] {
         return Ok(None);
     }
+    let threads = threads_for(b * t * s, PARALLEL_GATHER);
     let (ys, yl) = table.storage_and_layout();
     let (ws, wl) = w.storage_and_layout();
     Ok(match (CpuData::of(&ys, yl), CpuData::of(&ws, wl)) {
@@ -559,8 +552,8 @@ fn table_weighted_sum<T: candle_core::WithDType>(
         .collect()
 }
 
-/// Σ_{t,s} x[i,t,s]·y[i,t,s] for every example i. On the CPU one pass accumulating in f64 (the
-/// sum has T² terms; candle's product-then-sum took longer than the cross term's Gram).
+/// Σ_{t,s} x[i,t,s]·y[i,t,s] for every example i. On the CPU one pass accumulating in f64: the
+/// sum has T² terms, many for an f32 accumulator.
 fn frobenius_per_example(x: &Tensor, y: &Tensor) -> Result<Vec<f64>> {
     fn run<T: candle_core::WithDType>(x: &[T], y: &[T], n: usize) -> Vec<f64> {
         let per = x.len() / n.max(1);
@@ -708,6 +701,7 @@ mod tests {
         let y = Factor::Dense(Tensor::zeros((3, 3, 4), DType::F32, &dev).unwrap());
         let err = gram(&x, &y, DType::F32).unwrap_err().to_string();
         assert!(err.contains("batch sizes or widths differ"), "{err}");
+        assert!(err.contains("2×3×4 vs 3×3×4"), "{err}");
     }
 
     #[test]
