@@ -405,6 +405,10 @@ pub fn inner(a: &Factored, b: &Factored, dtype: DType) -> Result<Vec<f64>> {
 /// Gram never becomes a T×S matrix: building it cost an allocation (fresh pages, faulted in on
 /// every call at large T) and a second pass over it.
 fn onehot_inner_cpu(l: &Factor, m: &Factor, w: &Tensor) -> Result<Option<Vec<f64>>> {
+    // Elsewhere the ids would be copied to the host only to fall back to the gather.
+    if !w.device().is_cpu() {
+        return Ok(None);
+    }
     let ids_of = |ids: &Tensor, size: usize| -> Result<Vec<u32>> {
         let ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
         match ids.iter().find(|&&i| i as usize >= size) {
