@@ -1,7 +1,7 @@
 //! Timing of per-example norm computation from a trace: the tied embedding / LM-head pair at
 //! GPT-2 shapes, or any trace file.
 
-use crate::clipper::Clipper;
+use crate::clippers::Clipper;
 use crate::error::Result;
 use crate::trace::Trace;
 use candle_core::{DType, Device, Tensor};

@@ -6,6 +6,8 @@ use std::fmt;
 pub enum Error {
     Input(String),
     Internal(String),
+    /// The reader of stdout went away (`| head`): not a failure, the run just ends.
+    OutputClosed,
 }
 
 impl Error {
@@ -22,6 +24,7 @@ impl Error {
         match self {
             Error::Input(m) => Error::Input(format!("{what}: {m}")),
             Error::Internal(m) => Error::Internal(format!("{what}: {m}")),
+            Error::OutputClosed => Error::OutputClosed,
         }
     }
 }
@@ -30,6 +33,7 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Input(m) | Error::Internal(m) => f.write_str(m),
+            Error::OutputClosed => f.write_str("stdout was closed"),
         }
     }
 }

@@ -4,7 +4,7 @@
 use crate::cli::{gate_on_golden, golden, run, stderr, tmp};
 use candle_core::{DType, Device};
 use ghost_oracle::*;
-use ghost_oracle_reference::{Batch, Gpt2, Reduction};
+use ghost_oracle_reference::{compute, Batch, Gpt2, Options, Reduction};
 
 fn opts(dtype: DType) -> AuditOptions {
     AuditOptions {
@@ -83,44 +83,85 @@ fn exact_clippers_pass_every_builtin_and_golden_case_in_f32_and_f64() {
 
 #[test]
 fn ghost_is_flagged_exactly_where_the_dropped_cross_term_matters() {
+    // The prediction comes from the reference alone: ghost's norm is √(n² − 2x) with x the tied
+    // split's inner product, its coefficient min(1, C/that), and the verdict follows from the
+    // clipped contribution c·n*/C. Cases whose margin is within 100× rounding of a boundary are
+    // left undecided rather than restating the judge's rule.
     let ghost: Vec<Box<dyn Clipper>> = vec![Box::new(GhostClipper)];
     let mut cases = builtin_suite();
     cases.extend(golden_cases());
-    let mut privacy = 0;
-    let mut utility = 0;
+    let (mut privacy, mut utility, mut pass, mut undecided) = (0, 0, 0, 0);
     for dtype in [DType::F32, DType::F64] {
         let audits = run_audit(&cases, &ghost, &opts(dtype), &mut |_, _, _| {}).unwrap();
-        for c in &audits[0].cases {
-            // The verdict the truth implies: ghost's n̂² = n² − 2x. An example violates privacy
-            // when it is under-estimated (x > 0) beyond the bound and its true norm exceeds C.
-            let under = c.examples.iter().any(|e| {
-                let shortfall = 1.0 - e.norm / e.true_norm;
-                shortfall > e.bound
-                    && e.true_norm / c.max_grad_norm > 1.0 + e.bound
-                    && e.cross_share > 0.0
-            });
-            let off = c
-                .examples
-                .iter()
-                .any(|e| e.cross_share.abs() > 4.0 * e.bound);
-            let untied = c.max_cross_share == 0.0;
-            let expected = if untied {
-                Verdict::Pass
-            } else if under {
-                Verdict::PrivacyViolation
-            } else if off {
-                Verdict::UtilityDistortion
-            } else {
-                c.verdict // within a factor of the bound: either verdict is defensible
-            };
-            assert_eq!(c.verdict, expected, "{dtype:?} {}", c.case);
-            privacy += (c.verdict == Verdict::PrivacyViolation) as usize;
-            utility += (c.verdict == Verdict::UtilityDistortion) as usize;
+        let mut metrics = audits[0].cases.iter();
+        let u = if dtype == DType::F32 { 6e-8 } else { 1.2e-16 };
+        for case in &cases {
+            let r = compute(
+                &case.model,
+                &case.batch,
+                &Options::default(),
+                &mut |_, _| {},
+            )
+            .unwrap();
+            let norms: Vec<f64> = r.examples.iter().map(|e| e.norm).collect();
+            let med = median(&norms);
+            for m in &case.c_multipliers {
+                let c = med * m;
+                let got = metrics.next().unwrap();
+                assert!((got.max_grad_norm - c).abs() <= 1e-12 * c, "{}", got.case);
+                let mut expected = Verdict::Pass;
+                let mut clear = true;
+                for (i, e) in r.examples.iter().enumerate() {
+                    let x: f64 = e.shared.iter().map(|(_, s)| s.cross).sum();
+                    let n2 = e.norm * e.norm;
+                    let predicted = (n2 - 2.0 * x).sqrt();
+                    // ghost's own rounding, relative to the sum of the squared parts.
+                    let parts: f64 = e
+                        .shared
+                        .iter()
+                        .map(|(_, s)| s.input_sq + s.output_sq)
+                        .sum::<f64>()
+                        + (n2
+                            - e.shared
+                                .iter()
+                                .map(|(_, s)| s.input_sq + s.output_sq + 2.0 * s.cross)
+                                .sum::<f64>());
+                    let rounding = 1e3 * u * parts / n2.max(f64::MIN_POSITIVE);
+                    let claimed = got.examples[i].norm;
+                    assert!(
+                        (claimed - predicted).abs() <= rounding * predicted + 1e-300,
+                        "{dtype:?} {} example {i}: ghost norm {claimed} vs predicted {predicted}",
+                        got.case
+                    );
+                    let coef = if predicted > c { c / predicted } else { 1.0 };
+                    let sensitivity = coef * e.norm / c;
+                    let rel = (predicted - e.norm).abs() / e.norm;
+                    if sensitivity > 1.0 + rounding {
+                        expected = Verdict::PrivacyViolation;
+                    } else if sensitivity > 1.0 - rounding && sensitivity > 1.0 {
+                        clear = false;
+                    } else if rel > rounding && expected == Verdict::Pass {
+                        expected = Verdict::UtilityDistortion;
+                    } else if rel > rounding / 100.0 && rel <= rounding {
+                        clear = false;
+                    }
+                }
+                if !clear && expected != Verdict::PrivacyViolation {
+                    undecided += 1;
+                    continue;
+                }
+                assert_eq!(got.verdict, expected, "{dtype:?} {}", got.case);
+                match expected {
+                    Verdict::PrivacyViolation => privacy += 1,
+                    Verdict::UtilityDistortion => utility += 1,
+                    _ => pass += 1,
+                }
+            }
         }
     }
     assert!(
-        privacy > 0 && utility > 0,
-        "privacy {privacy}, utility {utility}"
+        privacy > 0 && utility > 0 && pass > 0 && undecided * 4 < privacy + utility + pass,
+        "privacy {privacy}, utility {utility}, pass {pass}, undecided {undecided}"
     );
 }
 

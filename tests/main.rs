@@ -5,6 +5,7 @@ mod cli;
 mod clippers;
 mod common;
 mod detection;
+mod layout;
 mod model;
 mod properties;
 mod traces;

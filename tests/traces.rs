@@ -113,6 +113,7 @@ proptest! {
             claimed_norms: (0..b).map(|i| 1.0 + i as f64).collect(),
             claimed_coefficients: Some(vec![0.5; b]),
             dtype: Dtype::F64,
+            compute_dtype: Some(Dtype::F32),
         };
         let path = tmp("roundtrip").join("t.safetensors");
         write_trace(&path, &t, &meta).unwrap();
@@ -153,6 +154,7 @@ fn valid_raw() -> RawTrace {
         claimed_norms: vec![1.0, 2.0],
         claimed_coefficients: None,
         dtype: Dtype::F32,
+        compute_dtype: None,
     };
     let path = tmp("valid-raw").join("t.safetensors");
     write_trace(&path, &t, &meta).unwrap();

@@ -5,7 +5,7 @@
 
 use arbitrary::Arbitrary;
 use candle_core::{DType, Device};
-use ghost_oracle::{evaluate, unit_roundoff, Clipper, TiedGhostClipper, Trace, Truth, Verdict};
+use ghost_oracle::{claim_of, Clipper, Judge, Precision, TiedGhostClipper, Trace, Verdict};
 use ghost_oracle_reference::{Site, SiteKind, SiteSpec, Trace as RefTrace};
 use libfuzzer_sys::fuzz_target;
 use ndarray::{Array2, Array3};
@@ -47,13 +47,34 @@ fuzz_target!(|inp: Input| {
             Site { spec: SiteSpec { name: "head".into(), param: "w".into(), kind: SiteKind::Linear, vocab: None }, activations: Some(h), ids: None, backprops: delta },
         ],
     };
-    let Ok(trace) = Trace::from_reference(&rt, DType::F64, &Device::Cpu) else { return };
-    let Ok(truth) = Truth::from_trace(&rt) else { return };
+    let out_of_table = rt.sites[0].ids.as_ref().unwrap().iter().any(|&x| x >= v as i64);
+    // The only input a trace may be refused for here: an id outside the table, named as such.
+    let trace = match Trace::from_reference(&rt, DType::F64, &Device::Cpu) {
+        Ok(trace) => {
+            assert!(!out_of_table, "an id outside the table was accepted");
+            trace
+        }
+        Err(e) => {
+            assert!(out_of_table && e.to_string().contains("outside the table"), "unexpected refusal: {e}");
+            return;
+        }
+    };
+    // Values span ±12 decades, so a squared norm can overflow f64: that, and only that, is
+    // refused by the truth.
+    let judge = match Judge::from_trace(&rt) {
+        Ok(judge) => judge,
+        Err(e) => {
+            assert!(e.to_string().contains("overflows f64"), "unexpected refusal: {e}");
+            return;
+        }
+    };
+    let truth = &judge.truth;
     if truth.norms.iter().any(|n| *n == 0.0 || !n.is_finite()) {
         return;
     }
     let c = truth.norms[0];
     let clipped = TiedGhostClipper.clip(&trace, c).expect("clipping a valid trace");
-    let m = evaluate("fuzz", &truth, &clipped, c, 1.0, unit_roundoff(DType::F64)).expect("evaluate");
+    let claim = claim_of(&clipped).expect("f64 claim");
+    let m = judge.evaluate("fuzz", &claim, c, 1.0, Precision::F64).expect("evaluate");
     assert_eq!(m.verdict, Verdict::Pass, "{:?}", m.examples[m.worst_example]);
 });

@@ -42,6 +42,34 @@ impl SiteKind {
         .into_iter()
         .find(|k| k.name() == s)
     }
+
+    /// Whether the site's factors include its input (`<name>.activations`; for a layernorm the
+    /// normalized input x̂).
+    pub fn needs_activations(self) -> bool {
+        match self {
+            SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm => true,
+            SiteKind::Embedding | SiteKind::Bias => false,
+        }
+    }
+
+    /// Whether the site reads token ids (`<name>.ids`) and has a `vocab`.
+    pub fn needs_ids(self) -> bool {
+        match self {
+            SiteKind::Embedding => true,
+            SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm | SiteKind::Bias => false,
+        }
+    }
+
+    /// (rows, cols) of the gradient the site writes, in the parameter's layout, from the width
+    /// of its backprops (`out`), of its activations (`input`, 0 when it has none) and its vocab.
+    pub fn gradient_shape(self, out: usize, input: usize, vocab: Option<usize>) -> (usize, usize) {
+        match self {
+            SiteKind::Linear => (out, input),
+            SiteKind::Conv1d => (input, out),
+            SiteKind::Embedding => (vocab.unwrap_or(0), out),
+            SiteKind::Bias | SiteKind::LayerNorm => (out, 1),
+        }
+    }
 }
 
 /// How a site is described in a trace header.

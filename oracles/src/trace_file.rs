@@ -9,8 +9,10 @@ use crate::tensors::{self, has};
 use crate::trace::{Site, SiteKind, SiteSpec, Trace};
 use ndarray::{Array1, Array3, Ix1, Ix2, Ix3};
 use safetensors::Dtype;
+use serde::de::{self, DeserializeSeed, MapAccess, Visitor};
 use serde_json::{json, Value};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
 use std::path::Path;
 
 pub const TRACE_FORMAT: &str = "ghost-oracle-trace/1";
@@ -32,8 +34,107 @@ pub struct TraceMeta {
     pub clipper: Option<String>,
     pub claimed_norms: Vec<f64>,
     pub claimed_coefficients: Option<Vec<f64>>,
-    /// dtype of the factor tensors as stored (the precision the clipper worked in).
+    /// dtype of the factor tensors as stored.
     pub dtype: Dtype,
+    /// The precision the model computed in (`__metadata__.compute_dtype`), when the exporter
+    /// says. It can be coarser than `dtype`: factors of an f32 model stored as f64 are still
+    /// only f32-accurate.
+    pub compute_dtype: Option<Dtype>,
+}
+
+/// `compute_dtype` values, as written in a trace header.
+const COMPUTE_DTYPES: [(&str, Dtype); 4] = [
+    ("f64", Dtype::F64),
+    ("f32", Dtype::F32),
+    ("f16", Dtype::F16),
+    ("bf16", Dtype::BF16),
+];
+
+fn parse_compute_dtype(s: &str, label: &str) -> Result<Dtype> {
+    COMPUTE_DTYPES
+        .iter()
+        .find(|(name, _)| *name == s)
+        .map(|&(_, d)| d)
+        .ok_or_else(|| {
+            Error::new(format!(
+                "{label}: `__metadata__.compute_dtype` is {s:?}; expected one of f64, f32, f16, bf16"
+            ))
+        })
+}
+
+/// Reads the `parameters` manifest (a JSON object: parameter name -> number of elements) while
+/// checking each entry against the parameters the sites write, so that a header cannot make the
+/// reader hold more entries than there are sites: a name no site writes is refused as soon as it
+/// is read, and so is a name listed twice.
+struct ManifestSeed<'a> {
+    site_params: &'a HashSet<&'a str>,
+}
+
+impl<'de> DeserializeSeed<'de> for ManifestSeed<'_> {
+    type Value = BTreeMap<String, usize>;
+    fn deserialize<D: de::Deserializer<'de>>(
+        self,
+        d: D,
+    ) -> std::result::Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ManifestSeed<'_> {
+    type Value = BTreeMap<String, usize>;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(
+            "a JSON object mapping each trainable parameter's name to its number of elements",
+        )
+    }
+    fn visit_map<A: MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Self::Value, A::Error> {
+        let mut out = BTreeMap::new();
+        while let Some(name) = map.next_key::<String>()? {
+            if !self.site_params.contains(name.as_str()) {
+                return Err(de::Error::custom(format!(
+                    "parameter `{name}` is listed but no site in `__metadata__.sites` writes it"
+                )));
+            }
+            if out.contains_key(&name) {
+                return Err(de::Error::custom(format!(
+                    "parameter `{name}` is listed twice"
+                )));
+            }
+            let v: Value = map.next_value()?;
+            let count = match v.as_u64() {
+                Some(c) if c as usize <= MAX_SITE_ENTRIES => c as usize,
+                _ => {
+                    return Err(de::Error::custom(format!(
+                        "parameter `{name}`: the number of elements must be an integer in 0..={MAX_SITE_ENTRIES}, found {v}"
+                    )))
+                }
+            };
+            out.insert(name, count);
+        }
+        Ok(out)
+    }
+}
+
+fn parse_manifest(text: &str, specs: &[SiteSpec], label: &str) -> Result<BTreeMap<String, usize>> {
+    let site_params: HashSet<&str> = specs.iter().map(|s| s.param.as_str()).collect();
+    let mut de = serde_json::Deserializer::from_str(text);
+    let manifest = ManifestSeed {
+        site_params: &site_params,
+    }
+    .deserialize(&mut de)
+    .and_then(|m| de.end().map(|()| m))
+    .map_err(|e| Error::new(format!("{label}: `__metadata__.parameters`: {e}")))?;
+    if let Some(s) = specs.iter().find(|s| !manifest.contains_key(&s.param)) {
+        bail!(
+            "{label}: site `{}` writes parameter `{}`, which `__metadata__.parameters` does not list",
+            s.name,
+            s.param
+        );
+    }
+    Ok(manifest)
 }
 
 fn meta_str<'a>(meta: &'a HashMap<String, String>, key: &str, label: &str) -> Result<&'a str> {
@@ -121,6 +222,14 @@ pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)>
         .map(|s| positive(s, "noise_multiplier", label))
         .transpose()?;
     let specs = parse_specs(meta_str(&meta, "sites", label)?, label)?;
+    let compute_dtype = meta
+        .get("compute_dtype")
+        .map(|s| parse_compute_dtype(s, label))
+        .transpose()?;
+    let manifest = meta
+        .get("parameters")
+        .map(|text| parse_manifest(text, &specs, label))
+        .transpose()?;
 
     let mut expected: HashSet<String> = HashSet::new();
     let mut bt: Option<(usize, usize, String)> = None;
@@ -209,6 +318,15 @@ pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)>
         if rows.saturating_mul(cols) > MAX_SITE_ENTRIES {
             bail!("{label}: site `{n}` writes a {rows}×{cols} gradient; at most {MAX_SITE_ENTRIES} entries are materialized");
         }
+        if let Some(&count) = manifest.as_ref().and_then(|m| m.get(&site.spec.param)) {
+            if rows * cols != count {
+                bail!(
+                    "{label}: site `{n}` writes a {rows}×{cols} gradient ({} entries) but `__metadata__.parameters` lists parameter `{}` with {count} elements",
+                    rows * cols,
+                    site.spec.param
+                );
+            }
+        }
         sites.push(site);
     }
     let (b, _, _) = bt.expect("at least one site");
@@ -270,6 +388,7 @@ pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)>
         claimed_norms,
         claimed_coefficients,
         dtype: dtype.expect("at least one site"),
+        compute_dtype,
     };
     Ok((trace, meta))
 }
@@ -311,6 +430,15 @@ pub fn write_trace(path: &Path, trace: &Trace, meta: &TraceMeta) -> Result<()> {
     }
     if let Some(c) = &meta.clipper {
         m.insert("clipper".to_string(), c.clone());
+    }
+    if let Some(d) = meta.compute_dtype {
+        let Some((name, _)) = COMPUTE_DTYPES.iter().find(|(_, x)| *x == d) else {
+            bail!(
+                "cannot write {}: compute_dtype {d:?} is not one of f64, f32, f16, bf16",
+                path.display()
+            );
+        };
+        m.insert("compute_dtype".to_string(), name.to_string());
     }
     m.insert(
         "sites".to_string(),

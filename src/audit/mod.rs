@@ -1,9 +1,13 @@
 //! The audit harness: cases (built-in or a checkpoint), the reference's truth for each, every
-//! clipper run on the same trace, and the metrics that judge it.
+//! clipper run on the same trace, and the judge's verdict on each.
 
-use crate::clipper::Clipper;
+mod check;
+
+pub use check::check_trace;
+
+use crate::clippers::{Clipped, Clipper};
 use crate::error::{Error, Result};
-use crate::metrics::{evaluate, unit_roundoff, CaseMetrics, Truth, Verdict};
+use crate::judge::{CaseMetrics, Claim, Judge, Precision, Verdict};
 use crate::trace::Trace;
 use candle_core::{DType, Device};
 use ghost_oracle_reference::{
@@ -209,9 +213,33 @@ pub fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// The truth of a case and its trace in the clippers' dtype and device.
+/// The precision a candle dtype computes in.
+pub fn precision_of(dtype: DType) -> Precision {
+    match dtype {
+        DType::F64 => Precision::F64,
+        DType::F16 => Precision::F16,
+        DType::BF16 => Precision::BF16,
+        _ => Precision::F32,
+    }
+}
+
+/// A clipper's output as the judge reads it: f64 values, no tensors.
+pub fn claim_of(clipped: &Clipped) -> Result<Claim> {
+    let clipped_sum = clipped
+        .clipped_sum
+        .iter()
+        .map(|(p, t)| Ok((p.clone(), t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Claim {
+        norms: clipped.report.norms.clone(),
+        coefficients: clipped.coefficients.clone(),
+        clipped_sum: Some(clipped_sum),
+    })
+}
+
+/// The judge of a case and its trace in the clippers' dtype and device.
 pub struct PreparedCase {
-    pub truth: Truth,
+    pub judge: Judge,
     pub trace: Trace,
     /// (label, C) pairs to evaluate.
     pub clip_norms: Vec<(String, f64)>,
@@ -225,7 +253,7 @@ pub fn prepare(case: &Case, opts: &AuditOptions) -> Result<PreparedCase> {
     };
     let r = reference::compute(&case.model, &case.batch, &ropts, &mut |_, _| {})
         .map_err(|e| Error::from(e).context(&case.name))?;
-    let truth = Truth::from_reference(&r)?;
+    let judge = Judge::from_reference(&r)?;
     let trace = Trace::from_reference(
         r.trace.as_ref().expect("trace recorded"),
         opts.dtype,
@@ -234,7 +262,7 @@ pub fn prepare(case: &Case, opts: &AuditOptions) -> Result<PreparedCase> {
     let clip_norms = match opts.max_grad_norm {
         Some(c) => vec![(case.name.clone(), c)],
         None => {
-            let med = median(&truth.norms);
+            let med = median(&judge.truth.norms);
             if case.c_multipliers.len() == 1 {
                 vec![(case.name.clone(), med * case.c_multipliers[0])]
             } else {
@@ -246,7 +274,7 @@ pub fn prepare(case: &Case, opts: &AuditOptions) -> Result<PreparedCase> {
         }
     };
     Ok(PreparedCase {
-        truth,
+        judge,
         trace,
         clip_norms,
     })
@@ -259,7 +287,7 @@ pub fn run(
     opts: &AuditOptions,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<Vec<ClipperAudit>> {
-    let u = unit_roundoff(opts.dtype);
+    let precision = precision_of(opts.dtype);
     let mut out: Vec<ClipperAudit> = clippers
         .iter()
         .map(|c| ClipperAudit {
@@ -284,13 +312,12 @@ pub fn run(
                         audit.warnings.push(w.clone());
                     }
                 }
-                audit.cases.push(evaluate(
+                audit.cases.push(prepared.judge.evaluate(
                     label,
-                    &prepared.truth,
-                    &clipped,
+                    &claim_of(&clipped)?,
                     *c,
                     opts.noise_multiplier,
-                    u,
+                    precision,
                 )?);
             }
             done += 1;
@@ -310,8 +337,9 @@ pub fn run(
 /// The case that decides a clipper's verdict: the most severe verdict, then the largest error.
 pub fn worst_case(cases: &[CaseMetrics]) -> usize {
     let key = |c: &CaseMetrics| match c.verdict {
+        Verdict::InvalidNorm => (c.verdict, c.invalid_examples.len() as f64),
         Verdict::PrivacyViolation => (c.verdict, c.max_sensitivity_ratio),
-        _ => (c.verdict, c.max_err_units),
+        Verdict::Pass | Verdict::UtilityDistortion => (c.verdict, c.max_err_units),
     };
     (0..cases.len())
         .max_by(|&a, &b| {

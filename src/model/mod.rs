@@ -306,7 +306,7 @@ impl CandleGpt2 {
         Ok(Extracted {
             trace: Trace { sites },
             batch_gradient,
-            losses: crate::factor::to_f64_vec(&losses)?,
+            losses: crate::clippers::gram::to_f64_vec(&losses)?,
         })
     }
 }

@@ -1,7 +1,7 @@
 //! Human-readable tables, the JSON document and JUnit XML.
 
 use crate::audit::ClipperAudit;
-use crate::metrics::Verdict;
+use crate::judge::{nan_max, CaseMetrics, Verdict};
 use ghost_oracle_reference::Reference;
 use serde_json::{json, Value};
 use std::fmt::Write;
@@ -108,7 +108,7 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
             };
             let _ = writeln!(
                 s,
-                "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8.5}  {:>7.4}  {:>8.4}  {:>8.4}  {:>8.5}  {:>9.4}{mark}",
+                "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8.5}  {:>7.4}  {:>8}  {:>8}  {:>8}  {:>9}{mark}",
                 c.case,
                 c.verdict.name(),
                 sci(c.max_norm_rel_err),
@@ -117,10 +117,10 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
                 c.decision_flips,
                 c.max_sensitivity_ratio,
                 c.effective_noise_multiplier,
-                c.effective_noise_ratio,
-                c.reference_noise_ratio,
-                c.clipped_sum_cosine,
-                c.max_cross_share
+                fixed(c.effective_noise_ratio, 4),
+                fixed(c.reference_noise_ratio, 4),
+                fixed(c.clipped_sum_cosine, 5),
+                fixed(c.max_cross_share, 4)
             );
         }
         if let Some(c) = a
@@ -131,7 +131,8 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
             let e = &c.examples[c.worst_example];
             let _ = writeln!(
                 s,
-                "  worst: case {} example {}: norm {:.6e} vs true {:.6e} (rel err {}, bound {}), clipped contribution {:.4}·C",
+                "  worst ({}): case {} example {}: norm {:.6e} vs true {:.6e} (rel err {}, bound {}), clipped contribution {:.4}·C",
+                worst_rule(c.verdict),
                 c.case,
                 c.worst_example,
                 e.norm,
@@ -150,8 +151,96 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
         "\ncolumns: norm err = max |n−n*|/n*; err/bound = that over the derived tolerance; Δc = clip coefficient difference;\n\
          sens = max c·n*/C (above 1: the DP guarantee fails at the stated σ); σ_eff = σ/max(1, sens);\n\
          ρ, ρ* = σC/‖Σ c_i g_i*‖ with this clipper's and exact coefficients; cos = cosine of the two clipped sums;\n\
-         2x/n² = largest share of a norm² that is the tied cross term."
+         2x/n² = largest share of a norm² that is the tied cross term; n/a = undefined (a zero sum or norm)."
     );
+    s.push_str(&summary(audits));
+    s
+}
+
+/// How the worst example of a case was picked, by verdict.
+fn worst_rule(v: Verdict) -> &'static str {
+    match v {
+        Verdict::InvalidNorm => "first invalid norm",
+        Verdict::PrivacyViolation => "largest clipped contribution",
+        Verdict::Pass | Verdict::UtilityDistortion => "largest err/bound",
+    }
+}
+
+/// A metric that may be undefined, fixed-point.
+fn fixed(v: Option<f64>, digits: usize) -> String {
+    v.map_or("n/a".into(), |x| format!("{x:.digits$}"))
+}
+
+/// The figure that decided a clipper's verdict, in words.
+pub fn deciding_figure(a: &ClipperAudit) -> String {
+    let Some(c) = a.cases.get(a.worst_case) else {
+        return "no case".into();
+    };
+    let e = &c.examples[c.worst_example];
+    let case = c.case.split('@').next().unwrap_or(&c.case);
+    match c.verdict {
+        Verdict::InvalidNorm => format!(
+            "{case} example {} has norm {} (coefficient {}); {} invalid example(s)",
+            c.worst_example,
+            e.norm,
+            e.coefficient,
+            c.invalid_examples.len()
+        ),
+        Verdict::PrivacyViolation => format!(
+            "{} example {} contributes {:.4}·C, σ_eff {:.3}",
+            c.case, c.worst_example, e.sensitivity, c.effective_noise_multiplier
+        ),
+        Verdict::UtilityDistortion => format!(
+            "{} example {} norm off by {} = {} × the bound, no contribution above C",
+            c.case,
+            c.worst_example,
+            sci(e.norm_rel_err),
+            sci(e.err_units)
+        ),
+        Verdict::Pass => format!(
+            "largest error {} of the bound",
+            sci(a.cases.iter().map(|c| c.max_err_units).fold(0.0, nan_max))
+        ),
+    }
+}
+
+/// One line per clipper with its verdict and the figure that decided it, then an overall line.
+pub fn summary(audits: &[ClipperAudit]) -> String {
+    let mut s = String::from(
+        "
+summary:
+",
+    );
+    for a in audits {
+        let _ = writeln!(
+            s,
+            "  {} {} ({}: {})",
+            if a.verdict == Verdict::Pass {
+                "PASS"
+            } else {
+                "FAIL"
+            },
+            a.name,
+            a.verdict.name(),
+            deciding_figure(a)
+        );
+    }
+    let failing: Vec<&str> = audits
+        .iter()
+        .filter(|a| a.verdict != Verdict::Pass)
+        .map(|a| a.name.as_str())
+        .collect();
+    if failing.is_empty() {
+        let _ = writeln!(s, "all {} audited clipper(s) pass", audits.len());
+    } else {
+        let _ = writeln!(
+            s,
+            "{} of {} audited clipper(s) fail: {}",
+            failing.len(),
+            audits.len(),
+            failing.join(", ")
+        );
+    }
     s
 }
 
@@ -160,7 +249,7 @@ pub fn audit_json(audits: &[ClipperAudit], dtype: &str, device: &str) -> Value {
         .iter()
         .map(|a| {
             let worst = a.cases.get(a.worst_case);
-            let fmax = |f: &dyn Fn(&crate::metrics::CaseMetrics) -> f64| a.cases.iter().map(f).fold(0.0_f64, f64::max);
+            let fmax = |f: &dyn Fn(&CaseMetrics) -> f64| a.cases.iter().map(f).fold(0.0_f64, nan_max);
             json!({
                 "name": a.name,
                 "verdict": a.verdict.name(),
@@ -169,15 +258,26 @@ pub fn audit_json(audits: &[ClipperAudit], dtype: &str, device: &str) -> Value {
                 "max_coef_abs_diff": fmax(&|c| c.max_coef_abs_diff),
                 "decision_flips": a.cases.iter().map(|c| c.decision_flips).sum::<usize>(),
                 "max_sensitivity_ratio": fmax(&|c| c.max_sensitivity_ratio),
-                "effective_noise_ratio": worst.map_or(0.0, |c| c.effective_noise_ratio),
-                "reference_noise_ratio": worst.map_or(0.0, |c| c.reference_noise_ratio),
+                "effective_noise_ratio": worst.and_then(|c| c.effective_noise_ratio),
+                "reference_noise_ratio": worst.and_then(|c| c.reference_noise_ratio),
+                "decided_by": deciding_figure(a),
                 "worst": {"case": worst.map(|c| c.case.clone()), "example": worst.map(|c| c.worst_example)},
                 "warnings": a.warnings,
                 "cases": a.cases,
             })
         })
         .collect();
-    json!({"dtype": dtype, "device": device, "clippers": clippers})
+    let verdicts: serde_json::Map<String, Value> = audits
+        .iter()
+        .map(|a| (a.name.clone(), json!(a.verdict.name())))
+        .collect();
+    json!({
+        "passed": audits.iter().all(|a| a.verdict == Verdict::Pass),
+        "verdicts": verdicts,
+        "dtype": dtype,
+        "device": device,
+        "clippers": clippers,
+    })
 }
 
 fn xml_escape(s: &str) -> String {

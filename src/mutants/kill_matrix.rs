@@ -2,11 +2,11 @@
 //! result trustworthy — every mutant caught, each with the right verdict class, and no correct
 //! clipper flagged.
 
+use super::{ExpectedVerdict, Mutant, MutantClipper};
 use crate::audit::{run, AuditOptions, Case, ClipperAudit};
-use crate::clipper::{Clipper, MaterializeClipper, TiedGhostClipper};
+use crate::clippers::{Clipper, MaterializeClipper, TiedGhostClipper};
 use crate::error::Result;
-use crate::metrics::{CaseMetrics, Verdict};
-use crate::mutants::{ExpectedVerdict, Mutant, MutantClipper};
+use crate::judge::{CaseMetrics, Verdict};
 use serde_json::{json, Value};
 use std::fmt::Write;
 
@@ -33,7 +33,8 @@ impl KillMatrix {
 /// privacy: an example whose cross share is well beyond the bound and whose true norm exceeds C.
 fn cross_term_forces_violation(c: &CaseMetrics) -> bool {
     c.examples.iter().any(|e| {
-        e.cross_share > 4.0 * e.bound && e.true_norm > c.max_grad_norm * (1.0 + 4.0 * e.bound)
+        e.cross_share.is_some_and(|x| x > 4.0 * e.bound)
+            && e.true_norm > c.max_grad_norm * (1.0 + 4.0 * e.bound)
     })
 }
 
@@ -133,6 +134,7 @@ fn cell(v: Verdict) -> &'static str {
         Verdict::Pass => "-",
         Verdict::UtilityDistortion => "UTIL",
         Verdict::PrivacyViolation => "PRIV",
+        Verdict::InvalidNorm => "NaN",
     }
 }
 

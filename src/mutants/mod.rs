@@ -1,9 +1,13 @@
 //! Seeded bugs: clippers that reproduce failure modes found in real DP libraries
 //! (docs/detection.md). The oracle is worth its power to catch every one of them.
 
-use crate::clipper::{finish, Clipper, CrossTerm, NormReport};
+mod kill_matrix;
+
+pub use kill_matrix::{kill_matrix, kill_matrix_json, kill_matrix_table, KillMatrix};
+
+use crate::clippers::gram::{self, Factor, Factored};
+use crate::clippers::{finish, Clipper, CrossTerm, NormReport};
 use crate::error::Result;
-use crate::factor::{self, Factor, Factored};
 use crate::trace::{SiteKind, Trace};
 use candle_core::{DType, Tensor};
 
@@ -94,12 +98,26 @@ impl Mutant {
     }
 }
 
+/// A clipper by name: a built-in one, or `mutant:NAME` for a seeded bug.
+pub fn clipper_by_name(name: &str) -> crate::error::Result<Box<dyn Clipper>> {
+    if let Some(c) = crate::clippers::builtin(name) {
+        return Ok(c);
+    }
+    match name.strip_prefix("mutant:").map(Mutant::parse) {
+        Some(Some(m)) => Ok(Box::new(MutantClipper(m))),
+        _ => Err(crate::error::Error::input(format!(
+            "--clipper: unknown clipper `{name}`; expected one of: {}, or mutant:NAME (see `ghost-oracle mutants --list`)",
+            crate::clippers::BUILTIN_CLIPPERS.join(", ")
+        ))),
+    }
+}
+
 /// A clipper with one seeded bug; otherwise exact tied ghost clipping.
 #[derive(Clone, Copy, Debug)]
 pub struct MutantClipper(pub Mutant);
 
 fn per_example(t: &Tensor) -> Result<Vec<f64>> {
-    factor::to_f64_vec(t)
+    gram::to_f64_vec(t)
 }
 
 fn dense(f: &Factor) -> Option<&Tensor> {
@@ -131,9 +149,9 @@ impl MutantClipper {
                 } else {
                     DType::BF16
                 };
-                factor::inner(&to_half(a, half)?, &to_half(b, half)?, half)
+                gram::inner(&to_half(a, half)?, &to_half(b, half)?, half)
             }
-            _ => factor::inner(a, b, dtype),
+            _ => gram::inner(a, b, dtype),
         }
     }
 
@@ -144,7 +162,7 @@ impl MutantClipper {
                 per_example(&r.sqr()?.sum((1, 2))?)
             }
             (Mutant::BiasFrobenius, SiteKind::Bias) => {
-                let g = factor::gram(&f.left, &f.left, dtype)?;
+                let g = gram::gram(&f.left, &f.left, dtype)?;
                 per_example(&g.sqr()?.sum((1, 2))?.sqrt()?)
             }
             (Mutant::SequenceCollapse, SiteKind::Linear | SiteKind::Conv1d) => {

@@ -1,6 +1,10 @@
 //! A batch trace on a candle device: for every parameter use (site), the factors a ghost
 //! clipper reads. The layout is the trace file's (see docs/trace-format.md): B×T leading.
 
+mod file;
+
+pub use file::{stored_dtype, write_claimed_trace};
+
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 pub use ghost_oracle_reference::{SiteKind, SiteSpec};
@@ -21,6 +25,16 @@ pub struct Site {
 pub struct ParamSites {
     pub param: String,
     pub sites: Vec<usize>,
+}
+
+impl Site {
+    /// The (rows, cols) of the gradient this site writes, in the parameter's layout.
+    pub fn gradient_shape(&self) -> (usize, usize) {
+        let input = self.activations.as_ref().map_or(0, |a| a.dims()[2]);
+        self.spec
+            .kind
+            .gradient_shape(self.backprops.dims()[2], input, self.spec.vocab)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -48,7 +62,17 @@ impl Trace {
             .map(|s| {
                 let ids = match &s.ids {
                     Some(ids) => {
-                        let v: Vec<u32> = ids.iter().map(|&x| x as u32).collect();
+                        let v = ids
+                            .iter()
+                            .map(|&x| {
+                                u32::try_from(x).map_err(|_| {
+                                    Error::input(format!(
+                                        "site `{}`: `{}.ids` holds id {x}, outside 0..2³²",
+                                        s.spec.name, s.spec.name
+                                    ))
+                                })
+                            })
+                            .collect::<Result<Vec<u32>>>()?;
                         Some(Tensor::from_vec(v, ids.dim(), &Device::Cpu)?.to_device(device)?)
                     }
                     None => None,
@@ -134,11 +158,7 @@ impl Trace {
                 Ok(())
             };
             check_bt("backprops", sb, st)?;
-            let needs_act = matches!(
-                s.spec.kind,
-                SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm
-            );
-            match (&s.activations, needs_act) {
+            match (&s.activations, s.spec.kind.needs_activations()) {
                 (Some(a), true) => {
                     let (ab, at) = dims3(a, name, "activations")?;
                     check_bt("activations", ab, at)?;
@@ -158,7 +178,7 @@ impl Trace {
                 }
                 _ => {}
             }
-            if s.spec.kind == SiteKind::Embedding {
+            if s.spec.kind.needs_ids() {
                 let ids = s.ids.as_ref().ok_or_else(|| {
                     Error::input(format!(
                         "site `{name}` (embedding): tensor `{name}.ids` is missing"
@@ -184,7 +204,7 @@ impl Trace {
             let shapes: Vec<(usize, usize)> = p
                 .sites
                 .iter()
-                .map(|&j| crate::factor::gradient_shape(&self.sites[j]))
+                .map(|&j| self.sites[j].gradient_shape())
                 .collect();
             for (i, s) in shapes.iter().enumerate().skip(1) {
                 if *s != shapes[0] {

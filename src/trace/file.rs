@@ -1,11 +1,7 @@
-//! Auditing a clipper outside Rust from its trace file: the truth from the trace itself (the
-//! reference's brute-force materialization in f64), the claimed norms from the file.
+//! A candle trace to and from the f64 arrays of the trace file (docs/trace-format.md).
 
-use crate::audit::{worst_case, ClipperAudit};
-use crate::clipper::{clip_coefficients, Clipped, NormReport};
+use super::Trace;
 use crate::error::{Error, Result};
-use crate::metrics::{evaluate, unit_roundoff, Truth};
-use crate::trace::Trace;
 use candle_core::{DType, Device, Tensor};
 use ghost_oracle_reference::{self as reference, Dtype, Trace as RefTrace, TraceMeta};
 use ndarray::{Array2, Array3};
@@ -19,48 +15,6 @@ pub fn stored_dtype(d: Dtype) -> DType {
         Dtype::BF16 => DType::BF16,
         _ => DType::F32,
     }
-}
-
-/// Audits the norms claimed in a trace file. `precision` overrides the unit roundoff the bound
-/// assumes (default: the precision the factors are stored in).
-/// Returns the audit and the unit-roundoff dtype the bound assumed.
-pub fn check_trace(
-    path: &Path,
-    precision: Option<DType>,
-    noise_multiplier: Option<f64>,
-) -> Result<(ClipperAudit, DType)> {
-    let (trace, meta) = reference::read_trace(path)?;
-    let truth = Truth::from_trace(&trace).map_err(|e| e.context(path.display()))?;
-    let c = meta.max_grad_norm;
-    let coefficients = match &meta.claimed_coefficients {
-        Some(cs) => cs.clone(),
-        None => clip_coefficients(&meta.claimed_norms, c),
-    };
-    let clipped = Clipped {
-        report: NormReport {
-            norms: meta.claimed_norms.clone(),
-            ..Default::default()
-        },
-        coefficients,
-        clipped_sum: Vec::new(),
-    };
-    let precision = precision.unwrap_or(stored_dtype(meta.dtype));
-    let u = unit_roundoff(precision);
-    let sigma = noise_multiplier.or(meta.noise_multiplier).unwrap_or(1.0);
-    let case = path
-        .file_name()
-        .map_or("trace".into(), |n| n.to_string_lossy().into_owned());
-    let metrics = evaluate(&case, &truth, &clipped, c, sigma, u)?;
-    let cases = vec![metrics];
-    let worst = worst_case(&cases);
-    let audit = ClipperAudit {
-        name: meta.clipper.clone().unwrap_or_else(|| "claimed".into()),
-        verdict: cases[worst].verdict,
-        worst_case: worst,
-        cases,
-        warnings: Vec::new(),
-    };
-    Ok((audit, precision))
 }
 
 fn to_array3(t: &Tensor) -> Result<Array3<f64>> {
@@ -121,6 +75,7 @@ pub fn write_claimed_trace(
         claimed_norms: norms.to_vec(),
         claimed_coefficients: Some(coefficients.to_vec()),
         dtype,
+        compute_dtype: Some(dtype),
     };
     Ok(reference::write_trace(path, &trace.to_reference()?, &meta)?)
 }

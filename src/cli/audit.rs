@@ -1,0 +1,75 @@
+//! `audit`: every chosen clipper on the built-in suite or on a checkpoint and batch.
+
+use super::{check_flags, clippers_or, DeviceArg, DtypeArg, Progress, ReductionArg, ReportArgs};
+use ghost_oracle::{builtin_suite, run_audit, AuditOptions, Case, Error, BUILTIN_CLIPPERS};
+use ghost_oracle_reference::{Batch, Gpt2};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Checkpoint directory (config.json + model.safetensors) to audit on instead of the
+    /// built-in suite, e.g. oracles/golden/cases/tied_l2_h4_t33. Needs --batch.
+    #[arg(long, requires = "batch")]
+    model: Option<PathBuf>,
+    /// Batch file for --model: safetensors with `input_ids` (i64, B×T) and optional `labels`.
+    #[arg(long, requires = "model")]
+    batch: Option<PathBuf>,
+    /// Clipper to audit (repeatable): materialize, ghost, ghost-tied, or mutant:NAME for a
+    /// seeded bug (`ghost-oracle mutants --list`). Default: the three built-in clippers.
+    #[arg(long = "clipper")]
+    clippers: Vec<String>,
+    /// Clipping norm C. Default: the median true norm of each case (the built-in suite also
+    /// tries 0.5× and 2× that).
+    #[arg(long, allow_negative_numbers = true)]
+    max_grad_norm: Option<f64>,
+    /// Noise multiplier σ of the DP-SGD run being audited.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    noise_multiplier: f64,
+    /// Precision the clippers compute in (the reference is always f64).
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DtypeArg,
+    /// Device the clippers run on (cuda needs a build with `--features cuda`).
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+    /// How each example's loss is reduced over its tokens: mean (HF's loss) or sum.
+    #[arg(long, value_enum, default_value = "mean")]
+    reduction: ReductionArg,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+fn load_case(model: &Path, batch: &Path) -> Result<Case, Error> {
+    let m = Gpt2::load(model)?;
+    let b = Batch::load(batch)?;
+    b.validate(&m.config, &batch.display().to_string())?;
+    Ok(Case {
+        name: model
+            .file_name()
+            .map_or("checkpoint".into(), |n| n.to_string_lossy().into_owned()),
+        model: m,
+        batch: b,
+        c_multipliers: vec![1.0],
+    })
+}
+
+pub fn run(a: Args) -> Result<ExitCode, Error> {
+    check_flags(a.max_grad_norm, Some(a.noise_multiplier))?;
+    let clippers = clippers_or(&a.clippers, &BUILTIN_CLIPPERS)?;
+    let cases = match (&a.model, &a.batch) {
+        (Some(m), Some(b)) => vec![load_case(m, b)?],
+        _ => builtin_suite(),
+    };
+    let opts = AuditOptions {
+        max_grad_norm: a.max_grad_norm,
+        noise_multiplier: a.noise_multiplier,
+        dtype: a.dtype.dtype(),
+        device: a.device.device()?,
+        reduction: a.reduction.into(),
+    };
+    let progress = Progress::new();
+    let audits = run_audit(&cases, &clippers, &opts, &mut |d, t, l| {
+        progress.update(d, t, l)
+    })?;
+    a.report.emit(&audits, a.dtype.name(), a.device.name())
+}

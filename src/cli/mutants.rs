@@ -1,0 +1,57 @@
+//! `mutants`: the seeded bugs of real DP libraries, and whether the judge catches each.
+
+use super::{out, to_json, write_file, DtypeArg, Progress};
+use ghost_oracle::{builtin_suite, kill_matrix, kill_matrix_json, kill_matrix_table};
+use ghost_oracle::{AuditOptions, Error, Mutant};
+use ghost_oracle_reference::Reduction;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Only list the mutants and the library behaviour each reproduces.
+    #[arg(long)]
+    list: bool,
+    /// Precision the clippers compute in.
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DtypeArg,
+    /// Also write the kill matrix as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+pub fn run(a: Args) -> Result<ExitCode, Error> {
+    if a.list {
+        let list: String = Mutant::ALL
+            .iter()
+            .map(|m| format!("mutant:{:<18} {}\n", m.name(), m.reproduces()))
+            .collect();
+        out(&list)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let opts = AuditOptions {
+        max_grad_norm: None,
+        noise_multiplier: 1.0,
+        dtype: a.dtype.dtype(),
+        device: candle_core::Device::Cpu,
+        reduction: Reduction::Mean,
+    };
+    let progress = Progress::new();
+    let m = kill_matrix(&builtin_suite(), &opts, &mut |d, t, l| {
+        progress.update(d, t, l)
+    })?;
+    if let Some(path) = &a.json {
+        write_file(path, &to_json(&kill_matrix_json(&m)), "--json")?;
+    }
+    out(&kill_matrix_table(&m))?;
+    out(if m.ok() {
+        "every mutant caught with the right verdict; no false alarm\n"
+    } else {
+        "DETECTION CHECK FAILED\n"
+    })?;
+    Ok(if m.ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}

@@ -1,0 +1,178 @@
+//! The `Clipper` trait and the built-in clippers: `materialize`, `ghost` and `ghost-tied`, all
+//! built on the Gram identity in [`gram`].
+
+mod ghost;
+pub mod gram;
+mod materialize;
+mod tied;
+
+pub use ghost::GhostClipper;
+pub use materialize::MaterializeClipper;
+pub use tied::TiedGhostClipper;
+
+use crate::error::Result;
+use crate::trace::Trace;
+use candle_core::{DType, Tensor};
+use gram::Factored;
+
+/// ⟨G_j, G_k⟩ per example for two sites of one parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CrossTerm {
+    pub param: String,
+    pub sites: (usize, usize),
+    pub values: Vec<f64>,
+}
+
+/// Per-example norms with the parts they were summed from.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct NormReport {
+    /// The norm each example is clipped by.
+    pub norms: Vec<f64>,
+    /// `site_sq[j][i]`: site j's own squared norm for example i, as this clipper computed it.
+    pub site_sq: Vec<Vec<f64>>,
+    /// Cross terms this clipper included (empty for `ghost`).
+    pub cross: Vec<CrossTerm>,
+    /// Things a user must know (e.g. `ghost` ignoring a shared parameter).
+    pub warnings: Vec<String>,
+}
+
+/// What a clipper hands the optimizer: coefficients and the clipped gradient sum Σ_i c_i g_i.
+#[derive(Clone, Debug)]
+pub struct Clipped {
+    pub report: NormReport,
+    pub coefficients: Vec<f64>,
+    /// (parameter, Σ_i c_i g_i in the parameter's layout), in first-use order.
+    pub clipped_sum: Vec<(String, Tensor)>,
+}
+
+/// The interface a clipper backend implements. A clipper sees only the trace (per-site
+/// factors); it must not run the model again.
+///
+/// ```
+/// use ghost_oracle::{Clipper, TiedGhostClipper};
+/// let clipper = TiedGhostClipper;
+/// assert_eq!(clipper.name(), "ghost-tied");
+/// ```
+pub trait Clipper {
+    fn name(&self) -> String;
+
+    /// Per-example gradient norms from the trace, in the trace's dtype and device.
+    fn norms(&self, trace: &Trace) -> Result<NormReport>;
+
+    /// Norms, clipping coefficients c_i = min(1, C / n_i) and Σ_i c_i g_i from the factors.
+    fn clip(&self, trace: &Trace, max_grad_norm: f64) -> Result<Clipped> {
+        let report = self.norms(trace)?;
+        let coefficients = clip_coefficients(&report.norms, max_grad_norm);
+        let clipped_sum = clipped_sum(trace, &coefficients)?;
+        Ok(Clipped {
+            report,
+            coefficients,
+            clipped_sum,
+        })
+    }
+}
+
+/// c = min(1, C / n). A NaN norm gives a NaN coefficient rather than silently 1.
+pub fn clip_coefficients(norms: &[f64], max_grad_norm: f64) -> Vec<f64> {
+    norms
+        .iter()
+        .map(|&n| {
+            if n.is_nan() {
+                f64::NAN
+            } else if n > max_grad_norm {
+                max_grad_norm / n
+            } else {
+                1.0
+            }
+        })
+        .collect()
+}
+
+/// Σ_i c_i g_i per parameter, from the factors (one weighted product per site).
+pub fn clipped_sum(trace: &Trace, coefficients: &[f64]) -> Result<Vec<(String, Tensor)>> {
+    let dtype = trace.dtype();
+    let w = Tensor::from_vec(coefficients.to_vec(), coefficients.len(), &trace.device())?
+        .to_dtype(dtype)?;
+    trace
+        .params()
+        .into_iter()
+        .map(|p| {
+            let mut acc: Option<Tensor> = None;
+            for &j in &p.sites {
+                let s = gram::weighted_sum(&Factored::of(&trace.sites[j])?, &w)?;
+                acc = Some(match acc {
+                    None => s,
+                    Some(a) => (a + s)?,
+                });
+            }
+            Ok((p.param, acc.expect("a parameter has at least one site")))
+        })
+        .collect()
+}
+
+pub(crate) fn own_norms(
+    trace: &Trace,
+    factored: &[Factored],
+    dtype: DType,
+) -> Result<Vec<Vec<f64>>> {
+    factored
+        .iter()
+        .map(|f| {
+            if f.prefers_gram() {
+                gram::inner(f, f, dtype)
+            } else {
+                (0..trace.batch_size())
+                    .map(|i| gram::sum_sq(&gram::materialize(f, i, dtype)?))
+                    .collect()
+            }
+        })
+        .collect()
+}
+
+pub(crate) fn factor_all(trace: &Trace) -> Result<Vec<Factored>> {
+    trace.sites.iter().map(Factored::of).collect()
+}
+
+/// √n², with a negative n² reported as −√|n²| rather than clamped to 0: rounding can make a
+/// tiny n² negative, a sign bug makes a large one, and only the judge can tell which. NaN stays
+/// NaN.
+pub(crate) fn signed_sqrt(n2: f64) -> f64 {
+    if n2 < 0.0 {
+        -(-n2).sqrt()
+    } else {
+        n2.sqrt()
+    }
+}
+
+pub(crate) fn finish(
+    site_sq: Vec<Vec<f64>>,
+    cross: Vec<CrossTerm>,
+    batch: usize,
+    warnings: Vec<String>,
+) -> NormReport {
+    let norms = (0..batch)
+        .map(|i| {
+            let own: f64 = site_sq.iter().map(|s| s[i]).sum();
+            let x: f64 = cross.iter().map(|c| 2.0 * c.values[i]).sum();
+            signed_sqrt(own + x)
+        })
+        .collect();
+    NormReport {
+        norms,
+        site_sq,
+        cross,
+        warnings,
+    }
+}
+
+/// The built-in clipper of a name (`materialize`, `ghost`, `ghost-tied`).
+pub fn builtin(name: &str) -> Option<Box<dyn Clipper>> {
+    match name {
+        "materialize" => Some(Box::new(MaterializeClipper)),
+        "ghost" => Some(Box::new(GhostClipper)),
+        "ghost-tied" => Some(Box::new(TiedGhostClipper)),
+        _ => None,
+    }
+}
+
+pub const BUILTIN_CLIPPERS: [&str; 3] = ["materialize", "ghost", "ghost-tied"];

@@ -1,0 +1,295 @@
+//! What a clipper's norms do to DP-SGD, measured against the truth (DESIGN.md §4).
+//!
+//! Everything that decides a verdict (true norms, true coefficients min(1, C/n*), the clipped
+//! sum Σ c_i g_i* and the tolerance) comes from the reference side; the clipper contributes only
+//! its claim.
+
+use super::tolerance::Tolerance;
+use super::truth::Truth;
+use super::verdict::Verdict;
+use crate::error::{Error, Result};
+use serde::Serialize;
+
+/// What a clipper claims for a batch: its norms, its coefficients and, when it computed one,
+/// its clipped sum per parameter (f64 values in the parameter's row-major layout).
+#[derive(Clone, Debug, Default)]
+pub struct Claim {
+    pub norms: Vec<f64>,
+    pub coefficients: Vec<f64>,
+    pub clipped_sum: Option<Vec<(String, Vec<f64>)>>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ExampleMetrics {
+    pub true_norm: f64,
+    pub norm: f64,
+    pub norm_rel_err: f64,
+    pub bound: f64,
+    /// norm_rel_err / bound.
+    pub err_units: f64,
+    pub coefficient: f64,
+    pub true_coefficient: f64,
+    pub sensitivity: f64,
+    pub flipped: bool,
+    /// 2⟨g_in, g_out⟩ / ‖g*‖²; `null` where the true gradient is zero.
+    pub cross_share: Option<f64>,
+    /// The norm or coefficient is NaN, infinite, or negative beyond rounding.
+    pub invalid: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CaseMetrics {
+    pub case: String,
+    pub max_grad_norm: f64,
+    pub noise_multiplier: f64,
+    pub verdict: Verdict,
+    pub worst_example: usize,
+    pub max_norm_rel_err: f64,
+    pub max_err_units: f64,
+    pub max_coef_abs_diff: f64,
+    pub decision_flips: usize,
+    pub max_sensitivity_ratio: f64,
+    pub effective_noise_multiplier: f64,
+    /// σC / ‖Σ c_i g_i*‖; `null` where the clipped signal is zero.
+    pub effective_noise_ratio: Option<f64>,
+    pub reference_noise_ratio: Option<f64>,
+    /// Cosine of the clipped sums with the clipper's and the true coefficients; `null` where
+    /// either is zero.
+    pub clipped_sum_cosine: Option<f64>,
+    /// ‖S − S*‖ / ‖S*‖ of the clipper's clipped sum; `null` where the clipper reported none or
+    /// S* = 0 (the verdict then compares the absolute error with the absolute bound).
+    pub clipped_sum_rel_err: Option<f64>,
+    pub clipped_sum_bound: Option<f64>,
+    pub max_cross_share: Option<f64>,
+    /// Examples whose norm or coefficient is invalid.
+    pub invalid_examples: Vec<usize>,
+    pub examples: Vec<ExampleMetrics>,
+}
+
+fn quad(k: &[Vec<f64>], a: &[f64], b: &[f64]) -> f64 {
+    let mut s = 0.0;
+    for (i, ai) in a.iter().enumerate() {
+        for (j, bj) in b.iter().enumerate() {
+            s += ai * k[i][j] * bj;
+        }
+    }
+    s
+}
+
+/// The larger of two values, NaN winning: a NaN metric must show, never vanish into a max.
+pub(crate) fn nan_max(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+fn ratio(x: f64, y: f64) -> Option<f64> {
+    (y != 0.0 && x.is_finite() && y.is_finite()).then(|| x / y)
+}
+
+/// Compares a clipper's claim with the truth at clipping norm C and noise multiplier σ, for a
+/// clipper working in unit roundoff `u`.
+pub fn evaluate(
+    case: &str,
+    truth: &Truth,
+    tolerance: &Tolerance,
+    claim: &Claim,
+    max_grad_norm: f64,
+    noise_multiplier: f64,
+    u: f64,
+) -> Result<CaseMetrics> {
+    let c = max_grad_norm;
+    let b = truth.norms.len();
+    if claim.norms.len() != b || claim.coefficients.len() != b {
+        return Err(Error::input(format!(
+            "case {case}: the clipper returned {} norms and {} coefficients for a batch of {b}",
+            claim.norms.len(),
+            claim.coefficients.len()
+        )));
+    }
+    let true_coefs: Vec<f64> = truth
+        .norms
+        .iter()
+        .map(|&n| if n > c { c / n } else { 1.0 })
+        .collect();
+    let mut examples = Vec::with_capacity(b);
+    for (i, &true_coef) in true_coefs.iter().enumerate() {
+        let (n, nt) = (claim.norms[i], truth.norms[i]);
+        let bound = tolerance.norm_bound(i, nt, u);
+        let rel = if nt > 0.0 {
+            (n - nt).abs() / nt
+        } else if n == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        let coef = claim.coefficients[i];
+        // A negative norm is how a clipper reports a negative n²; rounding can explain one only
+        // when the whole norm is within the bound of zero.
+        let invalid = !n.is_finite() || (n < 0.0 && rel > bound) || !coef.is_finite() || coef < 0.0;
+        examples.push(ExampleMetrics {
+            true_norm: nt,
+            norm: n,
+            norm_rel_err: if rel.is_nan() { f64::INFINITY } else { rel },
+            bound,
+            err_units: if rel.is_nan() {
+                f64::INFINITY
+            } else {
+                rel / bound
+            },
+            coefficient: coef,
+            true_coefficient: true_coef,
+            sensitivity: coef * nt / c,
+            flipped: (n > c) != (nt > c),
+            cross_share: truth.cross_share[i],
+            invalid,
+        });
+    }
+    let fmax = |f: &dyn Fn(&ExampleMetrics) -> f64| examples.iter().map(f).fold(0.0_f64, nan_max);
+    let invalid_examples: Vec<usize> = (0..b).filter(|&i| examples[i].invalid).collect();
+    let privacy = examples.iter().any(|e| e.sensitivity > 1.0 + e.bound);
+    let coef_off = examples.iter().any(|e| {
+        let d = (e.coefficient - e.true_coefficient).abs();
+        d.is_nan() || d > e.true_coefficient * 2.0 * e.bound + f64::EPSILON
+    });
+    // NaN counts as off: it is never within the bound.
+    let norms_off = examples
+        .iter()
+        .any(|e| e.err_units > 1.0 || e.err_units.is_nan());
+
+    // Noise over clipped signal, from the true per-example gradients: ‖Σ c_i g_i*‖² = cᵀKc. An
+    // invalid coefficient contributes nothing here; the verdict already says it is invalid.
+    let coefs_for_sum: Vec<f64> = claim
+        .coefficients
+        .iter()
+        .map(|v| if v.is_finite() { *v } else { 0.0 })
+        .collect();
+    let sig = quad(&truth.gram, &coefs_for_sum, &coefs_for_sum)
+        .max(0.0)
+        .sqrt();
+    let sig_ref = quad(&truth.gram, &true_coefs, &true_coefs).max(0.0).sqrt();
+    let cosine = ratio(
+        quad(&truth.gram, &coefs_for_sum, &true_coefs),
+        sig * sig_ref,
+    );
+    let sum = clipped_sum_error(truth, tolerance, claim, &coefs_for_sum, u)?;
+    let sum_off = sum.is_some_and(|s| s.err > s.bound || s.err.is_nan());
+
+    let verdict = if !invalid_examples.is_empty() {
+        Verdict::InvalidNorm
+    } else if privacy {
+        Verdict::PrivacyViolation
+    } else if norms_off || coef_off || sum_off {
+        Verdict::UtilityDistortion
+    } else {
+        Verdict::Pass
+    };
+    let worst_example = match verdict {
+        Verdict::InvalidNorm => invalid_examples[0],
+        Verdict::PrivacyViolation => argmax(examples.iter().map(|e| e.sensitivity - e.bound)),
+        Verdict::Pass | Verdict::UtilityDistortion => argmax(examples.iter().map(|e| e.err_units)),
+    };
+    let max_ratio = fmax(&|e| e.sensitivity);
+    let max_cross_share = examples
+        .iter()
+        .filter_map(|e| e.cross_share)
+        .map(f64::abs)
+        .reduce(nan_max);
+    Ok(CaseMetrics {
+        case: case.to_string(),
+        max_grad_norm: c,
+        noise_multiplier,
+        verdict,
+        worst_example,
+        max_norm_rel_err: fmax(&|e| e.norm_rel_err),
+        max_err_units: fmax(&|e| e.err_units),
+        max_coef_abs_diff: fmax(&|e| (e.coefficient - e.true_coefficient).abs()),
+        decision_flips: examples.iter().filter(|e| e.flipped).count(),
+        max_sensitivity_ratio: max_ratio,
+        effective_noise_multiplier: noise_multiplier / nan_max(max_ratio, 1.0),
+        effective_noise_ratio: ratio(noise_multiplier * c, sig),
+        reference_noise_ratio: ratio(noise_multiplier * c, sig_ref),
+        clipped_sum_cosine: cosine,
+        clipped_sum_rel_err: sum.and_then(|s| ratio(s.err, s.reference)),
+        clipped_sum_bound: sum.and_then(|s| ratio(s.bound, s.reference)),
+        max_cross_share,
+        invalid_examples,
+        examples,
+    })
+}
+
+fn argmax(v: impl Iterator<Item = f64>) -> usize {
+    let mut best = (0, f64::NEG_INFINITY);
+    for (i, x) in v.enumerate() {
+        let x = if x.is_nan() { f64::INFINITY } else { x };
+        if x > best.1 {
+            best = (i, x);
+        }
+    }
+    best.0
+}
+
+/// ‖S − S*‖, ‖S*‖ and the bound on the first, in absolute terms.
+#[derive(Clone, Copy, Debug)]
+struct SumError {
+    err: f64,
+    reference: f64,
+    bound: f64,
+}
+
+/// The clipper's clipped sum S against S* = Σ_i c_i g_i* from the true gradients and the
+/// clipper's own coefficients. `None` when there is nothing to compare (a trace file carries
+/// norms only).
+fn clipped_sum_error(
+    truth: &Truth,
+    tolerance: &Tolerance,
+    claim: &Claim,
+    coefs: &[f64],
+    u: f64,
+) -> Result<Option<SumError>> {
+    let Some(sum) = &claim.clipped_sum else {
+        return Ok(None);
+    };
+    if truth.gradients.is_empty() {
+        return Ok(None);
+    }
+    let mut err2 = 0.0;
+    let mut ref2 = 0.0;
+    let mut offset = 0;
+    for (name, shape) in &truth.layout {
+        let n: usize = shape.iter().product();
+        let got = &sum
+            .iter()
+            .find(|(p, _)| p == name)
+            .ok_or_else(|| {
+                Error::input(format!(
+                    "the clipper's clipped sum has no entry for parameter `{name}`"
+                ))
+            })?
+            .1;
+        if got.len() != n {
+            return Err(Error::input(format!(
+                "clipped sum of `{name}` has {} values; expected {n}",
+                got.len()
+            )));
+        }
+        for (k, g) in got.iter().enumerate() {
+            let want: f64 = truth
+                .gradients
+                .iter()
+                .zip(coefs)
+                .map(|(gi, c)| c * gi[offset + k])
+                .sum();
+            err2 += (g - want) * (g - want);
+            ref2 += want * want;
+        }
+        offset += n;
+    }
+    Ok(Some(SumError {
+        err: err2.sqrt(),
+        reference: ref2.sqrt(),
+        bound: tolerance.clipped_sum_bound(coefs, u),
+    }))
+}

@@ -1,0 +1,71 @@
+//! The judge: the truth of a case, the tolerance that separates rounding from bugs, the metrics
+//! and the verdict.
+//!
+//! Everything here is computed from the reference side (the f64 trace and the materialized
+//! gradients); a clipper contributes only its [`Claim`]. No module of the judge imports clipper,
+//! Gram-kernel or mutant code, and no candle type reaches it (`tests/layout.rs` checks the
+//! imports), so no bug planted in a clipper can move a bound.
+
+mod metrics;
+mod tolerance;
+mod truth;
+mod verdict;
+
+pub(crate) use metrics::nan_max;
+pub use metrics::{evaluate, CaseMetrics, Claim, ExampleMetrics};
+pub use tolerance::{Precision, Tolerance};
+pub use truth::Truth;
+pub use verdict::Verdict;
+
+use crate::error::{Error, Result};
+use ghost_oracle_reference::{Reference, Trace as RefTrace};
+
+/// The truth and the tolerance of one batch: all a verdict needs besides the claim.
+#[derive(Clone, Debug)]
+pub struct Judge {
+    pub truth: Truth,
+    pub tolerance: Tolerance,
+}
+
+impl Judge {
+    /// From a reference run that recorded its trace and kept its gradients.
+    pub fn from_reference(r: &Reference) -> Result<Self> {
+        let trace = r
+            .trace
+            .as_ref()
+            .ok_or_else(|| Error::internal("reference ran without a trace"))?;
+        Ok(Judge {
+            truth: Truth::from_reference(r)?,
+            tolerance: Tolerance::from_trace(trace)?,
+        })
+    }
+
+    /// From a trace alone: every site's gradient materialized in f64.
+    pub fn from_trace(trace: &RefTrace) -> Result<Self> {
+        Ok(Judge {
+            truth: Truth::from_trace(trace)?,
+            tolerance: Tolerance::from_trace(trace)?,
+        })
+    }
+
+    /// The metrics and verdict of a claim at clipping norm C and noise multiplier σ, for a
+    /// clipper computing in `precision`.
+    pub fn evaluate(
+        &self,
+        case: &str,
+        claim: &Claim,
+        max_grad_norm: f64,
+        noise_multiplier: f64,
+        precision: Precision,
+    ) -> Result<CaseMetrics> {
+        evaluate(
+            case,
+            &self.truth,
+            &self.tolerance,
+            claim,
+            max_grad_norm,
+            noise_multiplier,
+            precision.unit_roundoff(),
+        )
+    }
+}
