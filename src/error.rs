@@ -40,6 +40,12 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+impl From<crate::accountant::AccountingError> for Error {
+    fn from(e: crate::accountant::AccountingError) -> Self {
+        Error::Input(e.to_string())
+    }
+}
+
 impl From<candle_core::Error> for Error {
     fn from(e: candle_core::Error) -> Self {
         Error::Internal(format!("tensor operation failed: {e}"))

@@ -95,6 +95,7 @@
 //!
 //! [`synthetic`] makes random traces for property tests and fuzzing.
 
+pub mod accountant;
 mod audit;
 mod bench;
 mod clippers;
@@ -107,7 +108,7 @@ pub mod synthetic;
 mod trace;
 
 pub use audit::{
-    builtin_suite, check_trace, claim_of, median, precision_of, prepare, run as run_audit,
+    account, builtin_suite, check_trace, claim_of, median, precision_of, prepare, run as run_audit,
     worst_case, AuditOptions, Case, ClipperAudit, PreparedCase, SUITE_C_MULTIPLIERS,
 };
 pub use bench::{bench, tied_head_trace, BenchResult};
@@ -117,7 +118,8 @@ pub use clippers::{
 };
 pub use error::{Error, Result};
 pub use judge::{
-    evaluate, CaseMetrics, Claim, ExampleMetrics, Judge, Precision, Tolerance, Truth, Verdict,
+    evaluate, Accounting, CaseMetrics, Claim, ExampleMetrics, Judge, Precision, PrivacyReport,
+    Tolerance, Truth, Verdict,
 };
 pub use model::{CandleGpt2, Extracted};
 pub use mutants::{

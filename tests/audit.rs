@@ -21,6 +21,10 @@ fn golden_cases() -> Vec<Case> {
     let mut cases = Vec::new();
     for entry in std::fs::read_dir(root).unwrap() {
         let dir = entry.unwrap().path();
+        let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        if !config.contains("\"gpt2\"") {
+            continue;
+        }
         let expected: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
                 .unwrap();

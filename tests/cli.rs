@@ -346,3 +346,89 @@ fn a_config_claiming_a_huge_model_fails_on_the_header_not_on_allocation() {
         ],
     );
 }
+
+#[test]
+fn bench_reports_every_clipper_and_materialize_holds_more_memory_than_ghost() {
+    let dir = tmp("bench");
+    let json = dir.join("b.json");
+    let o = run(&[
+        "bench",
+        "--vocab",
+        "3000",
+        "--hidden",
+        "16",
+        "--seq",
+        "8",
+        "--batch",
+        "2",
+        "--runs",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["shape"]["vocab"], 3000);
+    assert_eq!(doc["shape"]["batch"], 2);
+    assert_eq!(doc["dtype"], "f32");
+    let results = doc["results"].as_array().unwrap();
+    let names: Vec<&str> = results
+        .iter()
+        .map(|r| r["clipper"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["ghost", "ghost-tied", "materialize"]);
+    let field = |name: &str, key: &str| {
+        results.iter().find(|r| r["clipper"] == name).unwrap()[key]
+            .as_f64()
+            .unwrap()
+    };
+    for name in names {
+        assert!(field(name, "seconds") > 0.0 && field(name, "runs") == 1.0);
+    }
+    // Materializing holds a V×d gradient per example (3000·16·4 bytes = 192 KB); ghost holds
+    // T×T Grams (a few hundred bytes per example).
+    assert!(
+        field("materialize", "peak_bytes") > field("ghost", "peak_bytes") + 150_000.0,
+        "{doc}"
+    );
+}
+
+#[test]
+fn a_closed_stdout_ends_the_report_quietly() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = bin()
+        .args(["mutants", "--list"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read nothing: close the pipe before the program writes.
+    drop(child.stdout.take());
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn sigma_zero_is_audited_with_a_warning() {
+    let o = run(&[
+        "check",
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("oracles/golden/traces/opacus_per_sample.safetensors")
+            .to_str()
+            .unwrap(),
+        "--noise-multiplier",
+        "0",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no privacy"), "{}", stderr(&o));
+}

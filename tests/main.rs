@@ -7,5 +7,6 @@ mod common;
 mod detection;
 mod layout;
 mod model;
+mod privacy;
 mod properties;
 mod traces;

@@ -258,10 +258,6 @@ fn malformed_traces_are_rejected_with_the_site_and_tensor_named() {
     let t = r.get("head.backprops");
     t.bytes[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
     expect_check_error(&r.write("nan"), &["head.backprops", "non-finite"]);
-    let mut r = valid_raw();
-    let t = r.get("claimed.norms");
-    t.bytes[0..8].copy_from_slice(&f64::INFINITY.to_le_bytes());
-    expect_check_error(&r.write("inf"), &["claimed.norms", "non-finite"]);
 
     let mut r = valid_raw();
     r.drop("claimed.norms");
@@ -282,5 +278,89 @@ fn malformed_traces_are_rejected_with_the_site_and_tensor_named() {
     expect_check_error(
         &path.with_file_name("absent.safetensors"),
         &["cannot open trace", "absent.safetensors"],
+    );
+}
+
+/// A family trace's claims replaced by `norms`, written to a temporary file.
+fn with_claims(family: &str, norms: &dyn Fn(&[f64]) -> Vec<f64>) -> PathBuf {
+    let (trace, mut meta) = read_trace(&family_trace(family)).unwrap();
+    meta.claimed_norms = norms(&meta.claimed_norms);
+    meta.claimed_coefficients = None;
+    let path = tmp(&format!("claims-{family}")).join("t.safetensors");
+    write_trace(&path, &trace, &meta).unwrap();
+    path
+}
+
+fn family_trace(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("oracles/golden/traces/families")
+        .join(format!("{name}.safetensors"))
+}
+
+#[test]
+fn exported_traces_of_eight_model_families_with_exact_norms_pass_check() {
+    // Tiny random HF models exported by oracles/python/make_family_traces.py, with torch.func's
+    // exact per-example norms as the claim.
+    for family in [
+        "gpt2", "gpt_neo", "gpt_neox", "phi", "opt", "llama", "qwen2", "gemma",
+    ] {
+        let doc = check_json(&family_trace(family), 0);
+        assert_eq!(doc["passed"], true, "{family}");
+        assert_eq!(doc["clippers"][0]["verdict"], "pass", "{family}");
+    }
+    // The same claims without the tied cross term fail: the traces carry it.
+    let (rt, meta) = read_trace(&family_trace("gemma")).unwrap();
+    let m = rt.materialized_norms().unwrap();
+    let dropped: Vec<f64> = m
+        .iter()
+        .map(|e| {
+            let cross: f64 = e.shared_inner.values().map(|x| x[0][1]).sum();
+            (e.total_sq - 2.0 * cross).sqrt()
+        })
+        .collect();
+    assert_eq!(dropped.len(), meta.claimed_norms.len());
+    let doc = check_json(&with_claims("gemma", &|_| dropped.clone()), 1);
+    assert_ne!(doc["clippers"][0]["verdict"], "pass");
+}
+
+#[test]
+fn a_nan_or_infinite_claimed_norm_is_the_invalid_norm_verdict() {
+    for (k, bad) in [f64::NAN, f64::INFINITY].into_iter().enumerate() {
+        let path = with_claims("llama", &|n| {
+            let mut n = n.to_vec();
+            n[1] = bad;
+            n
+        });
+        let doc = check_json(&path, 1);
+        let c = &doc["clippers"][0];
+        assert_eq!(c["verdict"], "invalid-norm", "case {k}");
+        assert_eq!(c["cases"][0]["invalid_examples"], serde_json::json!([1]));
+        assert_eq!(c["cases"][0]["worst_example"], 1);
+        assert_eq!(c["privacy"]["actual_epsilon"], serde_json::Value::Null);
+    }
+}
+
+#[test]
+fn a_mixed_precision_trace_is_judged_at_its_least_precise_site() {
+    let mut r = valid_raw();
+    // Re-store one site's backprops in f16: the trace is only f16-accurate.
+    let t = r.get("head.backprops");
+    let values: Vec<f32> = t
+        .bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    t.dtype = safetensors::Dtype::F16;
+    t.bytes = values
+        .iter()
+        .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+        .collect();
+    let (_, meta) = read_trace(&r.write("mixed")).unwrap();
+    assert_eq!(meta.dtype, Dtype::F16);
+    let o = run(&["check", r.write("mixed2").to_str().unwrap()]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("(f16, trace file)"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
     );
 }

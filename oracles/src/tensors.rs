@@ -38,6 +38,16 @@ pub fn parse<'a>(bytes: &'a [u8], label: &str) -> Result<SafeTensors<'a>> {
 
 /// Any floating tensor as f64, with NaN/Inf rejected (a non-finite weight makes every norm NaN).
 pub fn to_f64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f64>> {
+    let values = to_f64_unchecked(st, name, label)?;
+    if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        bail!("{label}: tensor `{name}` holds a non-finite value ({v}) at flat index {i}");
+    }
+    Ok(values)
+}
+
+/// A float tensor as f64 with NaN and ±∞ kept: for values that are a verdict when non-finite
+/// (a clipper's claimed norms), not an input error.
+pub fn to_f64_unchecked(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f64>> {
     let view = st
         .tensor(name)
         .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
@@ -63,12 +73,6 @@ pub fn to_f64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f64>> 
             bail!("{label}: tensor `{name}` has dtype {other:?}; expected F32, F64, F16 or BF16")
         }
     };
-    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-        bail!(
-            "{label}: tensor `{name}` holds a non-finite value ({}) at flat index {i}",
-            values[i]
-        );
-    }
     ArrayD::from_shape_vec(IxDyn(view.shape()), values)
         .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
 }

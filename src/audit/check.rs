@@ -62,6 +62,7 @@ pub fn check_trace(
         worst_case: worst,
         cases,
         warnings: Vec::new(),
+        privacy: None,
     };
     Ok((audit, precision))
 }

@@ -7,7 +7,7 @@ pub use check::check_trace;
 
 use crate::clippers::{Clipped, Clipper};
 use crate::error::{Error, Result};
-use crate::judge::{CaseMetrics, Claim, Judge, Precision, Verdict};
+use crate::judge::{Accounting, CaseMetrics, Claim, Judge, Precision, PrivacyReport, Verdict};
 use crate::trace::Trace;
 use candle_core::{DType, Device};
 use ghost_oracle_reference::{
@@ -199,6 +199,25 @@ pub struct ClipperAudit {
     pub worst_case: usize,
     pub cases: Vec<CaseMetrics>,
     pub warnings: Vec<String>,
+    /// Stated and actual ε of the run, when accounted ([`account`]).
+    pub privacy: Option<PrivacyReport>,
+}
+
+/// States each clipper's ε: stated at σ, actual at σ over its worst overshoot in any case.
+pub fn account(
+    audits: &mut [ClipperAudit],
+    setting: &Accounting,
+    noise_multiplier: f64,
+) -> Result<()> {
+    for a in audits {
+        let worst = a
+            .cases
+            .iter()
+            .map(|c| c.worst_contribution)
+            .try_fold(1.0_f64, |acc, s| s.map(|s| acc.max(s)));
+        a.privacy = Some(PrivacyReport::new(setting, noise_multiplier, worst)?);
+    }
+    Ok(())
 }
 
 /// The median (mean of the middle two for an even count): the default clipping norm.
@@ -296,6 +315,7 @@ pub fn run(
             worst_case: 0,
             cases: Vec::new(),
             warnings: Vec::new(),
+            privacy: None,
         })
         .collect();
     let total = cases.len() * clippers.len();

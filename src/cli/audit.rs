@@ -1,7 +1,8 @@
 //! `audit`: every chosen clipper on the built-in suite or on a checkpoint and batch.
 
 use super::{check_flags, clippers_or, DeviceArg, DtypeArg, Progress, ReductionArg, ReportArgs};
-use ghost_oracle::{builtin_suite, run_audit, AuditOptions, Case, Error, BUILTIN_CLIPPERS};
+use ghost_oracle::BUILTIN_CLIPPERS;
+use ghost_oracle::{account, builtin_suite, run_audit, AuditOptions, Case, Error};
 use ghost_oracle_reference::{Batch, Gpt2};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -55,6 +56,7 @@ fn load_case(model: &Path, batch: &Path) -> Result<Case, Error> {
 
 pub fn run(a: Args) -> Result<ExitCode, Error> {
     check_flags(a.max_grad_norm, Some(a.noise_multiplier))?;
+    let accounting = a.report.accounting()?;
     let clippers = clippers_or(&a.clippers, &BUILTIN_CLIPPERS)?;
     let cases = match (&a.model, &a.batch) {
         (Some(m), Some(b)) => vec![load_case(m, b)?],
@@ -68,8 +70,9 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         reduction: a.reduction.into(),
     };
     let progress = Progress::new();
-    let audits = run_audit(&cases, &clippers, &opts, &mut |d, t, l| {
+    let mut audits = run_audit(&cases, &clippers, &opts, &mut |d, t, l| {
         progress.update(d, t, l)
     })?;
+    account(&mut audits, &accounting, a.noise_multiplier)?;
     a.report.emit(&audits, a.dtype.name(), a.device.name())
 }

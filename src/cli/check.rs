@@ -2,7 +2,7 @@
 
 use super::{check_flags, ReportArgs};
 use clap::ValueEnum;
-use ghost_oracle::{check_trace, Error, Precision};
+use ghost_oracle::{account, check_trace, Error, Precision};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -31,6 +31,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<ExitCode, Error> {
     check_flags(None, a.noise_multiplier)?;
+    let accounting = a.report.accounting()?;
     let precision = a.precision.map(|p| match p {
         PrecisionArg::F16 => Precision::F16,
         PrecisionArg::Bf16 => Precision::BF16,
@@ -38,5 +39,8 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         PrecisionArg::F64 => Precision::F64,
     });
     let (audit, precision) = check_trace(&a.trace, precision, a.noise_multiplier)?;
-    a.report.emit(&[audit], precision.name(), "trace file")
+    let sigma = audit.cases.first().map_or(1.0, |c| c.noise_multiplier);
+    let mut audits = [audit];
+    account(&mut audits, &accounting, sigma)?;
+    a.report.emit(&audits, precision.name(), "trace file")
 }

@@ -9,7 +9,7 @@ mod reference;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use ghost_oracle::{audit_json, audit_junit, audit_tables, clipper_by_name, ClipperAudit};
-use ghost_oracle::{Clipper, Error, Verdict};
+use ghost_oracle::{Accounting, Clipper, Error, Verdict};
 use ghost_oracle_reference::Reduction;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -125,9 +125,69 @@ pub struct ReportArgs {
     /// Exit 1 unless every audited clipper passes.
     #[arg(long)]
     gate: bool,
+    /// Exit 1 when any audited clipper's actual ε exceeds this: a CI gate stated in ε.
+    #[arg(long, allow_negative_numbers = true)]
+    max_epsilon: Option<f64>,
+    /// Poisson sampling rate q of the DP-SGD run (default with no accounting flag: 0.01).
+    #[arg(long, allow_negative_numbers = true)]
+    sampling_rate: Option<f64>,
+    /// Number of DP-SGD steps (default with no accounting flag: 1000).
+    #[arg(long, conflicts_with = "epochs")]
+    steps: Option<u64>,
+    /// Number of epochs instead of --steps: steps = epochs × ⌈N / round(q·N)⌉ (needs --dataset-size).
+    #[arg(long, requires = "dataset_size", allow_negative_numbers = true)]
+    epochs: Option<f64>,
+    /// Training set size N, for --epochs.
+    #[arg(long, requires = "epochs")]
+    dataset_size: Option<u64>,
+    /// δ of the (ε, δ) guarantee (default with no accounting flag: 1e-5).
+    #[arg(long, allow_negative_numbers = true)]
+    delta: Option<f64>,
 }
 
 impl ReportArgs {
+    /// The run the ε speaks of, checked before any work is done: the flags given, the typical
+    /// fine-tuning run where none is.
+    pub fn accounting(&self) -> Result<Accounting, Error> {
+        let typical = Accounting::typical();
+        if let Some(e) = self.max_epsilon.filter(|e| !(*e > 0.0)) {
+            return Err(Error::input(format!(
+                "--max-epsilon must be a positive number, got {e}"
+            )));
+        }
+        let steps = match (self.steps, self.epochs, self.dataset_size) {
+            (Some(s), _, _) => Some(s),
+            (None, Some(e), Some(n)) => {
+                if !(e.is_finite() && e > 0.0) || n == 0 {
+                    return Err(Error::input(format!(
+                        "--epochs must be positive and --dataset-size at least 1, got {e} and {n}"
+                    )));
+                }
+                let q = self.sampling_rate.unwrap_or(typical.sampling_rate);
+                let batch = (q * n as f64).round().max(1.0);
+                Some((e * (n as f64 / batch).ceil()).ceil() as u64)
+            }
+            _ => None,
+        };
+        let given = self.sampling_rate.is_some() || steps.is_some() || self.delta.is_some();
+        let setting = Accounting {
+            sampling_rate: self.sampling_rate.unwrap_or(typical.sampling_rate),
+            steps: steps.unwrap_or(typical.steps),
+            delta: self.delta.unwrap_or(typical.delta),
+            default_setting: !given,
+        };
+        setting.validate().map_err(|e| {
+            let flag = match e {
+                ghost_oracle::accountant::AccountingError::SamplingRate(_) => "--sampling-rate",
+                ghost_oracle::accountant::AccountingError::Delta(_) => "--delta",
+                ghost_oracle::accountant::AccountingError::NoSteps => "--steps",
+                _ => "accounting",
+            };
+            Error::input(format!("{flag}: {e}"))
+        })?;
+        Ok(setting)
+    }
+
     /// Prints the tables, writes the files, and gives the exit status.
     pub fn emit(
         &self,
@@ -144,7 +204,25 @@ impl ReportArgs {
         }
         out(&audit_tables(audits, dtype, device))?;
         let all_pass = audits.iter().all(|a| a.verdict == Verdict::Pass);
-        Ok(if self.gate && !all_pass {
+        let over_budget: Vec<&str> = match self.max_epsilon {
+            Some(max) => audits
+                .iter()
+                .filter(|a| a.privacy.as_ref().is_some_and(|p| p.actual() > max))
+                .map(|a| a.name.as_str())
+                .collect(),
+            None => Vec::new(),
+        };
+        if let Some(max) = self.max_epsilon {
+            out(&if over_budget.is_empty() {
+                format!("every audited clipper's actual ε is within --max-epsilon {max}\n")
+            } else {
+                format!(
+                    "actual ε above --max-epsilon {max}: {}\n",
+                    over_budget.join(", ")
+                )
+            })?;
+        }
+        Ok(if (self.gate && !all_pass) || !over_budget.is_empty() {
             ExitCode::from(1)
         } else {
             ExitCode::SUCCESS

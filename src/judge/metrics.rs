@@ -63,6 +63,10 @@ pub struct CaseMetrics {
     pub max_cross_share: Option<f64>,
     /// Examples whose norm or coefficient is invalid.
     pub invalid_examples: Vec<usize>,
+    /// The largest clipped contribution c·n*/C that rounding cannot explain, capped below at 1
+    /// (an overshoot within the bound is rounding); `null` when a norm is invalid. This is what
+    /// the run's ε is computed from.
+    pub worst_contribution: Option<f64>,
     pub examples: Vec<ExampleMetrics>,
 }
 
@@ -192,6 +196,11 @@ pub fn evaluate(
         Verdict::Pass | Verdict::UtilityDistortion => argmax(examples.iter().map(|e| e.err_units)),
     };
     let max_ratio = fmax(&|e| e.sensitivity);
+    let worst_contribution = match verdict {
+        Verdict::InvalidNorm => None,
+        Verdict::PrivacyViolation => Some(max_ratio),
+        Verdict::Pass | Verdict::UtilityDistortion => Some(1.0),
+    };
     let max_cross_share = examples
         .iter()
         .filter_map(|e| e.cross_share)
@@ -216,6 +225,7 @@ pub fn evaluate(
         clipped_sum_bound: sum.and_then(|s| ratio(s.bound, s.reference)),
         max_cross_share,
         invalid_examples,
+        worst_contribution,
         examples,
     })
 }

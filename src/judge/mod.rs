@@ -7,12 +7,14 @@
 //! imports), so no bug planted in a clipper can move a bound.
 
 mod metrics;
+mod privacy;
 mod tolerance;
 mod truth;
 mod verdict;
 
 pub(crate) use metrics::nan_max;
 pub use metrics::{evaluate, CaseMetrics, Claim, ExampleMetrics};
+pub use privacy::{Accounting, PrivacyReport};
 pub use tolerance::{Precision, Tolerance};
 pub use truth::Truth;
 pub use verdict::Verdict;

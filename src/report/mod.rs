@@ -145,6 +145,17 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
         for w in &a.warnings {
             let _ = writeln!(s, "  warning: {w}");
         }
+        if let Some(p) = &a.privacy {
+            let _ = writeln!(s, "  privacy: {}", p.sentence());
+            let _ = writeln!(s, "    ({})", p.setting());
+            if p.order_at_grid_edge {
+                let _ = writeln!(
+                    s,
+                    "  warning: the optimal Rényi order {} is at an end of the grid; a wider grid may give a smaller ε",
+                    p.order
+                );
+            }
+        }
     }
     let _ = writeln!(
         s,
@@ -206,13 +217,9 @@ pub fn deciding_figure(a: &ClipperAudit) -> String {
 
 /// One line per clipper with its verdict and the figure that decided it, then an overall line.
 pub fn summary(audits: &[ClipperAudit]) -> String {
-    let mut s = String::from(
-        "
-summary:
-",
-    );
+    let mut s = String::from("\nsummary:\n");
     for a in audits {
-        let _ = writeln!(
+        let _ = write!(
             s,
             "  {} {} ({}: {})",
             if a.verdict == Verdict::Pass {
@@ -224,6 +231,16 @@ summary:
             a.verdict.name(),
             deciding_figure(a)
         );
+        let _ = match &a.privacy {
+            Some(p) if p.actual() > p.stated_epsilon => writeln!(
+                s,
+                "; ε {} → {}",
+                fixed(Some(p.stated_epsilon), 2),
+                fixed(p.actual_epsilon.filter(|e| e.is_finite()), 2).replace("n/a", "∞")
+            ),
+            Some(p) => writeln!(s, "; ε {}", fixed(Some(p.stated_epsilon), 2)),
+            None => writeln!(s),
+        };
     }
     let failing: Vec<&str> = audits
         .iter()
@@ -261,6 +278,7 @@ pub fn audit_json(audits: &[ClipperAudit], dtype: &str, device: &str) -> Value {
                 "effective_noise_ratio": worst.and_then(|c| c.effective_noise_ratio),
                 "reference_noise_ratio": worst.and_then(|c| c.reference_noise_ratio),
                 "decided_by": deciding_figure(a),
+                "privacy": a.privacy,
                 "worst": {"case": worst.map(|c| c.case.clone()), "example": worst.map(|c| c.worst_example)},
                 "warnings": a.warnings,
                 "cases": a.cases,
@@ -314,7 +332,7 @@ pub fn audit_junit(audits: &[ClipperAudit]) -> String {
                 let _ = writeln!(s, "/>");
             } else {
                 let e = &c.examples[c.worst_example];
-                let msg = format!(
+                let mut msg = format!(
                     "{}: example {} norm {:e} vs true {:e} (rel err {:e}, bound {:e}); sensitivity ratio {:.6}",
                     c.verdict.name(),
                     c.worst_example,
@@ -324,6 +342,10 @@ pub fn audit_junit(audits: &[ClipperAudit]) -> String {
                     e.bound,
                     c.max_sensitivity_ratio
                 );
+                if let Some(p) = &a.privacy {
+                    msg.push_str("; ");
+                    msg.push_str(&p.sentence());
+                }
                 let _ = writeln!(
                     s,
                     ">\n      <failure type=\"{}\" message=\"{}\"/>\n    </testcase>",

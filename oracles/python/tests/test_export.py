@@ -1,0 +1,203 @@
+"""The exporter refuses to write a trace that is incomplete or wrong.
+
+    python3 -m pytest oracles/python/tests
+"""
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import export_trace as E  # noqa: E402
+
+V, D, B, T = 11, 6, 3, 5
+
+
+class ToyScaledWordEmbedding(torch.nn.Embedding):
+    """Gemma's embedding: the lookup times √d, inside forward."""
+
+    def __init__(self, v, d):
+        super().__init__(v, d, padding_idx=0)
+        self.embed_scale = torch.tensor(d ** 0.5)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class ToyRMSNorm(torch.nn.Module):
+    """x̂ ⊙ (1 + w), Gemma's form."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.eps = 1e-6
+        self.weight = torch.nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+
+class MeanCenteredRMSNorm(ToyRMSNorm):
+    """Named like an RMSNorm, but subtracts the mean first: not what the exporter models."""
+
+    def forward(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return super().forward(x)
+
+
+class Gain(torch.nn.Module):
+    """A parameter in a module kind the exporter does not model."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class DoubledLinear(torch.nn.Linear):
+    """A subclass that changes forward: must not be taken for an nn.Linear."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class Toy(torch.nn.Module):
+    """Scaled, tied embedding -> norm -> linear (bias) -> extra -> tied head; the MLP runs on B·T
+    flattened rows, as OPT's does."""
+
+    def __init__(self, norm=ToyRMSNorm, extra=None, linear=torch.nn.Linear):
+        super().__init__()
+        self.embed = ToyScaledWordEmbedding(V, D)
+        self.norm = norm(D)
+        self.fc = linear(D, D)
+        self.extra = extra(D) if extra else torch.nn.Identity()
+        self.frozen = torch.nn.Linear(D, D)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(D, V, bias=False)
+        self.head.weight = self.embed.weight
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    def forward(self, ids):
+        h = self.norm(self.embed(ids))
+        shape = h.shape
+        flat = h.reshape(-1, D)
+        h = (flat + torch.tanh(self.frozen(self.fc(flat)))).view(shape)
+        return self.head(self.extra(h))
+
+
+def loss(model, ids):
+    logits = model(ids)
+    per = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1), reduction="none")
+    return per.view(ids.shape[0], -1).mean(1)
+
+
+def ids():
+    x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+    x[0, 1] = 0  # the padding row
+    return x
+
+
+def export(model, path, **kw):
+    return E.export_trace(model.double(), loss, ids(), str(path), claimed_norms=torch.ones(B), max_grad_norm=1.0, **kw)
+
+
+def test_a_correct_model_exports_with_scale_padding_and_flattened_rows(tmp_path):
+    specs = export(Toy(), tmp_path / "ok.safetensors")
+    kinds = {s["name"]: s["kind"] for s in specs}
+    assert kinds == {"embed.weight": "embedding", "norm.weight": "layernorm", "fc.weight": "linear",
+                     "fc.bias": "bias", "head.weight": "linear"}
+    with safe_open(str(tmp_path / "ok.safetensors"), "pt") as f:
+        assert f.get_tensor("fc.weight.activations").shape == (B, T, D)  # B·T rows reshaped back
+        bp = f.get_tensor("embed.weight.backprops")
+        assert torch.all(bp[0, 1] == 0)  # the padding row's lookup gets no gradient
+        assert f.metadata()["compute_dtype"] == "f64"
+        assert f.get_tensor("fc.weight.backprops").dtype == torch.float64
+
+
+def test_a_missing_embedding_scale_is_refused_naming_the_parameter(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "_embedding_scale", lambda m: 1.0)
+    path = tmp_path / "bad.safetensors"
+    with pytest.raises(E.TraceExportError) as e:
+        export(Toy(), path)
+    msg = str(e.value)
+    assert "parameter `embed.weight`" in msg and "ToyScaledWordEmbedding" in msg and "differs from autograd" in msg
+    assert not path.exists()
+
+
+def test_a_module_whose_forward_is_not_modelled_is_refused(tmp_path):
+    with pytest.raises(E.TraceExportError) as e:
+        export(Toy(norm=MeanCenteredRMSNorm), tmp_path / "bad.safetensors")
+    assert "parameter `norm.weight`" in str(e.value) and "MeanCenteredRMSNorm" in str(e.value)
+
+
+def test_a_parameter_without_a_site_is_refused_naming_it_and_its_class(tmp_path):
+    with pytest.raises(E.TraceExportError) as e:
+        export(Toy(extra=Gain), tmp_path / "bad.safetensors")
+    assert "parameter `extra.gain`" in str(e.value) and "(Gain)" in str(e.value) and "no site" in str(e.value)
+    # A subclass of nn.Linear is matched by exact type, so it has no site rather than a wrong one.
+    with pytest.raises(E.TraceExportError) as e:
+        export(Toy(linear=DoubledLinear), tmp_path / "bad.safetensors")
+    assert "parameter `fc.weight`" in str(e.value) and "DoubledLinear" in str(e.value)
+
+
+def test_the_manifest_lists_every_trainable_parameter_once(tmp_path):
+    model = Toy()
+    path = tmp_path / "ok.safetensors"
+    specs = export(model, path)
+    with safe_open(str(path), "pt") as f:
+        listed = json.loads(f.metadata()["parameters"])
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert listed == trainable  # the tied head once, under the embedding's name; frozen left out
+    assert "head.weight" not in listed and "frozen.weight" not in listed
+    assert {s["param"] for s in specs} == set(listed)
+
+
+def test_compute_dtype_is_the_models_not_the_files(tmp_path):
+    path = tmp_path / "f32.safetensors"
+    E.export_trace(Toy().float(), loss, ids(), str(path), claimed_norms=torch.ones(B), max_grad_norm=1.0,
+                   dtype=torch.float64)
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata()["compute_dtype"] == "f32"
+        assert f.get_tensor("fc.weight.activations").dtype == torch.float64
+
+
+transformers = pytest.importorskip("transformers")
+import make_family_traces as F  # noqa: E402
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "llama", "gemma"])
+def test_family_models_pass_the_self_check(tmp_path, family):
+    model, _ = F.build(family)
+    specs = E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
+                           claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+    assert any(s["kind"] == "embedding" for s in specs)
+
+
+def test_gemma_without_its_embedding_scale_is_refused(tmp_path, monkeypatch):
+    model, forms = F.build("gemma")
+    assert forms == {"GemmaRMSNorm": "1+w"}
+    monkeypatch.setattr(E, "_embedding_scale", lambda m: 1.0)
+    with pytest.raises(E.TraceExportError) as e:
+        E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
+                       claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+    assert "parameter `model.embed_tokens.weight`" in str(e.value)
+    assert "GemmaTextScaledWordEmbedding" in str(e.value)
+
+
+def test_an_unpatched_float32_rmsnorm_in_a_float64_model_is_refused(tmp_path):
+    cls, cfg = F.configs()["llama"]
+    torch.manual_seed(3)
+    model = cls(cfg).to(torch.float64).eval()
+    F.randomize(model, {"LlamaRMSNorm": "w"})  # Hugging Face's forward: x̂ in float32
+    with pytest.raises(E.TraceExportError) as e:
+        E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
+                       claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+    assert "LlamaRMSNorm" in str(e.value) and "layernorm.weight`" in str(e.value)

@@ -1,0 +1,162 @@
+//! What a clipper's worst overshoot does to the (ε, δ) a DP-SGD run claims.
+//!
+//! A clipped contribution of s·C (s > 1) at noise σC is the Gaussian mechanism at noise
+//! multiplier σ/s: sensitivity is a worst case over examples and steps, so one example that can
+//! overshoot by s at any step makes every step's guarantee that of σ/s.
+
+use crate::accountant::{self, AccountingError};
+use serde::Serialize;
+
+/// The run an ε speaks of: Poisson sampling rate q, number of steps, and δ.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Accounting {
+    pub sampling_rate: f64,
+    pub steps: u64,
+    pub delta: f64,
+    /// No accounting option was given: this is the typical fine-tuning run below.
+    pub default_setting: bool,
+}
+
+impl Accounting {
+    /// A typical fine-tuning run, shown when the user names none: q = 0.01, 1000 steps, δ = 1e-5.
+    pub fn typical() -> Self {
+        Accounting {
+            sampling_rate: 0.01,
+            steps: 1000,
+            delta: 1e-5,
+            default_setting: true,
+        }
+    }
+
+    /// Checks the setting before any work is done (the accountant names the bad value).
+    pub fn validate(&self) -> Result<(), AccountingError> {
+        accountant::epsilon(
+            self.sampling_rate,
+            1.0,
+            self.steps,
+            self.delta,
+            &accountant::default_orders(),
+        )
+        .map(|_| ())
+    }
+}
+
+/// Stated and actual ε of one clipper's run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PrivacyReport {
+    pub sampling_rate: f64,
+    pub steps: u64,
+    pub delta: f64,
+    pub default_setting: bool,
+    /// The stated noise multiplier σ.
+    pub noise_multiplier: f64,
+    /// ε at the stated σ.
+    pub stated_epsilon: f64,
+    /// The largest clipped contribution beyond rounding, in units of C (1 when none exceeds C;
+    /// `null` when a norm was invalid).
+    pub worst_contribution: Option<f64>,
+    /// σ / max(1, worst contribution).
+    pub effective_noise_multiplier: Option<f64>,
+    /// ε at the effective σ: the guarantee that holds when every step can meet the worst
+    /// overshoot. +∞ (`null` in JSON) when a norm was invalid.
+    pub actual_epsilon: Option<f64>,
+    /// The σ that would keep the stated ε at that overshoot.
+    pub sigma_needed: Option<f64>,
+    /// The optimal Rényi order of the actual ε, and whether it sits at an end of the grid.
+    pub order: f64,
+    pub order_at_grid_edge: bool,
+}
+
+impl PrivacyReport {
+    /// ε before and after the overshoot. `worst_contribution` is `None` for an invalid norm.
+    pub fn new(
+        setting: &Accounting,
+        noise_multiplier: f64,
+        worst_contribution: Option<f64>,
+    ) -> Result<Self, AccountingError> {
+        let orders = accountant::default_orders();
+        let (q, steps, delta) = (setting.sampling_rate, setting.steps, setting.delta);
+        let stated = accountant::epsilon(q, noise_multiplier, steps, delta, &orders)?;
+        let overshoot = worst_contribution.map(|s| s.max(1.0));
+        let effective = overshoot.map(|s| noise_multiplier / s);
+        let actual = effective
+            .map(|sigma| accountant::epsilon(q, sigma, steps, delta, &orders))
+            .transpose()?;
+        // The smallest σ that reaches the stated ε, scaled by the overshoot: at σ' the run
+        // behaves as σ'/s. Unreachable only without noise (stated ε = ∞).
+        let sigma_needed = match overshoot {
+            Some(s) if stated.epsilon.is_finite() => {
+                Some(s * accountant::sigma_for_epsilon(q, steps, delta, stated.epsilon, &orders)?)
+            }
+            _ => None,
+        };
+        let at = actual.unwrap_or(stated);
+        Ok(PrivacyReport {
+            sampling_rate: q,
+            steps,
+            delta,
+            default_setting: setting.default_setting,
+            noise_multiplier,
+            stated_epsilon: stated.epsilon,
+            worst_contribution: overshoot,
+            effective_noise_multiplier: effective,
+            actual_epsilon: actual.map(|a| a.epsilon),
+            sigma_needed,
+            order: at.order,
+            order_at_grid_edge: at.at_grid_edge,
+        })
+    }
+
+    /// ε of the run as it really is: +∞ for an invalid norm.
+    pub fn actual(&self) -> f64 {
+        self.actual_epsilon.unwrap_or(f64::INFINITY)
+    }
+
+    /// One sentence: stated ε, actual ε, and the σ that would keep the stated one.
+    pub fn sentence(&self) -> String {
+        let stated = format!(
+            "stated ε = {} (δ = {:e})",
+            eps(self.stated_epsilon),
+            self.delta
+        );
+        match (self.worst_contribution, self.actual_epsilon) {
+            (None, _) | (_, None) => {
+                format!("{stated}; with invalid norms no ε holds (the run is ε = ∞)")
+            }
+            (Some(s), Some(actual)) if s > 1.0 => format!(
+                "{stated}; with clipped contributions up to {s:.4}·C the run is ε = {}; σ = {} would keep ε = {}",
+                eps(actual),
+                self.sigma_needed.map_or("∞".into(), |v| format!("{v:.4}")),
+                eps(self.stated_epsilon)
+            ),
+            (Some(_), Some(actual)) => format!(
+                "{stated}; no clipped contribution above C: the run is ε = {}",
+                eps(actual)
+            ),
+        }
+    }
+
+    /// Where the numbers come from.
+    pub fn setting(&self) -> String {
+        format!(
+            "{}q = {}, {} steps, δ = {:e}, σ = {}",
+            if self.default_setting {
+                "typical fine-tuning run (no --sampling-rate/--steps/--delta given): "
+            } else {
+                ""
+            },
+            self.sampling_rate,
+            self.steps,
+            self.delta,
+            self.noise_multiplier
+        )
+    }
+}
+
+fn eps(e: f64) -> String {
+    if e.is_finite() {
+        format!("{e:.2}")
+    } else {
+        "∞".into()
+    }
+}

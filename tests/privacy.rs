@@ -1,0 +1,153 @@
+//! The audit in ε: stated and actual ε per clipper, the σ that would keep the stated ε, the
+//! `--max-epsilon` gate, and the accounting flags' errors.
+
+use crate::cli::{expect_input_error, run, stderr, tmp};
+use ghost_oracle::accountant::{default_orders, epsilon};
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn audit_json(clipper: &str, extra: &[&str]) -> (Option<i32>, serde_json::Value, String) {
+    let dir = tmp(&format!("privacy-{clipper}-{}", extra.len()));
+    let json = dir.join("a.json");
+    let mut args = vec![
+        "audit",
+        "--clipper",
+        clipper,
+        "--sampling-rate",
+        "0.01",
+        "--steps",
+        "1000",
+        "--delta",
+        "1e-5",
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let o = run(&args);
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    let doc = serde_json::from_str(&std::fs::read_to_string(&json).unwrap_or_default())
+        .unwrap_or(serde_json::Value::Null);
+    (o.status.code(), doc, stdout(&o))
+}
+
+#[test]
+fn ghost_states_a_larger_actual_epsilon_and_ghost_tied_keeps_its_stated_one() {
+    let orders = default_orders();
+    let (code, doc, out) = audit_json("ghost", &[]);
+    assert_eq!(code, Some(0), "{out}");
+    let p = &doc["clippers"][0]["privacy"];
+    let stated = p["stated_epsilon"].as_f64().unwrap();
+    let actual = p["actual_epsilon"].as_f64().unwrap();
+    let s = p["worst_contribution"].as_f64().unwrap();
+    let needed = p["sigma_needed"].as_f64().unwrap();
+    assert_eq!(p["sampling_rate"], 0.01);
+    assert_eq!(p["steps"], 1000);
+    assert_eq!(p["delta"], 1e-5);
+    assert_eq!(p["default_setting"], false);
+    // The worst overshoot is the largest clipped contribution of any case.
+    let max_sens = doc["clippers"][0]["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["max_sensitivity_ratio"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(
+        s > 1.0 && (s - max_sens).abs() <= 1e-12 * s,
+        "{s} vs {max_sens}"
+    );
+    // Stated ε at σ = 1, actual at σ/s: the accountant's own numbers at those σ.
+    let at = |sigma: f64| epsilon(0.01, sigma, 1000, 1e-5, &orders).unwrap().epsilon;
+    assert!((stated - at(1.0)).abs() <= 1e-12 * stated);
+    assert!((actual - at(1.0 / s)).abs() <= 1e-12 * actual);
+    assert!(actual > stated);
+    // At σ' = needed the run behaves as σ'/s, which must give back the stated ε.
+    assert!(
+        (needed - s).abs() <= 1e-9 * s,
+        "σ needed {needed} vs overshoot {s}"
+    );
+    assert!((at(needed / s) - stated).abs() <= 1e-9 * stated);
+    assert!(
+        out.contains(&format!("stated ε = {stated:.2} (δ = 1e-5)"))
+            && out.contains(&format!("the run is ε = {actual:.2}"))
+            && out.contains(&format!("would keep ε = {stated:.2}")),
+        "{out}"
+    );
+
+    let (code, doc, out) = audit_json("ghost-tied", &[]);
+    assert_eq!(code, Some(0), "{out}");
+    let p = &doc["clippers"][0]["privacy"];
+    assert_eq!(p["actual_epsilon"], p["stated_epsilon"]);
+    assert_eq!(p["worst_contribution"], 1.0);
+    assert!(out.contains("no clipped contribution above C"), "{out}");
+}
+
+#[test]
+fn max_epsilon_gates_on_the_actual_epsilon() {
+    let (_, doc, _) = audit_json("ghost", &[]);
+    let p = &doc["clippers"][0]["privacy"];
+    let (stated, actual) = (
+        p["stated_epsilon"].as_f64().unwrap(),
+        p["actual_epsilon"].as_f64().unwrap(),
+    );
+    let between = format!("{}", 0.5 * (stated + actual));
+    let (code, _, out) = audit_json("ghost", &["--max-epsilon", &between]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("actual ε above --max-epsilon"), "{out}");
+    let (code, _, out) = audit_json("ghost-tied", &["--max-epsilon", &between]);
+    assert_eq!(code, Some(0), "{out}");
+    let above = format!("{}", actual * 1.01);
+    let (code, _, _) = audit_json("ghost", &["--max-epsilon", &above]);
+    assert_eq!(code, Some(0));
+}
+
+#[test]
+fn without_accounting_flags_the_typical_run_is_named() {
+    let o = run(&["audit", "--clipper", "ghost-tied"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("typical fine-tuning run") && out.contains("q = 0.01, 1000 steps, δ = 1e-5"),
+        "{out}"
+    );
+}
+
+#[test]
+fn epochs_and_dataset_size_give_the_steps() {
+    // N = 60000 at q = 0.004: batches of 240, 250 of them per epoch; 3 epochs are 750 steps.
+    let json = tmp("privacy-epochs").join("a.json");
+    let o = run(&[
+        "audit",
+        "--clipper",
+        "ghost-tied",
+        "--epochs",
+        "3",
+        "--dataset-size",
+        "60000",
+        "--sampling-rate",
+        "0.004",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["clippers"][0]["privacy"]["steps"], 750);
+    assert_eq!(doc["clippers"][0]["privacy"]["sampling_rate"], 0.004);
+}
+
+#[test]
+fn bad_accounting_flags_are_named() {
+    expect_input_error(
+        &["audit", "--sampling-rate", "1.5"],
+        &["--sampling-rate", "1.5"],
+    );
+    expect_input_error(&["audit", "--delta", "0"], &["--delta", "(0, 1)"]);
+    expect_input_error(&["audit", "--steps", "0"], &["--steps"]);
+    expect_input_error(&["audit", "--max-epsilon", "-1"], &["--max-epsilon"]);
+    expect_input_error(
+        &["audit", "--epochs", "0", "--dataset-size", "10"],
+        &["--epochs"],
+    );
+}
