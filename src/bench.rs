@@ -68,9 +68,14 @@ pub fn bench(
     trace: &Trace,
     runs: usize,
     peak: &mut dyn FnMut(bool) -> u64,
+    progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<Vec<BenchResult>> {
+    let total = clippers.len() * (runs.max(1) + 1);
+    let mut done = 0;
     for c in clippers {
         c.norms(trace)?;
+        done += 1;
+        progress(done, total, &format!("{} warm-up", c.name()));
     }
     let mut times = vec![Vec::with_capacity(runs); clippers.len()];
     let mut peaks = vec![0; clippers.len()];
@@ -82,6 +87,8 @@ pub fn bench(
             times[k].push(t.elapsed().as_secs_f64());
             peaks[k] = peaks[k].max(peak(false));
             drop(r);
+            done += 1;
+            progress(done, total, &c.name());
         }
     }
     Ok(clippers

@@ -1,6 +1,6 @@
 //! `bench`: clipper time and peak memory on a random tied LM head or a trace file.
 
-use super::{clippers_or, out, to_json, write_file, DeviceArg, DtypeArg};
+use super::{clippers_or, out, to_json, write_file, DeviceArg, DtypeArg, Progress};
 use ghost_oracle::{bench as bench_clippers, tied_head_trace, Error, Trace};
 use ghost_oracle_reference as reference;
 use std::fmt::Write;
@@ -138,7 +138,14 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         "seconds",
         "peak MiB"
     ))?;
-    let results = bench_clippers(&clippers, &t, a.runs, &mut alloc::peak_probe)?;
+    let progress = Progress::new();
+    let results = bench_clippers(
+        &clippers,
+        &t,
+        a.runs,
+        &mut alloc::peak_probe,
+        &mut |d, n, l| progress.update(d, n, l),
+    )?;
     let mut s = String::new();
     for r in &results {
         let _ = writeln!(

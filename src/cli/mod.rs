@@ -8,7 +8,8 @@ mod mutants;
 mod reference;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use ghost_oracle::{audit_json, audit_junit, audit_tables, clipper_by_name, ClipperAudit};
+use ghost_oracle::ClipperAudit;
+use ghost_oracle::{audit_html, audit_json, audit_junit, audit_tables, clipper_by_name};
 use ghost_oracle::{Accounting, Clipper, Error, Verdict};
 use ghost_oracle_reference::Reduction;
 use std::io::{IsTerminal, Write};
@@ -122,6 +123,9 @@ pub struct ReportArgs {
     /// Also write JUnit XML to this file: one testcase per clipper × case.
     #[arg(long)]
     junit: Option<PathBuf>,
+    /// Also write a self-contained HTML report with plots to this file.
+    #[arg(long)]
+    html: Option<PathBuf>,
     /// Exit 1 unless every audited clipper passes.
     #[arg(long)]
     gate: bool,
@@ -150,7 +154,7 @@ impl ReportArgs {
     /// fine-tuning run where none is.
     pub fn accounting(&self) -> Result<Accounting, Error> {
         let typical = Accounting::typical();
-        if let Some(e) = self.max_epsilon.filter(|e| !(*e > 0.0)) {
+        if let Some(e) = self.max_epsilon.filter(|e| e.is_nan() || *e <= 0.0) {
             return Err(Error::input(format!(
                 "--max-epsilon must be a positive number, got {e}"
             )));
@@ -202,6 +206,9 @@ impl ReportArgs {
         if let Some(path) = &self.junit {
             write_file(path, &audit_junit(audits), "--junit")?;
         }
+        if let Some(path) = &self.html {
+            write_file(path, &audit_html(audits, dtype, device)?, "--html")?;
+        }
         out(&audit_tables(audits, dtype, device))?;
         let all_pass = audits.iter().all(|a| a.verdict == Verdict::Pass);
         let over_budget: Vec<&str> = match self.max_epsilon {
@@ -248,36 +255,50 @@ pub fn to_json(v: &impl serde::Serialize) -> String {
     serde_json::to_string_pretty(v).unwrap_or_default()
 }
 
-/// A progress bar on stderr, drawn only on a terminal.
+/// Progress of a long run on stderr: an indicatif bar on a terminal; elsewhere (CI logs, pipes)
+/// a plain line at most every few seconds, and nothing for a run that ends within two seconds.
 pub struct Progress {
-    enabled: bool,
+    bar: Option<indicatif::ProgressBar>,
     start: Instant,
+    last_line: std::cell::Cell<f64>,
 }
 
 impl Progress {
     pub fn new() -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(0);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "[{bar:30}] {pos}/{len} {elapsed_precise} {msg}",
+            ) {
+                bar.set_style(style.progress_chars("#>-"));
+            }
+            bar
+        });
         Progress {
-            enabled: std::io::stderr().is_terminal(),
+            bar,
             start: Instant::now(),
+            last_line: std::cell::Cell::new(0.0),
         }
     }
 
     pub fn update(&self, done: usize, total: usize, label: &str) {
-        if !self.enabled || total == 0 {
+        if total == 0 {
             return;
         }
-        let width = 30;
-        let filled = width * done / total;
-        let secs = self.start.elapsed().as_secs_f64();
-        eprint!(
-            "\r[{}{}] {done}/{total} {secs:.1}s {label:<30}",
-            "#".repeat(filled),
-            " ".repeat(width - filled)
-        );
-        if done == total {
-            eprintln!();
+        if let Some(bar) = &self.bar {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            bar.set_message(label.to_string());
+            if done == total {
+                bar.finish_and_clear();
+            }
+            return;
         }
-        let _ = std::io::stderr().flush();
+        let secs = self.start.elapsed().as_secs_f64();
+        if secs >= 2.0 && (secs - self.last_line.get() >= 5.0 || done == total) {
+            self.last_line.set(secs);
+            eprintln!("progress: {done}/{total} ({label}) after {secs:.0} s");
+        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! `mutants`: the seeded bugs of real DP libraries, and whether the judge catches each.
 
 use super::{out, to_json, write_file, DtypeArg, Progress};
-use ghost_oracle::{builtin_suite, kill_matrix, kill_matrix_json, kill_matrix_table};
+use ghost_oracle::kill_matrix_table;
+use ghost_oracle::{builtin_suite, kill_matrix, kill_matrix_html, kill_matrix_json};
 use ghost_oracle::{AuditOptions, Error, Mutant};
 use ghost_oracle_reference::Reduction;
 use std::path::PathBuf;
@@ -18,6 +19,9 @@ pub struct Args {
     /// Also write the kill matrix as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also write the kill matrix and every clipper's plots as a self-contained HTML file.
+    #[arg(long)]
+    html: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> Result<ExitCode, Error> {
@@ -42,6 +46,9 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
     })?;
     if let Some(path) = &a.json {
         write_file(path, &to_json(&kill_matrix_json(&m)), "--json")?;
+    }
+    if let Some(path) = &a.html {
+        write_file(path, &kill_matrix_html(&m, a.dtype.name())?, "--html")?;
     }
     out(&kill_matrix_table(&m))?;
     out(if m.ok() {

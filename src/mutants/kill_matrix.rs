@@ -7,6 +7,7 @@ use crate::audit::{run, AuditOptions, Case, ClipperAudit};
 use crate::clippers::{Clipper, MaterializeClipper, TiedGhostClipper};
 use crate::error::Result;
 use crate::judge::{CaseMetrics, Verdict};
+use crate::report::{audit_sections, page, verdict_colour, xml_escape};
 use serde_json::{json, Value};
 use std::fmt::Write;
 
@@ -21,6 +22,8 @@ pub struct Row {
 pub struct KillMatrix {
     pub cases: Vec<String>,
     pub rows: Vec<Row>,
+    /// Every clipper's full audit, in row order.
+    pub audits: Vec<ClipperAudit>,
 }
 
 impl KillMatrix {
@@ -126,7 +129,11 @@ pub fn kill_matrix(
             }
         })
         .collect();
-    Ok(KillMatrix { cases: names, rows })
+    Ok(KillMatrix {
+        cases: names,
+        rows,
+        audits,
+    })
 }
 
 fn cell(v: Verdict) -> &'static str {
@@ -165,6 +172,43 @@ pub fn kill_matrix_table(m: &KillMatrix) -> String {
     }
     let _ = writeln!(s, "\nPRIV = privacy-violation, UTIL = utility-distortion, - = pass (most severe over the case's clipping norms)");
     s
+}
+
+/// The kill matrix as a coloured HTML page, each clipper's plots below it.
+pub fn kill_matrix_html(m: &KillMatrix, dtype: &str) -> Result<String> {
+    let mut body = String::from("<table class=\"matrix\"><tr><th>clipper</th>");
+    for c in &m.cases {
+        let _ = write!(body, "<th>{}</th>", xml_escape(c));
+    }
+    body.push_str("<th>caught</th><th>check</th></tr>");
+    for r in &m.rows {
+        let _ = write!(body, "<tr><td>{}</td>", xml_escape(&r.clipper));
+        for v in &r.cells {
+            let _ = write!(
+                body,
+                "<td style=\"background:{};color:#fff\">{}</td>",
+                verdict_colour(*v),
+                cell(*v)
+            );
+        }
+        let caught = r.cells.iter().filter(|v| **v != Verdict::Pass).count();
+        let check = if r.problems.is_empty() {
+            "ok".to_string()
+        } else {
+            format!("FAILED: {}", r.problems.join("; "))
+        };
+        let _ = write!(
+            body,
+            "<td>{caught}/{}</td><td>{}</td></tr>",
+            m.cases.len(),
+            xml_escape(&check)
+        );
+    }
+    body.push_str("</table><pre>");
+    body.push_str(&xml_escape(&kill_matrix_table(m)));
+    body.push_str("</pre>");
+    body.push_str(&audit_sections(&m.audits, dtype, "cpu")?);
+    Ok(page(&format!("ghost-oracle kill matrix ({dtype})"), &body))
 }
 
 pub fn kill_matrix_json(m: &KillMatrix) -> Value {

@@ -3,7 +3,9 @@
 
 mod kill_matrix;
 
-pub use kill_matrix::{kill_matrix, kill_matrix_json, kill_matrix_table, KillMatrix};
+pub use kill_matrix::{
+    kill_matrix, kill_matrix_html, kill_matrix_json, kill_matrix_table, KillMatrix,
+};
 
 use crate::clippers::gram::{self, Factor, Factored};
 use crate::clippers::{finish, Clipper, CrossTerm, NormReport};

@@ -1,5 +1,9 @@
 //! Human-readable tables, the JSON document and JUnit XML.
 
+mod html;
+
+pub use html::{audit_html, audit_sections, page, verdict_colour};
+
 use crate::audit::ClipperAudit;
 use crate::judge::{nan_max, CaseMetrics, Verdict};
 use ghost_oracle_reference::Reference;
@@ -298,7 +302,7 @@ pub fn audit_json(audits: &[ClipperAudit], dtype: &str, device: &str) -> Value {
     })
 }
 
-fn xml_escape(s: &str) -> String {
+pub fn xml_escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
