@@ -21,7 +21,7 @@
 //! ```
 //! use candle_core::{DType, Device};
 //! use ghost_oracle::*;
-//! use ghost_oracle_reference::{Batch, Gpt2, Reduction};
+//! use ghost_oracle_reference::{Batch, Model, Reduction};
 //! use std::path::Path;
 //!
 //! let opts = AuditOptions {
@@ -42,7 +42,7 @@
 //! let dir = Path::new("oracles/golden/cases/tied_l1_h2_t2");
 //! let case = Case {
 //!     name: "tied_l1_h2_t2".into(),
-//!     model: Gpt2::load(dir).unwrap(),
+//!     model: Model::load(dir).unwrap(),
 //!     batch: Batch::load(&dir.join("batch.safetensors")).unwrap(),
 //!     c_multipliers: vec![1.0],
 //! };

@@ -58,9 +58,11 @@ fn t1_effective_cases_hide_the_bias_and_repeat_bugs() {
         .unwrap()[0];
         for c in &a.cases {
             let short = c.case.starts_with("tied-T2@");
+            // The built-in Llama case has no biases: nothing for the bias bug to get wrong.
+            let no_bias = m == Mutant::BiasFrobenius && c.case.starts_with("llama-");
             assert_eq!(
                 c.verdict == Verdict::Pass,
-                short,
+                short || no_bias,
                 "{} on {}",
                 m.name(),
                 c.case

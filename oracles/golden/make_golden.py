@@ -7,12 +7,22 @@ expected.json: per-example norms, per-parameter norms and the tied split, comput
 with torch.func (vmap over grad of each example's own loss).
 
     pip install torch transformers safetensors
-    python3 oracles/golden/make_golden.py      # rewrites oracles/golden/cases/*
+    python3 oracles/golden/make_golden.py             # rewrites oracles/golden/cases/*
+    python3 oracles/golden/make_golden.py llama qwen2  # only the cases whose name starts so
 
 Weights are drawn larger than HF's init (std `init_std` instead of 0.02) so that the tied cross
-term is a visible part of the norm; LayerNorm parameters are randomized too.
+term is a visible part of the norm; LayerNorm / RMSNorm parameters are randomized too.
+
+GPT-2 cases use GPT2LMHeadModel, Llama-family cases LlamaForCausalLM and Qwen2ForCausalLM. HF's
+Llama-family modules compute three things in float32 even in a float64 model: RMSNorm
+(`hidden_states.to(torch.float32)`), the rotary inverse frequencies and cos/sin tables
+(`dtype=torch.float`), and the attention softmax (`softmax(..., dtype=torch.float32)`). Golden
+files at 1e-9 need the whole model in float64, so `float64_llama_family()` replaces exactly
+those three computations by the same formulas evaluated in the input's dtype (float64).
 """
+import argparse
 import json
+import math
 import os
 import shutil
 
@@ -143,7 +153,211 @@ def run_case(name, cfg_over, init_std, shape, seed, opts):
     print(f"{name}: norms {[round(e['norm'], 6) for e in examples]} shared {cross and cross[0]}")
 
 
+# ---------------------------------------------------------------------------------------------
+# Llama family (LlamaForCausalLM, Qwen2ForCausalLM)
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+# name, model_type, config overrides, init_std, batch (B, T), seed, options
+LLAMA_CASES = [
+    ("llama_tied_gqa_t2", "llama",
+     dict(vocab_size=17, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=8, tie_word_embeddings=True), 0.4, (3, 2), 21, {}),
+    ("llama_tied_gqa_l2_t33", "llama",
+     dict(vocab_size=32, hidden_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True), 0.3, (2, 33), 22, {}),
+    ("llama_untied_mha_biases_t8", "llama",
+     dict(vocab_size=24, hidden_size=12, intermediate_size=20, num_hidden_layers=2, num_attention_heads=3,
+          num_key_value_heads=3, max_position_embeddings=16, tie_word_embeddings=False, attention_bias=True,
+          mlp_bias=True), 0.3, (3, 8), 23, {}),
+    ("llama_untied_ignored_labels_sum", "llama",
+     dict(vocab_size=19, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+          num_key_value_heads=1, max_position_embeddings=16, tie_word_embeddings=False), 0.4, (3, 12), 24,
+     {"ignore": True, "reduction": "sum"}),
+    ("llama3_rope_tied_t40", "llama",
+     dict(vocab_size=29, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rope_theta=10000.0,
+          rope_scaling=LLAMA3, tie_word_embeddings=True), 0.3, (2, 40), 25, {"legacy_config": True}),
+    ("llama_bf16_tied", "llama",
+     dict(vocab_size=15, hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2,
+          num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=True), 0.4, (2, 7), 26,
+     {"dtype": "bf16"}),
+    ("qwen2_tied_biases_t12", "qwen2",
+     dict(vocab_size=21, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=1, max_position_embeddings=32, rope_theta=1000000.0, tie_word_embeddings=True),
+     0.4, (3, 12), 27, {"ignore": True}),
+    ("qwen2_untied_f32_t32", "qwen2",
+     dict(vocab_size=20, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+          num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False), 0.4, (2, 32), 28,
+     {"dtype": "f32"}),
+]
+
+
+def float64_llama_family():
+    """Makes HF's Llama and Qwen2 modules compute in the input's dtype (see the module docstring).
+
+    Each replacement is HF's own forward with the float32 casts removed; nothing else changes.
+    """
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    def rms_norm_forward(self, hidden_states):
+        # HF: hidden_states.to(torch.float32) first; here the input's dtype is kept.
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states
+
+    def rotary_forward(self, x, position_ids):
+        # HF: position_ids.float() * inv_freq.float(), cos/sin in float32.
+        freqs = position_ids[..., None].to(x.dtype) * self.inv_freq.to(device=x.device, dtype=x.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def make_eager(repeat_kv):
+        def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+            key_states = repeat_kv(key, module.num_key_value_groups)
+            value_states = repeat_kv(value, module.num_key_value_groups)
+            attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+            if attention_mask is not None:
+                attn_weights = attn_weights + attention_mask
+            # HF: softmax(..., dtype=torch.float32).to(query.dtype).
+            attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1)
+            attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
+            return attn_output, attn_weights
+        return eager_attention_forward
+
+    for mod, prefix in ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2")):
+        getattr(mod, prefix + "RMSNorm").forward = rms_norm_forward
+        getattr(mod, prefix + "RotaryEmbedding").forward = rotary_forward
+        mod.eager_attention_forward = make_eager(mod.repeat_kv)
+
+
+def inv_freq_f64(cfg):
+    """HF's default and llama3 inverse frequencies (modeling_rope_utils), evaluated in float64."""
+    rp = cfg.rope_parameters
+    base = rp["rope_theta"]
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim))
+    if rp["rope_type"] == "default":
+        return inv_freq
+    assert rp["rope_type"] == "llama3", rp
+    factor, low, high = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+    old_context_len = rp["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low) / (high - low)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def build_llama(model_type, cfg_over, init_std, seed, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[model_type]
+    torch.manual_seed(seed)
+    cfg = config_cls(**cfg_over, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    model = model_cls(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(init_std * torch.randn_like(p))
+            p.copy_(p.to(DTYPES[dtype]).to(torch.float64))
+        rotary = model.model.rotary_emb
+        exact = inv_freq_f64(model.config)
+        # Same formula as HF's float32 buffer, to float32 accuracy.
+        assert torch.allclose(exact, rotary.inv_freq.to(torch.float64), rtol=1e-6, atol=0), (exact, rotary.inv_freq)
+        rotary.inv_freq = exact
+    return model
+
+
+def legacy_rope_config(path):
+    """Rewrites a transformers-5 config.json (`rope_parameters`) in the transformers-4 layout
+    (`rope_theta` + `rope_scaling`) that hub checkpoints such as Llama 3.2 carry."""
+    with open(path) as fh:
+        cfg = json.load(fh)
+    rp = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    cfg["rope_scaling"] = rp if rp.get("rope_type", "default") != "default" else None
+    with open(path, "w") as fh:
+        json.dump(cfg, fh, indent=2, sort_keys=True)
+
+
+def run_llama_case(name, model_type, cfg_over, init_std, shape, seed, opts):
+    dtype = opts.get("dtype", "f64")
+    reduction = opts.get("reduction", "mean")
+    model = build_llama(model_type, cfg_over, init_std, seed, dtype)
+    cfg = model.config
+    ids, labels = batch_for(cfg, shape, seed, opts.get("ignore", False))
+    tied = cfg.tie_word_embeddings
+    emb = "model.embed_tokens.weight"
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    assert ("lm_head.weight" in params) != tied, list(params)
+    f = lambda p, x, y: per_example_loss(model, p, x, y, reduction, True)
+    grads = vmap(grad(f), in_dims=(None, 0, 0))(params, ids, labels)
+    losses = vmap(f, in_dims=(None, 0, 0))(params, ids, labels)
+
+    split = None
+    if tied:
+        p2 = dict(params)
+        p2["lm_head.weight"] = params[emb].clone()
+        f2 = lambda p, x, y: per_example_loss(model, p, x, y, reduction, False)
+        g2 = vmap(grad(f2), in_dims=(None, 0, 0))(p2, ids, labels)
+        split = (g2[emb], g2["lm_head.weight"])
+        # The split adds up to the tied gradient.
+        assert torch.allclose(split[0] + split[1], grads[emb], rtol=1e-10, atol=1e-13)
+
+    examples = []
+    for i in range(shape[0]):
+        pnorms = {k: float((g[i] ** 2).sum()) ** 0.5 for k, g in grads.items()}
+        total = sum(float((g[i] ** 2).sum()) for g in grads.values())
+        ex = {"loss": float(losses[i]), "norm": total ** 0.5, "params": pnorms, "shared": {}}
+        if split is not None:
+            gi, go = split[0][i], split[1][i]
+            ex["shared"][emb] = {
+                "input_sq": float((gi ** 2).sum()),
+                "output_sq": float((go ** 2).sum()),
+                "cross": float((gi * go).sum()),
+            }
+        examples.append(ex)
+
+    d = os.path.join(OUT, name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    model.to(DTYPES[dtype]).save_pretrained(d, safe_serialization=True)
+    for extra in os.listdir(d):
+        if extra not in ("config.json", "model.safetensors"):
+            os.remove(os.path.join(d, extra))
+    if opts.get("legacy_config"):
+        legacy_rope_config(os.path.join(d, "config.json"))
+    save_file({"input_ids": ids.contiguous(), "labels": labels.contiguous()}, os.path.join(d, "batch.safetensors"))
+    with open(os.path.join(d, "expected.json"), "w") as fh:
+        json.dump({"reduction": reduction, "torch": torch.__version__, "examples": examples}, fh, indent=1)
+    cross = [e["shared"] for e in examples]
+    print(f"{name}: norms {[round(e['norm'], 6) for e in examples]} shared {cross and cross[0]}")
+
+
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("prefixes", nargs="*", help="only the cases whose name starts with one of these")
+    ap.add_argument("--out", default=OUT, help="directory the case directories are written to")
+    args = ap.parse_args()
+    OUT = args.out
+    wanted = lambda name: not args.prefixes or any(name.startswith(p) for p in args.prefixes)
     torch.set_default_dtype(torch.float64)
     for case in CASES:
-        run_case(*case)
+        if wanted(case[0]):
+            run_case(*case)
+    llama = [case for case in LLAMA_CASES if wanted(case[0])]
+    if llama:
+        float64_llama_family()
+    for case in llama:
+        run_llama_case(*case)

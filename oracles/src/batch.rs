@@ -1,6 +1,6 @@
 //! A batch of token sequences and the causal-LM targets derived from it.
 
-use crate::config::Gpt2Config;
+use crate::decoder::HasDims;
 use crate::error::{bail, Result};
 use crate::io::{write_raw, RawTensor};
 use crate::tensors;
@@ -101,16 +101,18 @@ impl Batch {
         write_raw(path, &t, None)
     }
 
-    /// Checks the batch against a model; `label` names the source in messages.
-    pub fn validate(&self, cfg: &Gpt2Config, label: &str) -> Result<()> {
+    /// Checks the batch against a model or config; `label` names the source in messages.
+    pub fn validate<C: HasDims + ?Sized>(&self, cfg: &C, label: &str) -> Result<()> {
+        let cfg = cfg.dims();
         let (b, t) = self.input_ids.dim();
         if b == 0 || t == 0 {
             bail!("{label}: `input_ids` is empty ({b}×{t})");
         }
-        if t > cfg.n_positions {
+        if t > cfg.max_positions {
             bail!(
-                "{label}: sequence length {t} exceeds the model's n_positions = {}",
-                cfg.n_positions
+                "{label}: sequence length {t} exceeds the model's {} = {}",
+                cfg.positions_key,
+                cfg.max_positions
             );
         }
         if t < 2 {

@@ -20,9 +20,81 @@ pub struct Gpt2Config {
 
 /// Upper limits on sizes read from a config, so that a hostile or mistyped file cannot make the
 /// reference allocate terabytes before any tensor is checked.
-const MAX_DIM: usize = 1 << 20;
-const MAX_LAYERS: usize = 1024;
-const MAX_PARAMS: usize = 1 << 34;
+pub(crate) const MAX_DIM: usize = 1 << 20;
+pub(crate) const MAX_LAYERS: usize = 1024;
+pub(crate) const MAX_PARAMS: usize = 1 << 34;
+
+pub(crate) fn check_parameter_count(count: usize) -> Result<()> {
+    if count > MAX_PARAMS {
+        bail!("the config describes {count} parameters; at most {MAX_PARAMS} are supported");
+    }
+    Ok(())
+}
+
+/// Typed access to the keys of a `config.json`, with Hugging Face's default for an absent (or
+/// `null`) key and an error naming the key for a value of the wrong type or range.
+pub(crate) struct Keys {
+    v: Value,
+}
+
+impl Keys {
+    pub(crate) fn parse(text: &str) -> Result<Self> {
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| Error::new(format!("not valid JSON: {e}")))?;
+        if !v.is_object() {
+            bail!("expected a JSON object");
+        }
+        Ok(Keys { v })
+    }
+
+    /// The key's value; `None` when absent or `null`.
+    pub(crate) fn value(&self, key: &str) -> Option<&Value> {
+        self.v.get(key).filter(|x| !x.is_null())
+    }
+
+    pub(crate) fn usize(&self, key: &str, default: usize) -> Result<usize> {
+        self.opt_usize(key).map(|n| n.unwrap_or(default))
+    }
+
+    pub(crate) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(x) => match x.as_u64() {
+                Some(n) if n >= 1 && n as usize <= MAX_DIM => Ok(Some(n as usize)),
+                _ => bail!("`{key}` must be an integer in 1..={MAX_DIM}, found {x}"),
+            },
+        }
+    }
+
+    pub(crate) fn layers(&self, key: &str, default: usize) -> Result<usize> {
+        let n = self.usize(key, default)?;
+        if n > MAX_LAYERS {
+            bail!("`{key}` is {n}; at most {MAX_LAYERS} are supported");
+        }
+        Ok(n)
+    }
+
+    pub(crate) fn bool(&self, key: &str, default: bool) -> Result<bool> {
+        match self.value(key) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(x) => bail!("`{key}` must be true or false, found {x}"),
+        }
+    }
+
+    /// A finite number > 0.
+    pub(crate) fn positive(&self, key: &str, default: f64) -> Result<f64> {
+        match self.value(key) {
+            None => Ok(default),
+            Some(x) => positive_number(x)
+                .ok_or_else(|| Error::new(format!("`{key}` must be a positive number, found {x}"))),
+        }
+    }
+}
+
+pub(crate) fn positive_number(x: &Value) -> Option<f64> {
+    x.as_f64().filter(|e| e.is_finite() && *e > 0.0)
+}
 
 impl Gpt2Config {
     /// A small model for tests and built-in suites.
@@ -64,73 +136,41 @@ impl Gpt2Config {
     }
 
     pub fn from_json_str(text: &str) -> Result<Self> {
-        let v: Value =
-            serde_json::from_str(text).map_err(|e| Error::new(format!("not valid JSON: {e}")))?;
-        if !v.is_object() {
-            bail!("expected a JSON object");
-        }
-        let usize_key = |key: &str, default: usize| -> Result<usize> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => match x.as_u64() {
-                    Some(n) if n >= 1 && n as usize <= MAX_DIM => Ok(n as usize),
-                    _ => bail!("`{key}` must be an integer in 1..={MAX_DIM}, found {x}"),
-                },
-            }
-        };
-        let bool_key = |key: &str, default: bool| -> Result<bool> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(Value::Bool(b)) => Ok(*b),
-                Some(x) => bail!("`{key}` must be true or false, found {x}"),
-            }
-        };
-        if let Some(model_type) = v.get("model_type").and_then(Value::as_str) {
+        let keys = Keys::parse(text)?;
+        if let Some(model_type) = keys.value("model_type").and_then(Value::as_str) {
             if model_type != "gpt2" {
-                bail!("`model_type` is \"{model_type}\"; only \"gpt2\" is supported");
+                bail!(
+                    "`model_type` is \"{model_type}\"; this loader reads only \"gpt2\" (`Model::load` also reads \"llama\" and \"qwen2\")"
+                );
             }
         }
-        match v.get("activation_function").map(|a| a.as_str()) {
+        match keys.value("activation_function").map(|a| a.as_str()) {
             None | Some(Some("gelu_new")) | Some(Some("gelu_pytorch_tanh")) => {}
             Some(other) => bail!(
                 "`activation_function` is {}; only \"gelu_new\" (the tanh form GPT-2 uses) is supported",
                 other.map(|s| format!("\"{s}\"")).unwrap_or_else(|| "not a string".into())
             ),
         }
-        let n_embd = usize_key("n_embd", 768)?;
-        let n_head = usize_key("n_head", 12)?;
+        let n_embd = keys.usize("n_embd", 768)?;
+        let n_head = keys.usize("n_head", 12)?;
         if n_embd % n_head != 0 {
             bail!("`n_embd` ({n_embd}) is not a multiple of `n_head` ({n_head})");
         }
-        let eps = match v.get("layer_norm_epsilon") {
-            None | Some(Value::Null) => 1e-5,
-            Some(x) => match x.as_f64() {
-                Some(e) if e.is_finite() && e > 0.0 => e,
-                _ => bail!("`layer_norm_epsilon` must be a positive number, found {x}"),
-            },
-        };
-        let n_layer = usize_key("n_layer", 12)?;
-        if n_layer > MAX_LAYERS {
-            bail!("`n_layer` is {n_layer}; at most {MAX_LAYERS} are supported");
-        }
+        let eps = keys.positive("layer_norm_epsilon", 1e-5)?;
+        let n_layer = keys.layers("n_layer", 12)?;
         let cfg = Gpt2Config {
-            vocab_size: usize_key("vocab_size", 50257)?,
-            n_positions: usize_key("n_positions", 1024)?,
+            vocab_size: keys.usize("vocab_size", 50257)?,
+            n_positions: keys.usize("n_positions", 1024)?,
             n_embd,
             n_layer,
             n_head,
-            n_inner: usize_key("n_inner", 4 * n_embd)?,
+            n_inner: keys.usize("n_inner", 4 * n_embd)?,
             layer_norm_epsilon: eps,
-            tie_word_embeddings: bool_key("tie_word_embeddings", true)?,
-            scale_attn_weights: bool_key("scale_attn_weights", true)?,
-            scale_attn_by_inverse_layer_idx: bool_key("scale_attn_by_inverse_layer_idx", false)?,
+            tie_word_embeddings: keys.bool("tie_word_embeddings", true)?,
+            scale_attn_weights: keys.bool("scale_attn_weights", true)?,
+            scale_attn_by_inverse_layer_idx: keys.bool("scale_attn_by_inverse_layer_idx", false)?,
         };
-        if cfg.parameter_count() > MAX_PARAMS {
-            bail!(
-                "the config describes {} parameters; at most {MAX_PARAMS} are supported",
-                cfg.parameter_count()
-            );
-        }
+        check_parameter_count(cfg.parameter_count())?;
         Ok(cfg)
     }
 

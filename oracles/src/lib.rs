@@ -1,9 +1,10 @@
 //! The independent f64 reference of ghost-oracle.
 //!
-//! It runs HF GPT-2 (tied or untied) one example at a time, in f64, with an explicit backward
-//! pass, and materializes every parameter's per-example gradient. From those it reports each
-//! example's gradient norm, per-parameter norms and, for a parameter used twice (the tied
-//! embedding / LM head), the split ‖g_in‖², ‖g_out‖², ⟨g_in, g_out⟩. It shares no code with the
+//! It runs a decoder-only language model — HF GPT-2, Llama or Qwen2, tied or untied — one example
+//! at a time, in f64, with an explicit backward pass, and materializes every parameter's
+//! per-example gradient. One skeleton (`DecoderModel`) serves every family; `Model::load` picks
+//! the family from `config.json`. From those gradients it reports each example's gradient norm,
+//! per-parameter norms and, for a parameter used twice (the tied embedding / LM head), the split ‖g_in‖², ‖g_out‖², ⟨g_in, g_out⟩. It shares no code with the
 //! clippers it judges.
 //!
 //! ```
@@ -22,9 +23,14 @@
 
 mod batch;
 mod config;
+mod decoder;
 mod error;
+mod gpt2;
 mod gradient;
 mod io;
+mod layers;
+mod llama;
+mod llama_config;
 mod model;
 mod reference;
 mod rng;
@@ -34,11 +40,20 @@ mod trace_file;
 
 pub use batch::{Batch, IGNORE};
 pub use config::Gpt2Config;
+pub use decoder::{DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
-pub use gradient::{example_gradient, example_loss, ExampleGradient, Reduction};
+pub use gpt2::{Block, Gpt2, Gpt2BlockCache, Params};
+pub use gradient::{
+    example_gradient, example_gradient_into, example_loss, ExampleGradient, Reduction,
+};
 pub use io::{write_f64_tensors, write_raw, RawTensor};
-pub use model::{Block, Conv1d, Gpt2, LayerNorm, Params, LM_HEAD};
-pub use reference::{compute, ExampleReport, Options, Reference, SharedSplit};
+pub use layers::{Conv1d, LayerNorm, Linear, NormCache, RmsNorm};
+pub use llama::{Llama, LlamaBlockCache, LlamaLayer, LlamaParams, EMBED_TOKENS};
+pub use llama_config::{LlamaConfig, LlamaFlavor, RopeScaling};
+pub use model::{Model, ModelConfig, MODEL_TYPES};
+pub use reference::{
+    compute, ExampleReport, ExampleView, Options, Reference, ReferenceModel, SharedSplit,
+};
 pub use rng::SplitMix64;
 pub use safetensors::Dtype;
 pub use tensors::{

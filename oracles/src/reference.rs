@@ -2,10 +2,12 @@
 //! shared parameter by use, from materialized f64 gradients.
 
 use crate::batch::Batch;
+use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet};
 use crate::error::Result;
-use crate::gradient::{example_gradient, Reduction};
-use crate::model::{Gpt2, LM_HEAD};
+use crate::gradient::{example_gradient_into, Reduction};
+use crate::model::Model;
 use crate::trace::{SiteRecord, Trace};
+use ndarray::ArrayViewD;
 use serde_json::{json, Value};
 
 #[derive(Clone, Debug)]
@@ -54,58 +56,132 @@ pub struct Reference {
     pub gradients: Option<Vec<Vec<f64>>>,
 }
 
+/// One example's gradient by checkpoint name, a tied parameter once (both uses summed), with the
+/// split of every shared parameter. The tensors borrow a buffer that the next example reuses.
+pub struct ExampleView<'a> {
+    pub loss: f64,
+    /// (checkpoint name, per-example gradient) in the model's parameter order.
+    pub tensors: Vec<(String, ArrayViewD<'a, f64>)>,
+    pub shared: Vec<(String, SharedSplit)>,
+    pub sites: Option<Vec<SiteRecord>>,
+}
+
+/// What `compute` needs of a model: every [`DecoderModel`] family and the [`Model`] enum.
+pub trait ReferenceModel: HasDims {
+    /// Runs the examples of a batch in order and hands each one's gradient to `visit(index,
+    /// gradient)`. One gradient buffer serves the whole batch.
+    fn for_each_example(
+        &self,
+        batch: &Batch,
+        reduction: Reduction,
+        record_sites: bool,
+        visit: &mut dyn FnMut(usize, ExampleView<'_>),
+    );
+}
+
 fn dot(a: impl Iterator<Item = f64>) -> f64 {
     a.sum()
 }
 
+impl<M: DecoderModel> ReferenceModel for M {
+    fn for_each_example(
+        &self,
+        batch: &Batch,
+        reduction: Reduction,
+        record_sites: bool,
+        visit: &mut dyn FnMut(usize, ExampleView<'_>),
+    ) {
+        let tied = self.dims().tie_word_embeddings;
+        let mut grad = self.zero_gradient();
+        for i in 0..batch.len() {
+            let (loss, sites) =
+                example_gradient_into(self, batch, i, reduction, record_sites, &mut grad);
+            let mut shared = Vec::new();
+            // A tied model's head path is folded into the embedding's gradient after the split
+            // is taken; the head buffer stays out of the reported tensors and is reused (the
+            // next example assigns it rather than adding to it).
+            let mut head = None;
+            if tied {
+                let h = grad
+                    .lm_head_mut()
+                    .take()
+                    .expect("head gradient is always produced");
+                let input = grad.token_embedding_mut();
+                let input_sq = dot(input.iter().map(|v| v * v));
+                let output_sq = dot(h.iter().map(|v| v * v));
+                let cross = dot(input.iter().zip(h.iter()).map(|(a, b)| a * b));
+                *input += &h;
+                shared.push((
+                    self.param_name(self.embedding_local_name()),
+                    SharedSplit {
+                        input_sq,
+                        output_sq,
+                        cross,
+                    },
+                ));
+                head = Some(h);
+            }
+            visit(
+                i,
+                ExampleView {
+                    loss,
+                    tensors: named(self, &grad),
+                    shared,
+                    sites,
+                },
+            );
+            if head.is_some() {
+                *grad.lm_head_mut() = head;
+            }
+        }
+    }
+}
+
+fn named<'a, M: DecoderModel>(
+    model: &M,
+    grad: &'a M::Params,
+) -> Vec<(String, ArrayViewD<'a, f64>)> {
+    grad.tensors()
+        .into_iter()
+        .map(|(local, t)| (model.param_name(&local), t))
+        .collect()
+}
+
+impl ReferenceModel for Model {
+    fn for_each_example(
+        &self,
+        batch: &Batch,
+        reduction: Reduction,
+        record_sites: bool,
+        visit: &mut dyn FnMut(usize, ExampleView<'_>),
+    ) {
+        match self {
+            Model::Gpt2(m) => m.for_each_example(batch, reduction, record_sites, visit),
+            Model::Llama(m) => m.for_each_example(batch, reduction, record_sites, visit),
+        }
+    }
+}
+
 /// Runs the reference on every example of a batch. `progress(done, total)` is called after each.
-pub fn compute(
-    model: &Gpt2,
+pub fn compute<M: ReferenceModel + ?Sized>(
+    model: &M,
     batch: &Batch,
     opts: &Options,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Reference> {
-    batch.validate(&model.config, "batch")?;
-    let tied = model.config.tie_word_embeddings;
+    let dims: Dims = model.dims();
+    batch.validate(&dims, "batch")?;
     let mut examples = Vec::with_capacity(batch.len());
     let mut records: Vec<Vec<SiteRecord>> = Vec::new();
     let mut gradients = Vec::new();
     let mut layout = Vec::new();
-    for i in 0..batch.len() {
-        let eg = example_gradient(model, batch, i, opts.reduction, opts.record_trace);
-        let mut grad = eg.grad;
-        let head = grad
-            .lm_head
-            .take()
-            .expect("head gradient is always produced");
-        let mut shared = Vec::new();
-        if tied {
-            let input_sq = dot(grad.wte.iter().map(|v| v * v));
-            let output_sq = dot(head.iter().map(|v| v * v));
-            let cross = dot(grad.wte.iter().zip(head.iter()).map(|(a, b)| a * b));
-            shared.push((
-                model.param_name("wte.weight"),
-                SharedSplit {
-                    input_sq,
-                    output_sq,
-                    cross,
-                },
-            ));
-            grad.wte += &head;
-        } else {
-            grad.lm_head = Some(head);
-        }
-        let mut params = Vec::new();
+    model.for_each_example(batch, opts.reduction, opts.record_trace, &mut |i, eg| {
+        let mut params = Vec::with_capacity(eg.tensors.len());
         let mut total = 0.0;
         let mut flat = Vec::new();
-        for (local, t) in grad.tensors() {
+        for (name, t) in eg.tensors {
             let sq = dot(t.iter().map(|v| v * v));
             total += sq;
-            let name = if local == LM_HEAD {
-                local
-            } else {
-                model.param_name(&local)
-            };
             if i == 0 {
                 layout.push((name.clone(), t.shape().to_vec()));
             }
@@ -124,10 +200,10 @@ pub fn compute(
             loss: eg.loss,
             norm: total.sqrt(),
             params,
-            shared,
+            shared: eg.shared,
         });
         progress(i + 1, batch.len());
-    }
+    });
     Ok(Reference {
         reduction: opts.reduction,
         examples,

@@ -1,87 +1,15 @@
 //! The reference checked against two independent computations: central finite differences of
 //! its own forward pass, and PyTorch (torch.func per-example gradients) golden files.
 
+mod common;
+
+use common::{check_finite_differences, close};
 use ghost_oracle_reference::*;
 use ndarray::{array, Array2};
 use std::path::{Path, PathBuf};
 
 fn golden_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/cases")
-}
-
-/// Richardson-extrapolated central difference of the example loss along `dir` in `tensor`.
-fn directional_fd(
-    model: &Gpt2,
-    batch: &Batch,
-    tensor: &str,
-    dir: &ndarray::ArrayD<f64>,
-    h: f64,
-) -> f64 {
-    let ids = batch.ids(0);
-    let targets = batch.targets(0);
-    let loss_at = |step: f64| {
-        let mut m = model.clone();
-        for (name, mut t) in m.params.tensors_mut() {
-            if name == tensor {
-                t.scaled_add(step, dir);
-            }
-        }
-        example_loss(&m, &ids, &targets, Reduction::Mean)
-    };
-    let central = |h: f64| (loss_at(h) - loss_at(-h)) / (2.0 * h);
-    (4.0 * central(h / 2.0) - central(h)) / 3.0
-}
-
-/// The analytic gradient with a tied head's two paths added: what a finite difference sees.
-fn total_gradient(model: &Gpt2, batch: &Batch) -> Params {
-    let mut g = example_gradient(model, batch, 0, Reduction::Mean, false).grad;
-    let head = g.lm_head.take().unwrap();
-    if model.config.tie_word_embeddings {
-        g.wte += &head;
-    } else {
-        g.lm_head = Some(head);
-    }
-    g
-}
-
-fn check_finite_differences(model: &Gpt2, batch: &Batch) {
-    let grad = total_gradient(model, batch);
-    let mut rng = SplitMix64::new(99);
-    let mut checked = 0;
-    for (name, g) in grad.tensors() {
-        // A random dense direction, and the coordinate with the largest gradient.
-        let dir = g.mapv(|_| rng.normal());
-        let mut dirs = vec![dir];
-        let (imax, _) =
-            g.iter().enumerate().fold(
-                (0, 0.0),
-                |(bi, bv), (i, v)| if v.abs() > bv { (i, v.abs()) } else { (bi, bv) },
-            );
-        let mut e = g.mapv(|_| 0.0);
-        *e.iter_mut().nth(imax).unwrap() = 1.0;
-        dirs.push(e);
-        // And a few sampled coordinates whose gradient is not tiny.
-        let gmax = g.iter().fold(0.0_f64, |a, v| a.max(v.abs()));
-        for _ in 0..3 {
-            let i = rng.below(g.len());
-            if g.iter().nth(i).unwrap().abs() > 1e-3 * gmax {
-                let mut e = g.mapv(|_| 0.0);
-                *e.iter_mut().nth(i).unwrap() = 1.0;
-                dirs.push(e);
-            }
-        }
-        for dir in dirs {
-            let analytic: f64 = g.iter().zip(dir.iter()).map(|(a, b)| a * b).sum();
-            let fd = directional_fd(model, batch, &name, &dir, 1e-3);
-            let rel = (fd - analytic).abs() / analytic.abs().max(1e-300);
-            assert!(
-                rel <= 1e-6,
-                "{name}: analytic {analytic:e}, finite difference {fd:e}, relative error {rel:e}"
-            );
-            checked += 1;
-        }
-    }
-    assert!(checked > 40, "only {checked} directions checked");
 }
 
 fn fd_batch() -> Batch {
@@ -116,20 +44,28 @@ fn finite_differences_inverse_layer_idx_scaling() {
     check_finite_differences(&Gpt2::random(cfg, 4, 0.4), &fd_batch());
 }
 
-fn close(a: f64, b: f64, rel: f64) -> bool {
-    (a - b).abs() <= rel * b.abs().max(1e-300)
-}
-
 #[test]
 fn matches_pytorch_golden_files() {
     let mut cases = 0;
     let mut tied_cases = 0;
+    let mut families = std::collections::BTreeMap::new();
     for entry in std::fs::read_dir(golden_dir()).expect("golden cases present") {
         let dir = entry.unwrap().path();
         let expected: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
                 .unwrap();
-        let model = Gpt2::load(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        // Every case loads through the family dispatch, and the family is the one its name says.
+        let model = Model::load(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let family = if name.starts_with("llama") {
+            "llama"
+        } else if name.starts_with("qwen2") {
+            "qwen2"
+        } else {
+            "gpt2"
+        };
+        assert_eq!(model.model_type(), family, "{name}");
+        *families.entry(family).or_insert(0) += 1;
         let batch = Batch::load(&dir.join("batch.safetensors")).unwrap();
         let reduction = match expected["reduction"].as_str().unwrap() {
             "sum" => Reduction::Sum,
@@ -197,7 +133,13 @@ fn matches_pytorch_golden_files() {
         }
         cases += 1;
     }
-    assert!(cases >= 9 && tied_cases > 0, "{cases} golden cases found");
+    assert!(cases >= 17 && tied_cases > 0, "{cases} golden cases found");
+    assert!(
+        families.get("gpt2") >= Some(&9)
+            && families.get("llama") >= Some(&6)
+            && families.get("qwen2") >= Some(&2),
+        "{families:?}"
+    );
 }
 
 #[test]
@@ -284,8 +226,8 @@ fn gradient_gram_diagonal_is_the_squared_norm() {
     };
     let r = compute(&model, &batch, &opts, &mut |_, _| {}).unwrap();
     let k = r.gradient_gram().unwrap();
-    for i in 0..2 {
-        assert!(close(k[i][i].sqrt(), r.examples[i].norm, 1e-12));
+    for (i, row) in k.iter().enumerate() {
+        assert!(close(row[i].sqrt(), r.examples[i].norm, 1e-12));
     }
     let n: usize = r
         .layout

@@ -11,7 +11,8 @@ use crate::judge::{Accounting, CaseMetrics, Claim, Judge, Precision, PrivacyRepo
 use crate::trace::Trace;
 use candle_core::{DType, Device};
 use ghost_oracle_reference::{
-    self as reference, Batch, Gpt2, Gpt2Config, Reduction, SplitMix64, IGNORE,
+    self as reference, Batch, Gpt2, Gpt2Config, Llama, LlamaConfig, LlamaFlavor, Model, Reduction,
+    SplitMix64, IGNORE,
 };
 use ndarray::Array2;
 use serde::Serialize;
@@ -21,13 +22,23 @@ use serde::Serialize;
 #[derive(Clone, Debug)]
 pub struct Case {
     pub name: String,
-    pub model: Gpt2,
+    pub model: Model,
     pub batch: Batch,
     pub c_multipliers: Vec<f64>,
 }
 
+/// The decoder-only family of a built-in case.
+#[derive(Clone, Copy)]
+enum Family {
+    Gpt2,
+    /// Llama or Qwen2 with this many key/value heads (grouped-query attention when fewer than
+    /// the query heads).
+    Llama(LlamaFlavor, usize),
+}
+
 struct CaseSpec {
     name: &'static str,
+    family: Family,
     vocab: usize,
     d: usize,
     layers: usize,
@@ -43,6 +54,7 @@ struct CaseSpec {
 
 const SUITE: &[CaseSpec] = &[
     CaseSpec {
+        family: Family::Gpt2,
         name: "tied-T2",
         vocab: 29,
         d: 16,
@@ -56,6 +68,7 @@ const SUITE: &[CaseSpec] = &[
         init_std: 0.5,
     },
     CaseSpec {
+        family: Family::Gpt2,
         name: "tied-T16-repeats",
         vocab: 29,
         d: 16,
@@ -69,6 +82,7 @@ const SUITE: &[CaseSpec] = &[
         init_std: 0.5,
     },
     CaseSpec {
+        family: Family::Gpt2,
         name: "tied-T24-ignored",
         vocab: 31,
         d: 16,
@@ -82,6 +96,7 @@ const SUITE: &[CaseSpec] = &[
         init_std: 0.5,
     },
     CaseSpec {
+        family: Family::Gpt2,
         name: "tied-T64",
         vocab: 61,
         d: 24,
@@ -95,6 +110,7 @@ const SUITE: &[CaseSpec] = &[
         init_std: 0.4,
     },
     CaseSpec {
+        family: Family::Gpt2,
         name: "tied-T32-vocab257",
         vocab: 257,
         d: 32,
@@ -108,6 +124,7 @@ const SUITE: &[CaseSpec] = &[
         init_std: 0.4,
     },
     CaseSpec {
+        family: Family::Gpt2,
         name: "tied-T8-strong-cross",
         vocab: 17,
         d: 8,
@@ -121,6 +138,7 @@ const SUITE: &[CaseSpec] = &[
         init_std: 1.0,
     },
     CaseSpec {
+        family: Family::Gpt2,
         name: "untied-T16",
         vocab: 29,
         d: 16,
@@ -134,6 +152,7 @@ const SUITE: &[CaseSpec] = &[
         init_std: 0.5,
     },
     CaseSpec {
+        family: Family::Gpt2,
         name: "untied-T64",
         vocab: 61,
         d: 24,
@@ -146,22 +165,60 @@ const SUITE: &[CaseSpec] = &[
         ignore: 0.1,
         init_std: 0.4,
     },
+    CaseSpec {
+        family: Family::Llama(LlamaFlavor::Llama, 2),
+        name: "llama-tied-gqa-T24",
+        vocab: 37,
+        d: 16,
+        layers: 2,
+        heads: 4,
+        tied: true,
+        batch: 4,
+        seq: 24,
+        id_range: 12,
+        ignore: 0.1,
+        init_std: 0.5,
+    },
+    CaseSpec {
+        family: Family::Llama(LlamaFlavor::Qwen2, 2),
+        name: "qwen2-tied-biases-T16",
+        vocab: 31,
+        d: 16,
+        layers: 1,
+        heads: 4,
+        tied: true,
+        batch: 4,
+        seq: 16,
+        id_range: 10,
+        ignore: 0.0,
+        init_std: 0.6,
+    },
 ];
 
 /// C as multiples of the median true norm: most examples clipped, about half, almost none.
 pub const SUITE_C_MULTIPLIERS: [f64; 3] = [0.5, 1.0, 2.0];
 
-/// The built-in suite: seeded GPT-2-style models and batches, no files. Sequence length 1 is
+/// The built-in suite: seeded GPT-2, Llama and Qwen2 models and batches, no files. Sequence length 1 is
 /// absent because a causal LM has no target there (the property tests cover T = 1 sites).
 pub fn builtin_suite() -> Vec<Case> {
     SUITE
         .iter()
         .enumerate()
         .map(|(k, s)| {
-            let mut cfg = Gpt2Config::tiny(s.vocab, s.seq.max(8), s.d, s.layers, s.heads);
-            cfg.tie_word_embeddings = s.tied;
             let seed = 1000 + k as u64;
-            let model = Gpt2::random(cfg, seed, s.init_std);
+            let model: Model = match s.family {
+                Family::Gpt2 => {
+                    let mut cfg = Gpt2Config::tiny(s.vocab, s.seq.max(8), s.d, s.layers, s.heads);
+                    cfg.tie_word_embeddings = s.tied;
+                    Gpt2::random(cfg, seed, s.init_std).into()
+                }
+                Family::Llama(flavor, kv_heads) => {
+                    let mut cfg =
+                        LlamaConfig::tiny(flavor, s.vocab, s.d, s.layers, s.heads, kv_heads);
+                    cfg.tie_word_embeddings = s.tied;
+                    Llama::random(cfg, seed, s.init_std).into()
+                }
+            };
             let mut rng = SplitMix64::new(seed ^ 0xBA7C);
             let ids = Array2::from_shape_fn((s.batch, s.seq), |_| rng.below(s.id_range) as i64);
             let mut labels = ids.clone();

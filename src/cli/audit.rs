@@ -3,7 +3,7 @@
 use super::{check_flags, clippers_or, DeviceArg, DtypeArg, Progress, ReductionArg, ReportArgs};
 use ghost_oracle::BUILTIN_CLIPPERS;
 use ghost_oracle::{account, builtin_suite, run_audit, AuditOptions, Case, Error};
-use ghost_oracle_reference::{Batch, Gpt2};
+use ghost_oracle_reference::{Batch, Model};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -41,9 +41,9 @@ pub struct Args {
 }
 
 fn load_case(model: &Path, batch: &Path) -> Result<Case, Error> {
-    let m = Gpt2::load(model)?;
+    let m = Model::load(model)?;
     let b = Batch::load(batch)?;
-    b.validate(&m.config, &batch.display().to_string())?;
+    b.validate(&m, &batch.display().to_string())?;
     Ok(Case {
         name: model
             .file_name()

@@ -2,7 +2,7 @@
 
 use super::{out, to_json, write_file, Progress, ReductionArg};
 use ghost_oracle::{reference_table, Error};
-use ghost_oracle_reference::{self as reference, Batch, Gpt2};
+use ghost_oracle_reference::{self as reference, Batch, Model};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -25,9 +25,9 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode, Error> {
-    let m = Gpt2::load(&a.model)?;
+    let m = Model::load(&a.model)?;
     let b = Batch::load(&a.batch)?;
-    b.validate(&m.config, &a.batch.display().to_string())?;
+    b.validate(&m, &a.batch.display().to_string())?;
     let progress = Progress::new();
     let opts = reference::Options {
         reduction: a.reduction.into(),

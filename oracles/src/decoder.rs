@@ -1,0 +1,115 @@
+//! The one shape of a decoder-only language model: a token embedding, a stack of blocks, a final
+//! normalization and an LM head that may be the embedding itself. The skeleton (`gradient.rs`:
+//! loss, head, tied split, site order, materialized per-example gradients; `reference.rs`: the
+//! batch report) is written once against [`DecoderModel`]; a family (GPT-2, Llama) supplies its
+//! embedding, its block and its final norm, each with an explicit backward pass.
+
+use crate::layers::NormCache;
+use crate::trace::SiteRecord;
+use ndarray::{Array2, ArrayView2, ArrayViewD, ArrayViewMutD};
+
+/// The name of an untied LM head in every family's checkpoints (`nn.Linear`, V×d).
+pub const LM_HEAD: &str = "lm_head.weight";
+
+/// Sizes the batch is checked against and that size the report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    pub vocab_size: usize,
+    /// Longest sequence the model accepts.
+    pub max_positions: usize,
+    /// The config key that sets `max_positions`, for messages.
+    pub positions_key: &'static str,
+    pub hidden_size: usize,
+    pub layers: usize,
+    pub tie_word_embeddings: bool,
+}
+
+/// Anything that knows a model's [`Dims`]: configs and models.
+pub trait HasDims {
+    fn dims(&self) -> Dims;
+}
+
+impl HasDims for Dims {
+    fn dims(&self) -> Dims {
+        *self
+    }
+}
+
+/// A family's parameter tensors. The same type holds weights and gradients; in a gradient the
+/// token embedding holds the input-embedding path and `lm_head` the head path, even when the
+/// model is tied, which is how the reference reports the split.
+pub trait ParamSet: Clone {
+    /// Every tensor with its family-local name (what `DecoderModel::param_name` turns into the
+    /// checkpoint name), token embedding first and `lm_head.weight` last.
+    fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)>;
+    fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)>;
+    /// V×d token embedding.
+    fn token_embedding(&self) -> &Array2<f64>;
+    fn token_embedding_mut(&mut self) -> &mut Array2<f64>;
+    /// V×d untied head (`None` for a tied model's weights).
+    fn lm_head(&self) -> Option<&Array2<f64>>;
+    fn lm_head_mut(&mut self) -> &mut Option<Array2<f64>>;
+}
+
+/// One family of decoder-only models. The skeleton calls, per example:
+/// `embed` → `block_forward` for every layer → `final_norm` → head, then the backward passes in
+/// reverse. Each backward accumulates into a zero gradient and records its sites (in forward
+/// order, with checkpoint names) when `sites` is on.
+pub trait DecoderModel: HasDims {
+    type Params: ParamSet;
+    /// What one block keeps from its forward pass for its backward pass.
+    type BlockCache;
+
+    fn params(&self) -> &Self::Params;
+    fn params_mut(&mut self) -> &mut Self::Params;
+    /// A zero gradient; `lm_head` is `None` (the skeleton fills it with the head path).
+    fn zero_gradient(&self) -> Self::Params;
+    /// Checkpoint name of a tensor given its `ParamSet` name.
+    fn param_name(&self, local: &str) -> String;
+    /// `ParamSet` name of the token embedding.
+    fn embedding_local_name(&self) -> &'static str;
+
+    /// The input of the first block (T×d).
+    fn embed(&self, ids: &[usize]) -> Array2<f64>;
+    /// Accumulates the embedding gradients from the gradient of the first block's input.
+    fn embed_backward(
+        &self,
+        ids: &[usize],
+        dh: ArrayView2<f64>,
+        g: &mut Self::Params,
+        sites: Option<&mut Vec<SiteRecord>>,
+    );
+    fn block_forward(&self, layer: usize, h: Array2<f64>) -> (Self::BlockCache, Array2<f64>);
+    /// The gradient of the block's input from the gradient of its output.
+    fn block_backward(
+        &self,
+        layer: usize,
+        cache: &Self::BlockCache,
+        dh: Array2<f64>,
+        g: &mut Self::Params,
+        sites: Option<&mut Vec<SiteRecord>>,
+    ) -> Array2<f64>;
+    fn final_norm(&self, h: ArrayView2<f64>) -> (NormCache, Array2<f64>);
+    fn final_norm_backward(
+        &self,
+        dy: ArrayView2<f64>,
+        cache: &NormCache,
+        g: &mut Self::Params,
+        sites: Option<&mut Vec<SiteRecord>>,
+    ) -> Array2<f64>;
+
+    /// The head matrix (V×d), whichever tensor holds it.
+    fn head(&self) -> &Array2<f64> {
+        let p = self.params();
+        p.lm_head().unwrap_or(p.token_embedding())
+    }
+
+    /// Checkpoint name of the tensor that the LM head reads: the embedding when tied.
+    fn head_param_name(&self) -> String {
+        if self.dims().tie_word_embeddings {
+            self.param_name(self.embedding_local_name())
+        } else {
+            LM_HEAD.to_string()
+        }
+    }
+}
