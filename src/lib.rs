@@ -121,7 +121,7 @@ pub use judge::{
     evaluate, Accounting, CaseMetrics, Claim, ExampleMetrics, Judge, Precision, PrivacyReport,
     Tolerance, Truth, Verdict,
 };
-pub use model::{CandleGpt2, Extracted};
+pub use model::{CandleGpt2, CandleLlama, CandleModel, Extracted};
 pub use mutants::{
     clipper_by_name, kill_matrix, kill_matrix_html, kill_matrix_json, kill_matrix_table,
     ExpectedVerdict, KillMatrix, Mutant, MutantClipper,

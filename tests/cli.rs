@@ -432,3 +432,69 @@ fn sigma_zero_is_audited_with_a_warning() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stderr(&o).contains("no privacy"), "{}", stderr(&o));
 }
+
+/// `export-trace` of a Llama-family checkpoint (in f64, with the reduction its `expected.json`
+/// was made with) with one clipper's claims, then `check --gate` of the written trace: the exit
+/// status and the claimed norms.
+fn export_and_gate(case: &str, clipper: &str) -> (Option<i32>, Vec<f64>) {
+    let d = golden(case);
+    let expected = expected_json(case);
+    let out = tmp(&format!("export-{case}-{clipper}")).join("trace.safetensors");
+    let o = run(&[
+        "export-trace",
+        "--model",
+        d.to_str().unwrap(),
+        "--batch",
+        d.join("batch.safetensors").to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--clipper",
+        clipper,
+        "--dtype",
+        "f64",
+        "--reduction",
+        expected["reduction"].as_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{case} {clipper}: {}", stderr(&o));
+    let (_, meta) = ghost_oracle_reference::read_trace(&out).unwrap();
+    let o = run(&["check", out.to_str().unwrap(), "--gate"]);
+    assert!(!stderr(&o).contains("panicked"), "{case}: {}", stderr(&o));
+    (o.status.code(), meta.claimed_norms)
+}
+
+fn expected_json(case: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(golden(case).join("expected.json")).unwrap())
+        .unwrap()
+}
+
+#[test]
+fn export_trace_of_llama_and_qwen2_checkpoints_passes_the_gate_with_exact_tied_norms_only() {
+    for (case, tied) in [
+        ("llama_tied_gqa_l2_t33", true),
+        ("qwen2_tied_biases_t12", true),
+        ("llama_untied_mha_biases_t8", false),
+    ] {
+        let cfg: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(golden(case).join("config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(cfg["tie_word_embeddings"], tied, "{case}");
+        let (code, norms) = export_and_gate(case, "ghost-tied");
+        assert_eq!(code, Some(0), "{case}");
+        // The norms agree with torch.func's per-example gradients of the HF model.
+        let torch: Vec<f64> = expected_json(case)["examples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["norm"].as_f64().unwrap())
+            .collect();
+        assert_eq!(norms.len(), torch.len(), "{case}");
+        for (n, t) in norms.iter().zip(&torch) {
+            assert!((n - t).abs() <= 1e-9 * t, "{case}: {n} vs torch {t}");
+        }
+        // Standard ghost clipping drops the cross term between the embedding and the tied head:
+        // the gate fails on a tied model and passes on an untied one.
+        let (code, _) = export_and_gate(case, "ghost");
+        assert_eq!(code, Some(if tied { 1 } else { 0 }), "{case}");
+    }
+}

@@ -1,16 +1,17 @@
-//! `export-trace`: a trace of the built-in candle model, with a clipper's norms as the claim.
+//! `export-trace`: a trace of a checkpoint (GPT-2, Llama or Qwen2) from the candle model, with a
+//! clipper's norms as the claim.
 
 use super::{check_flags, out, DtypeArg, ReductionArg};
 use ghost_oracle::{clip_coefficients, clipper_by_name, median, write_claimed_trace};
-use ghost_oracle::{CandleGpt2, Error};
-use ghost_oracle_reference::{Batch, Gpt2};
+use ghost_oracle::{CandleModel, Error};
+use ghost_oracle_reference::{Batch, Model};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Checkpoint directory (config.json + model.safetensors), e.g.
-    /// oracles/golden/cases/tied_l2_h4_t33.
+    /// Checkpoint directory (config.json + model.safetensors) of a GPT-2, Llama or Qwen2
+    /// model, e.g. oracles/golden/cases/tied_l2_h4_t33.
     #[arg(long)]
     model: PathBuf,
     /// Batch file: safetensors with `input_ids` (i64, B×T) and optional `labels`.
@@ -36,10 +37,10 @@ pub struct Args {
 pub fn run(a: Args) -> Result<ExitCode, Error> {
     check_flags(a.max_grad_norm, None)?;
     let clip = clipper_by_name(&a.clipper)?;
-    let m = Gpt2::load(&a.model)?;
+    let m = Model::load(&a.model)?;
     let b = Batch::load(&a.batch)?;
-    b.validate(&m.config, &a.batch.display().to_string())?;
-    let extracted = CandleGpt2::from_reference(&m, a.dtype.dtype(), &candle_core::Device::Cpu)?
+    b.validate(&m, &a.batch.display().to_string())?;
+    let extracted = CandleModel::from_reference(&m, a.dtype.dtype(), &candle_core::Device::Cpu)?
         .extract(&b, a.reduction.into())?;
     let report = clip.norms(&extracted.trace)?;
     let c = a.max_grad_norm.unwrap_or_else(|| median(&report.norms));

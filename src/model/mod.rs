@@ -1,312 +1,412 @@
-//! GPT-2 on candle: a second, independent implementation of the model (autograd instead of the
-//! reference's hand-written backward) that produces a batch trace in any dtype, on any device.
-//! Backprops are read from "taps": a zero `Var` added to each site's output, whose gradient is
-//! the gradient of that output.
+//! Decoder-only language models on candle: a second, independent implementation of every family
+//! the reference knows (autograd instead of the reference's hand-written backward) that produces
+//! a batch trace in any dtype, on any device. Backprops are read from "taps": a zero `Var` added
+//! to each site's output, whose gradient is the gradient of that output.
+//!
+//! One skeleton ([`decode`]) runs every family: the token embedding (and any further embedding
+//! sites that share its backprops, such as GPT-2's positions), the blocks, the final norm, the LM
+//! head (the token embedding itself when tied), the per-example causal-LM loss, one backward of
+//! the summed loss, and the assembly of the [`Trace`] and of the batch gradient. A family
+//! (`gpt2.rs`, `llama.rs`) supplies its blocks, its final norm and its extra embeddings.
+
+mod gpt2;
+mod llama;
+
+pub use gpt2::CandleGpt2;
+pub use llama::CandleLlama;
 
 use crate::error::{Error, Result};
 use crate::trace::{Site, SiteKind, SiteSpec, Trace};
 use candle_core::{DType, Device, Tensor, Var, D};
-use ghost_oracle_reference::{Batch, Gpt2, Gpt2Config, Reduction, IGNORE, LM_HEAD};
+use ghost_oracle_reference::{
+    Batch, DecoderModel, Dims, Model, ParamSet, Reduction, IGNORE, LM_HEAD,
+};
 
-pub struct CandleGpt2 {
-    config: Gpt2Config,
-    /// (checkpoint name, weight) in the reference's parameter order.
+/// The trace of a batch and the batch gradient Σ_i ∇L_i of every parameter.
+pub struct Extracted {
+    pub trace: Trace,
+    /// (checkpoint name, gradient) in the reference's parameter order (a tied head once).
+    pub batch_gradient: Vec<(String, Tensor)>,
+    pub losses: Vec<f64>,
+}
+
+/// A candle model of any family the reference knows. Every `match` on it is exhaustive, so a new
+/// family is a compile error wherever it is not handled.
+pub enum CandleModel {
+    Gpt2(CandleGpt2),
+    /// `llama` and `qwen2`.
+    Llama(CandleLlama),
+}
+
+impl CandleModel {
+    /// The reference's weights rounded to `dtype` on `device`.
+    pub fn from_reference(model: &Model, dtype: DType, device: &Device) -> Result<Self> {
+        Ok(match model {
+            Model::Gpt2(m) => CandleModel::Gpt2(CandleGpt2::from_reference(m, dtype, device)?),
+            Model::Llama(m) => CandleModel::Llama(CandleLlama::from_reference(m, dtype, device)?),
+        })
+    }
+
+    /// Runs the batch forward and backward (of the summed per-example losses) and returns the
+    /// trace in this model's dtype and device.
+    pub fn extract(&self, batch: &Batch, reduction: Reduction) -> Result<Extracted> {
+        match self {
+            CandleModel::Gpt2(m) => m.extract(batch, reduction),
+            CandleModel::Llama(m) => m.extract(batch, reduction),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            CandleModel::Gpt2(m) => m.core.dtype,
+            CandleModel::Llama(m) => m.core.dtype,
+        }
+    }
+}
+
+impl From<CandleGpt2> for CandleModel {
+    fn from(m: CandleGpt2) -> Self {
+        CandleModel::Gpt2(m)
+    }
+}
+
+impl From<CandleLlama> for CandleModel {
+    fn from(m: CandleLlama) -> Self {
+        CandleModel::Llama(m)
+    }
+}
+
+/// What every family holds: its weights as candle `Var`s by checkpoint name, in the reference's
+/// parameter order, and the names the skeleton needs.
+pub(crate) struct Core {
+    dims: Dims,
     weights: Vec<(String, Var)>,
-    prefix: String,
+    /// Checkpoint name of the token embedding (V×d).
+    embedding: String,
+    /// Checkpoint name of the tensor the LM head reads: the embedding when tied.
     head_param: String,
     dtype: DType,
     device: Device,
 }
 
-/// The trace of a batch and the batch gradient Σ_i ∇L_i of every parameter.
-pub struct Extracted {
-    pub trace: Trace,
-    pub batch_gradient: Vec<(String, Tensor)>,
-    pub losses: Vec<f64>,
-}
-
-struct Taps {
-    sites: Vec<(SiteSpec, Option<Tensor>, Option<Tensor>, Var)>,
-}
-
-impl Taps {
-    /// Adds a zero tap to `out` and records the site (and, for a weight with a bias, the bias
-    /// site that shares the same backprops).
-    fn tap(
-        &mut self,
-        out: Tensor,
-        spec: SiteSpec,
-        activations: Option<Tensor>,
-        ids: Option<Tensor>,
-    ) -> Result<Tensor> {
-        let var = Var::zeros(out.shape(), out.dtype(), out.device())?;
-        let tapped = (out + var.as_tensor())?;
-        self.sites.push((spec, activations, ids, var));
-        Ok(tapped)
-    }
-}
-
-fn spec(name: String, kind: SiteKind) -> SiteSpec {
-    SiteSpec {
-        param: name.clone(),
-        name,
-        kind,
-        vocab: None,
-    }
-}
-
-impl CandleGpt2 {
-    pub fn from_reference(model: &Gpt2, dtype: DType, device: &Device) -> Result<Self> {
+impl Core {
+    fn of<M: DecoderModel>(model: &M, dtype: DType, device: &Device) -> Result<Self> {
         let weights = model
-            .params
+            .params()
             .tensors()
             .into_iter()
             .map(|(local, t)| {
+                let name = model.param_name(&local);
                 let v: Vec<f64> = t.iter().copied().collect();
-                let tensor = Tensor::from_vec(v, t.shape(), &Device::Cpu)?
-                    .to_dtype(dtype)?
-                    .to_device(device)?;
-                Ok((model.param_name(&local), Var::from_tensor(&tensor)?))
+                let tensor = Tensor::from_vec(v, t.shape(), &Device::Cpu)
+                    .and_then(|x| x.to_dtype(dtype))
+                    .and_then(|x| x.to_device(device))
+                    .map_err(|e| Error::from(e).context(format!("weight `{name}`")))?;
+                Ok((name, Var::from_tensor(&tensor)?))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(CandleGpt2 {
-            config: model.config.clone(),
+        Ok(Core {
+            dims: model.dims(),
             weights,
-            prefix: model.prefix.clone(),
+            embedding: model.param_name(model.embedding_local_name()),
             head_param: model.head_param_name(),
             dtype,
             device: device.clone(),
         })
     }
 
-    fn w(&self, local: &str) -> Result<&Tensor> {
-        let name = if local == LM_HEAD {
-            local.to_string()
-        } else {
-            format!("{}{local}", self.prefix)
-        };
+    /// The weight with this checkpoint name.
+    fn w(&self, name: &str) -> Result<&Tensor> {
         self.weights
             .iter()
-            .find(|(n, _)| *n == name)
+            .find(|(n, _)| n == name)
             .map(|(_, v)| v.as_tensor())
             .ok_or_else(|| Error::internal(format!("weight `{name}` not found")))
     }
+}
 
-    fn name(&self, local: &str) -> String {
-        format!("{}{local}", self.prefix)
-    }
+/// The sites of a forward pass, in forward order: a zero `Var` added to each site's output.
+#[derive(Default)]
+pub(crate) struct Taps {
+    sites: Vec<Tap>,
+}
 
-    fn layernorm(&self, x: &Tensor, local: &str, taps: &mut Taps) -> Result<(Tensor, Tensor)> {
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let centered = x.broadcast_sub(&mean)?;
-        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-        let xhat = centered.broadcast_div(&(var + self.config.layer_norm_epsilon)?.sqrt()?)?;
-        let (w, b) = (
-            self.w(&format!("{local}.weight"))?,
-            self.w(&format!("{local}.bias"))?,
-        );
-        let out = xhat.broadcast_mul(w)?.broadcast_add(b)?;
-        let out = taps.tap(
-            out,
-            spec(self.name(&format!("{local}.weight")), SiteKind::LayerNorm),
-            Some(xhat.detach()),
-            None,
-        )?;
-        Ok((xhat, out))
-    }
+struct Tap {
+    spec: SiteSpec,
+    activations: Tensor,
+    /// The bias site that shares the weight's backprops, when the module has one.
+    bias: Option<String>,
+    var: Var,
+}
 
-    fn conv1d(&self, x: &Tensor, local: &str, taps: &mut Taps) -> Result<Tensor> {
-        let out = x
-            .broadcast_matmul(self.w(&format!("{local}.weight"))?)?
-            .broadcast_add(self.w(&format!("{local}.bias"))?)?;
-        taps.tap(
-            out,
-            spec(self.name(&format!("{local}.weight")), SiteKind::Conv1d),
-            Some(x.detach()),
-            None,
-        )
-    }
-
-    /// gelu_new written from primitive ops (candle's built-in backward rounds its constants).
-    fn gelu_new(x: &Tensor) -> Result<Tensor> {
-        let c = (2.0 / std::f64::consts::PI).sqrt();
-        let inner = ((x + (x.sqr()? * x)?.affine(0.044715, 0.0)?)?.affine(c, 0.0)?).tanh()?;
-        Ok(((inner + 1.0)? * x)?.affine(0.5, 0.0)?)
-    }
-
-    /// Runs the batch forward and backward (of the summed per-example losses) and returns the
-    /// trace in this model's dtype and device.
-    pub fn extract(&self, batch: &Batch, reduction: Reduction) -> Result<Extracted> {
-        batch.validate(&self.config, "batch")?;
-        let cfg = &self.config;
-        let (b, t, d, h, hd) = (
-            batch.len(),
-            batch.seq_len(),
-            cfg.n_embd,
-            cfg.n_head,
-            cfg.head_dim(),
-        );
-        let dev = &self.device;
-        let ids_u32: Vec<u32> = batch.input_ids.iter().map(|&x| x as u32).collect();
-        let ids = Tensor::from_vec(ids_u32, (b, t), dev)?;
-        let pos = Tensor::arange(0u32, t as u32, dev)?;
-        let mut taps = Taps { sites: Vec::new() };
-
-        let tok = self
-            .w("wte.weight")?
-            .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, t, d))?;
-        let x = tok.broadcast_add(&self.w("wpe.weight")?.index_select(&pos, 0)?)?;
-        let var = Var::zeros(x.shape(), self.dtype, dev)?;
-        let mut x = (x + var.as_tensor())?;
-        let emb_tap = var;
-
-        let mask: Vec<f64> = (0..t * t)
-            .map(|k| if k % t > k / t { -1e30 } else { 0.0 })
-            .collect();
-        let mask = Tensor::from_vec(mask, (t, t), dev)?.to_dtype(self.dtype)?;
-        let mut layer_scale = 1.0;
-        for l in 0..cfg.n_layer {
-            let p = |s: &str| format!("h.{l}.{s}");
-            let (_, a1) = self.layernorm(&x, &p("ln_1"), &mut taps)?;
-            let qkv = self.conv1d(&a1, &p("attn.c_attn"), &mut taps)?;
-            let heads = |k: usize| -> Result<Tensor> {
-                Ok(qkv
-                    .narrow(2, k * d, d)?
-                    .reshape((b, t, h, hd))?
-                    .transpose(1, 2)?
-                    .contiguous()?)
-            };
-            let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-            if cfg.scale_attn_by_inverse_layer_idx {
-                layer_scale = 1.0 / (l + 1) as f64;
-            }
-            let scale = if cfg.scale_attn_weights {
-                layer_scale / (hd as f64).sqrt()
-            } else {
-                layer_scale
-            };
-            let scores =
-                (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * scale)?.broadcast_add(&mask)?;
-            let m = scores.max_keepdim(D::Minus1)?.detach();
-            let e = scores.broadcast_sub(&m)?.exp()?;
-            let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-            let y = probs
-                .matmul(&v)?
-                .transpose(1, 2)?
-                .contiguous()?
-                .reshape((b, t, d))?;
-            x = (x + self.conv1d(&y, &p("attn.c_proj"), &mut taps)?)?;
-            let (_, a2) = self.layernorm(&x, &p("ln_2"), &mut taps)?;
-            let f_pre = self.conv1d(&a2, &p("mlp.c_fc"), &mut taps)?;
-            let f = Self::gelu_new(&f_pre)?;
-            x = (x + self.conv1d(&f, &p("mlp.c_proj"), &mut taps)?)?;
-        }
-        let (_, af) = self.layernorm(&x, "ln_f", &mut taps)?;
-        let head_w = if cfg.tie_word_embeddings {
-            self.w("wte.weight")?
-        } else {
-            self.w(LM_HEAD)?
+impl Taps {
+    /// Adds a zero tap to `out` and records the weight site `weight` (its own parameter) of
+    /// `kind` with `activations` (detached here), and the bias site `bias` when given.
+    fn tap(
+        &mut self,
+        out: Tensor,
+        weight: String,
+        kind: SiteKind,
+        activations: &Tensor,
+        bias: Option<String>,
+    ) -> Result<Tensor> {
+        let spec = SiteSpec {
+            param: weight.clone(),
+            name: weight,
+            kind,
+            vocab: None,
         };
-        let logits = af.broadcast_matmul(&head_w.t()?)?;
-        let mut head_spec = spec(LM_HEAD.to_string(), SiteKind::Linear);
-        head_spec.param = self.head_param.clone();
-        let logits = taps.tap(logits, head_spec, Some(af.detach()), None)?;
+        self.tap_spec(out, spec, activations, bias)
+    }
 
-        // Per-example loss: weights w_bt = 1/N_b (mean) or 1 (sum) on kept targets.
-        let mut weights = vec![0.0; b * t];
-        let mut targets = vec![0u32; b * t];
-        for i in 0..b {
-            let tg = batch.targets(i);
-            let w = match reduction {
-                Reduction::Mean => 1.0 / tg.len() as f64,
-                Reduction::Sum => 1.0,
-            };
-            for (pos, y) in tg {
-                weights[i * t + pos] = w;
-                targets[i * t + pos] = y as u32;
-            }
-        }
-        debug_assert!(batch.labels.iter().all(|&y| y == IGNORE || y >= 0));
-        let weights = Tensor::from_vec(weights, (b, t), dev)?.to_dtype(self.dtype)?;
-        let targets = Tensor::from_vec(targets, (b, t, 1), dev)?;
-        let m = logits.max_keepdim(D::Minus1)?.detach();
-        let lse = (logits
-            .broadcast_sub(&m)?
-            .exp()?
-            .sum_keepdim(D::Minus1)?
-            .log()?
-            + &m)?
-            .squeeze(2)?;
-        let picked = logits.gather(&targets, 2)?.squeeze(2)?;
-        let per_token = ((lse - picked)? * &weights)?;
-        let losses = per_token.sum(1)?;
-        let grads = losses.sum_all()?.backward()?;
+    fn tap_spec(
+        &mut self,
+        out: Tensor,
+        spec: SiteSpec,
+        activations: &Tensor,
+        bias: Option<String>,
+    ) -> Result<Tensor> {
+        let var = Var::zeros(out.shape(), out.dtype(), out.device())?;
+        let tapped = (out + var.as_tensor())?;
+        self.sites.push(Tap {
+            spec,
+            activations: activations.detach(),
+            bias,
+            var,
+        });
+        Ok(tapped)
+    }
+}
 
-        let bp = |v: &Var| -> Result<Tensor> {
-            Ok(match grads.get(v.as_tensor()) {
-                Some(g) => g.clone(),
-                None => v.as_tensor().zeros_like()?,
-            })
-        };
-        let emb_bp = bp(&emb_tap)?;
-        let mut sites = vec![
-            Site {
-                spec: SiteSpec {
-                    name: self.name("wte.weight"),
-                    param: self.name("wte.weight"),
-                    kind: SiteKind::Embedding,
-                    vocab: Some(cfg.vocab_size),
-                },
-                activations: None,
-                ids: Some(ids.clone()),
-                backprops: emb_bp.clone(),
-            },
-            Site {
-                spec: SiteSpec {
-                    name: self.name("wpe.weight"),
-                    param: self.name("wpe.weight"),
-                    kind: SiteKind::Embedding,
-                    vocab: Some(cfg.n_positions),
-                },
-                activations: None,
-                ids: Some(pos.unsqueeze(0)?.broadcast_as((b, t))?.contiguous()?),
-                backprops: emb_bp,
-            },
-        ];
-        for (spec, activations, ids, var) in &taps.sites {
-            let backprops = bp(var)?;
-            let with_bias = matches!(spec.kind, SiteKind::Conv1d | SiteKind::LayerNorm);
-            sites.push(Site {
-                spec: spec.clone(),
-                activations: activations.clone(),
-                ids: ids.clone(),
-                backprops: backprops.clone(),
-            });
-            if with_bias {
-                let bias = spec.name.trim_end_matches(".weight").to_string() + ".bias";
-                sites.push(Site {
-                    spec: SiteSpec {
-                        name: bias.clone(),
-                        param: bias,
-                        kind: SiteKind::Bias,
-                        vocab: None,
-                    },
-                    activations: None,
-                    ids: None,
-                    backprops,
-                });
-            }
+/// An embedding site besides the token embedding whose output is added to it (so its backprops
+/// are the token embedding's): GPT-2's learned positions.
+pub(crate) struct ExtraEmbedding {
+    name: String,
+    vocab: usize,
+    /// B×T ids (u32).
+    ids: Tensor,
+}
+
+/// The batch shape and the causal mask, shared by every block.
+pub(crate) struct Step {
+    b: usize,
+    t: usize,
+    /// T×T: 0 on and below the diagonal, -1e30 above, in the model's dtype.
+    mask: Tensor,
+}
+
+/// What the skeleton needs from a family.
+pub(crate) trait Family {
+    /// What the blocks precompute once per batch (rotary tables, ...).
+    type Context;
+
+    fn core(&self) -> &Core;
+    fn context(&self, step: &Step) -> Result<Self::Context>;
+    /// The input of the first block from the token embeddings (B×T×d), and the embedding sites
+    /// that add to them.
+    fn embed(&self, tokens: Tensor, step: &Step) -> Result<(Tensor, Vec<ExtraEmbedding>)>;
+    fn block(
+        &self,
+        layer: usize,
+        x: Tensor,
+        step: &Step,
+        ctx: &Self::Context,
+        taps: &mut Taps,
+    ) -> Result<Tensor>;
+    /// The final normalization (the head's input), tapped.
+    fn final_norm(&self, x: &Tensor, taps: &mut Taps) -> Result<Tensor>;
+}
+
+/// `softmax` over the last dimension from primitive ops (with a backward).
+fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&m)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// Causal softmax attention. q, k, v: B×H×T×hd (keys and values already one per query head).
+/// With `softmax_f32`, a half-precision model computes the softmax in f32 (as HF's Llama does).
+/// Returns B×T×(H·hd).
+fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    step: &Step,
+    softmax_f32: bool,
+) -> Result<Tensor> {
+    let (b, h, t, hd) = q.dims4()?;
+    let scores =
+        (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * scale)?.broadcast_add(&step.mask)?;
+    let probs = match (softmax_f32, is_half(scores.dtype())) {
+        (true, true) => {
+            softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(scores.dtype())?
         }
-        let batch_gradient = self
-            .weights
-            .iter()
-            .map(|(n, v)| Ok((n.clone(), bp(v)?)))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Extracted {
-            trace: Trace { sites },
-            batch_gradient,
-            losses: crate::clippers::gram::to_f64_vec(&losses)?,
+        _ => softmax_last_dim(&scores)?,
+    };
+    Ok(probs
+        .matmul(v)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((b, t, h * hd))?)
+}
+
+fn is_half(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
+}
+
+/// Runs a family's forward over the batch, the per-example loss and one backward of the summed
+/// losses; returns the trace (sites in the reference's order), the batch gradient and the
+/// per-example losses.
+fn decode<F: Family>(family: &F, batch: &Batch, reduction: Reduction) -> Result<Extracted> {
+    let core = family.core();
+    batch.validate(&core.dims, "batch")?;
+    let (b, t) = (batch.len(), batch.seq_len());
+    let dev = &core.device;
+    let ids_u32 = batch
+        .input_ids
+        .iter()
+        .map(|&x| {
+            u32::try_from(x)
+                .map_err(|_| Error::input(format!("batch: input id {x} is outside 0..2³²")))
         })
+        .collect::<Result<Vec<u32>>>()?;
+    let ids = Tensor::from_vec(ids_u32, (b, t), dev)?;
+    let mask: Vec<f64> = (0..t * t)
+        .map(|k| if k % t > k / t { -1e30 } else { 0.0 })
+        .collect();
+    let step = Step {
+        b,
+        t,
+        mask: Tensor::from_vec(mask, (t, t), dev)?.to_dtype(core.dtype)?,
+    };
+    let ctx = family.context(&step)?;
+    let mut taps = Taps::default();
+
+    let embedding = core.w(&core.embedding)?;
+    let tokens =
+        embedding
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, core.dims.hidden_size))?;
+    let (x, extra) = family.embed(tokens, &step)?;
+    let emb_tap = Var::zeros(x.shape(), core.dtype, dev)?;
+    let mut x = (x + emb_tap.as_tensor())?;
+    for l in 0..core.dims.layers {
+        x = family.block(l, x, &step, &ctx, &mut taps)?;
     }
+    let af = family.final_norm(&x, &mut taps)?;
+    let logits = af.broadcast_matmul(&core.w(&core.head_param)?.t()?)?;
+    let head = SiteSpec {
+        name: LM_HEAD.to_string(),
+        param: core.head_param.clone(),
+        kind: SiteKind::Linear,
+        vocab: None,
+    };
+    let logits = taps.tap_spec(logits, head, &af, None)?;
+    let losses = causal_lm_losses(&logits, batch, reduction, core.dtype)?;
+    let grads = losses.sum_all()?.backward()?;
+
+    let bp = |v: &Var| -> Result<Tensor> {
+        Ok(match grads.get(v.as_tensor()) {
+            Some(g) => g.clone(),
+            None => v.as_tensor().zeros_like()?,
+        })
+    };
+    let emb_bp = bp(&emb_tap)?;
+    let mut sites = vec![Site {
+        spec: SiteSpec {
+            name: core.embedding.clone(),
+            param: core.embedding.clone(),
+            kind: SiteKind::Embedding,
+            vocab: Some(core.dims.vocab_size),
+        },
+        activations: None,
+        ids: Some(ids),
+        backprops: emb_bp.clone(),
+    }];
+    for e in extra {
+        sites.push(Site {
+            spec: SiteSpec {
+                param: e.name.clone(),
+                name: e.name,
+                kind: SiteKind::Embedding,
+                vocab: Some(e.vocab),
+            },
+            activations: None,
+            ids: Some(e.ids),
+            backprops: emb_bp.clone(),
+        });
+    }
+    for tap in taps.sites {
+        let backprops = bp(&tap.var)?;
+        sites.push(Site {
+            spec: tap.spec,
+            activations: Some(tap.activations),
+            ids: None,
+            backprops: backprops.clone(),
+        });
+        if let Some(bias) = tap.bias {
+            sites.push(Site {
+                spec: SiteSpec {
+                    name: bias.clone(),
+                    param: bias,
+                    kind: SiteKind::Bias,
+                    vocab: None,
+                },
+                activations: None,
+                ids: None,
+                backprops,
+            });
+        }
+    }
+    let batch_gradient = core
+        .weights
+        .iter()
+        .map(|(n, v)| Ok((n.clone(), bp(v)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Extracted {
+        trace: Trace { sites },
+        batch_gradient,
+        losses: crate::clippers::gram::to_f64_vec(&losses)?,
+    })
+}
+
+/// Per-example causal-LM loss (B): logits at t predict the label at t + 1; each example's kept
+/// targets weigh 1/N_i (mean) or 1 (sum), ignored labels 0.
+fn causal_lm_losses(
+    logits: &Tensor,
+    batch: &Batch,
+    reduction: Reduction,
+    dtype: DType,
+) -> Result<Tensor> {
+    let (b, t) = (batch.len(), batch.seq_len());
+    let dev = logits.device();
+    let mut weights = vec![0.0; b * t];
+    let mut targets = vec![0u32; b * t];
+    for i in 0..b {
+        let tg = batch.targets(i);
+        let w = match reduction {
+            Reduction::Mean => 1.0 / tg.len() as f64,
+            Reduction::Sum => 1.0,
+        };
+        for (pos, y) in tg {
+            weights[i * t + pos] = w;
+            targets[i * t + pos] = u32::try_from(y)
+                .map_err(|_| Error::input(format!("batch: label {y} is outside 0..2³²")))?;
+        }
+    }
+    debug_assert!(batch.labels.iter().all(|&y| y == IGNORE || y >= 0));
+    let weights = Tensor::from_vec(weights, (b, t), dev)?.to_dtype(dtype)?;
+    let targets = Tensor::from_vec(targets, (b, t, 1), dev)?;
+    let m = logits.max_keepdim(D::Minus1)?.detach();
+    let lse = (logits
+        .broadcast_sub(&m)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        + &m)?
+        .squeeze(2)?;
+    let picked = logits.gather(&targets, 2)?.squeeze(2)?;
+    let per_token = ((lse - picked)? * &weights)?;
+    Ok(per_token.sum(1)?)
 }
