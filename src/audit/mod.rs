@@ -27,6 +27,24 @@ pub struct Case {
     pub c_multipliers: Vec<f64>,
 }
 
+impl Case {
+    /// A checkpoint directory (config.json + model.safetensors, any family the reference
+    /// reads) and a batch file, checked against each other, audited at one clipping norm.
+    pub fn load(model: &std::path::Path, batch: &std::path::Path) -> Result<Self> {
+        let m = Model::load(model)?;
+        let b = Batch::load(batch)?;
+        b.validate(&m, &batch.display().to_string())?;
+        Ok(Case {
+            name: model
+                .file_name()
+                .map_or("checkpoint".into(), |n| n.to_string_lossy().into_owned()),
+            model: m,
+            batch: b,
+            c_multipliers: vec![1.0],
+        })
+    }
+}
+
 /// The decoder-only family of a built-in case.
 #[derive(Clone, Copy)]
 enum Family {

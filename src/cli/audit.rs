@@ -3,8 +3,7 @@
 use super::{check_flags, clippers_or, DeviceArg, DtypeArg, Progress, ReductionArg, ReportArgs};
 use ghost_oracle::BUILTIN_CLIPPERS;
 use ghost_oracle::{account, builtin_suite, run_audit, AuditOptions, Case, Error};
-use ghost_oracle_reference::{Batch, Model};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(clap::Args)]
@@ -40,26 +39,12 @@ pub struct Args {
     report: ReportArgs,
 }
 
-fn load_case(model: &Path, batch: &Path) -> Result<Case, Error> {
-    let m = Model::load(model)?;
-    let b = Batch::load(batch)?;
-    b.validate(&m, &batch.display().to_string())?;
-    Ok(Case {
-        name: model
-            .file_name()
-            .map_or("checkpoint".into(), |n| n.to_string_lossy().into_owned()),
-        model: m,
-        batch: b,
-        c_multipliers: vec![1.0],
-    })
-}
-
 pub fn run(a: Args) -> Result<ExitCode, Error> {
     check_flags(a.max_grad_norm, Some(a.noise_multiplier))?;
     let accounting = a.report.accounting()?;
     let clippers = clippers_or(&a.clippers, &BUILTIN_CLIPPERS)?;
     let cases = match (&a.model, &a.batch) {
-        (Some(m), Some(b)) => vec![load_case(m, b)?],
+        (Some(m), Some(b)) => vec![Case::load(m, b)?],
         _ => builtin_suite(),
     };
     let opts = AuditOptions {
