@@ -1,0 +1,88 @@
+"""Gate Opacus's per-example gradient norms in pytest with ghost-oracle.
+
+A tiny GPT-2 whose LM head is tied to its input embedding (as in every GPT-2 checkpoint). DP-SGD
+clips each example's gradient to norm C; if the norm a clipper computes is too small, the
+example's clipped contribution exceeds C and the run's (ε, δ) no longer holds. `assert_norms`
+checks the norms a clipper claims against ghost-oracle's f64 ground truth and raises a readable
+AssertionError when they are wrong.
+
+    pip install ./python torch transformers opacus   # ./python: ghost-oracle's package
+    pytest examples/test_opacus_clipper.py -s
+"""
+import copy
+
+import pytest
+import torch
+from opacus import GradSampleModule
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import ghost_oracle.opacus
+from ghost_oracle.torch import assert_norms
+
+B, T, V = 4, 12, 19
+MAX_GRAD_NORM = 2.5  # C: below most examples' norms, so that they are clipped
+NOISE_MULTIPLIER = 1.0
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(11)
+    cfg = GPT2Config(vocab_size=V, n_positions=16, n_embd=12, n_layer=1, n_head=3, bos_token_id=0, eos_token_id=0,
+                     attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    m = GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # weights large enough that the tied head's share of the gradient shows
+        for name, p in m.named_parameters():
+            if ".ln_" in name or "ln_f" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.4 * torch.randn_like(p))
+    # Opacus records activations in training mode only; dropout is 0, so train == eval.
+    return m.train()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randint(0, V, (B, T), generator=g)
+    x[:, 3] = x[:, 1]  # a repeated token
+    return x
+
+
+def per_example_loss(model, ids):
+    """Each example's own loss, tensor[B]: mean next-token cross entropy. Explicit B×T
+    position_ids: with the default 1×T ones Opacus sums the position embedding's per-sample
+    gradients over the batch."""
+    positions = torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)
+    logits = model(ids, position_ids=positions).logits
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1),
+                                               reduction="none")
+    return losses.view(ids.shape[0], -1).mean(1)
+
+
+def test_opacus_per_sample_norms_are_exact(model, ids):
+    """GradSampleModule sums the per-sample gradients of both uses of the tied embedding."""
+    gsm = GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
+    norms = ghost_oracle.opacus.norms(gsm, per_example_loss, ids)
+    report = assert_norms(model, per_example_loss, ids, claimed_norms=norms, max_grad_norm=MAX_GRAD_NORM,
+                          noise_multiplier=NOISE_MULTIPLIER, clipper="opacus-grad-sample")
+    print(report)
+
+
+def test_opacus_ghost_clipping_on_an_untied_copy_breaks_privacy(model, ids):
+    """Ghost clipping refuses a tied model; the usual workaround runs it on a copy whose head is a
+    separate parameter. The function is the same, but the norm loses the cross term between the
+    embedding and head gradients of the one real parameter: ghost-oracle catches it."""
+    untied = copy.deepcopy(model)
+    untied.lm_head.weight = torch.nn.Parameter(untied.transformer.wte.weight.detach().clone())
+    gsm = GradSampleModuleFastGradientClipping(untied, max_grad_norm=MAX_GRAD_NORM, use_ghost_clipping=True,
+                                               loss_reduction="sum")
+    norms = ghost_oracle.opacus.norms(gsm, per_example_loss, ids)
+
+    with pytest.raises(AssertionError) as failure:
+        assert_norms(model, per_example_loss, ids, claimed_norms=norms, max_grad_norm=MAX_GRAD_NORM,
+                     noise_multiplier=NOISE_MULTIPLIER, clipper="opacus-ghost-untied")
+    message = str(failure.value)
+    print(message)  # what a failing gate shows in the pytest log
+    assert "privacy-violation" in message
+    assert "tied parameter: `transformer.wte.weight`" in message

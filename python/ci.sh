@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The Python package in CI: build the ghost_oracle wheel with maturin, install it in a fresh
+# virtual environment with the test dependencies, and run its tests (python/tests) and the
+# example a DP-library maintainer copies (examples/). Exits non-zero when anything fails,
+# including a pytest run that collects no test (exit status 5). Extra arguments go to pytest.
+#
+#     bash python/ci.sh            # from anywhere; PYTHON=python3.12 bash python/ci.sh for another Python
+#
+# GHOST_ORACLE_WHEEL_PROFILE=dev builds the wheel with cargo's dev profile instead of release (a
+# slower extension, but one that can reuse dependencies a `cargo test` run compiled already).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$SECONDS
+python="${PYTHON:-python3}"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+# A fresh environment, but one that sees the interpreter's own site-packages: the test
+# dependencies (torch with its CUDA libraries, transformers, opacus) are about 6 GB from PyPI.
+# Where they are already installed system-wide (developers' machines, a reused CI machine) the
+# venv uses them as they are; where they are not, the `pip install` below fetches them into
+# the venv. ghost_oracle itself is never taken from outside: the wheel built here is installed
+# into the venv, and the import check below makes sure that is the one the tests load.
+"$python" -m venv --system-site-packages "$work/venv"
+venv_python="$work/venv/bin/python"
+
+echo "python/ci.sh: building the wheel"
+if command -v maturin >/dev/null 2>&1; then
+    maturin=maturin
+else  # into the venv (its own copy: a system-wide maturin module without its script is no use)
+    "$venv_python" -m pip install --quiet --disable-pip-version-check --ignore-installed "maturin>=1.9.4,<2"
+    maturin="$work/venv/bin/maturin"
+fi
+"$maturin" --version
+"$maturin" build --profile "${GHOST_ORACLE_WHEEL_PROFILE:-release}" --locked --manifest-path python/Cargo.toml \
+    --interpreter "$venv_python" --out "$work/dist"
+
+echo "python/ci.sh: installing the wheel and the test dependencies"
+"$venv_python" -m pip install --quiet --disable-pip-version-check "$work"/dist/ghost_oracle-*.whl \
+    pytest numpy torch safetensors transformers "opacus>=1.6,<1.7"
+(cd "$work" && "$venv_python" - <<'PY'
+import sys
+import ghost_oracle
+assert ghost_oracle.__file__.startswith(sys.prefix), f"ghost_oracle imported from {ghost_oracle.__file__}, not the venv"
+print(f"python/ci.sh: ghost_oracle {ghost_oracle.__version__} from {ghost_oracle.__file__}")
+PY
+)
+
+echo "python/ci.sh: pytest python/tests examples oracles/python/tests"
+status=0
+"$venv_python" -m pytest -p no:cacheprovider --rootdir . python/tests examples oracles/python/tests "$@" || status=$?
+if [ "$status" -eq 5 ]; then
+    echo "python/ci.sh: pytest collected no test" >&2
+    status=1
+fi
+echo "python/ci.sh: exit status $status after $((SECONDS - start)) s"
+exit "$status"

@@ -1,0 +1,45 @@
+"""ghost-oracle: ground truth for DP-SGD per-example gradient clipping, for pytest.
+
+    import ghost_oracle
+    report = ghost_oracle.check("trace.safetensors")     # a trace with a clipper's claimed norms
+    assert report.passed, report.explain()
+
+    from ghost_oracle.torch import assert_norms           # export + check + raise, in one call
+    assert_norms(model, per_example_loss, batch, claimed_norms=my_norms, max_grad_norm=1.0)
+
+    import ghost_oracle.opacus                            # claimed norms straight from Opacus
+    norms = ghost_oracle.opacus.norms(gsm, per_example_loss, batch)
+
+`check`, `audit` and `mutants` return a `Report`; bad input raises `ValueError` (or
+`FileNotFoundError`) with the message the `ghost-oracle` CLI prints. The submodules `torch` and
+`opacus` need PyTorch (and Opacus); the package itself needs only NumPy.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ._api import BUILTIN_CLIPPERS, MUTANTS, audit, check, mutants
+from ._native import __version__
+from ._report import VERDICTS, CaseResult, ClipperResult, Privacy, Report
+
+__all__ = [
+    "BUILTIN_CLIPPERS",
+    "MUTANTS",
+    "VERDICTS",
+    "CaseResult",
+    "ClipperResult",
+    "Privacy",
+    "Report",
+    "__version__",
+    "audit",
+    "check",
+    "mutants",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # `ghost_oracle.torch` and `ghost_oracle.opacus` import PyTorch / Opacus: only on first use.
+    if name in ("torch", "opacus"):
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

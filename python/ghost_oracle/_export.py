@@ -1,0 +1,462 @@
+"""The trace exporter: dump a ghost-oracle trace (docs/trace-format.md) from a PyTorch model, for
+auditing a clipper that lives in PyTorch (`ghost_oracle.check(TRACE)`, `ghost-oracle check TRACE`).
+
+This file is the one copy of the exporter. It is `ghost_oracle.torch.export_trace` in the
+package, and `oracles/python/export_trace.py` loads it for the repository's scripts, so it
+imports only torch, safetensors and (optionally) transformers, never the rest of the package.
+
+Plain PyTorch: forward hooks record each use's input, and a tensor hook on its output records
+the gradient of the summed per-example losses (which, examples being independent, is each
+example's own backprop). A parameter used by two modules (a head tied to the embedding) becomes
+two sites with one `param`.
+
+Modules are matched by exact type, as Opacus's grad-sampler registry does, never by
+`isinstance`: a subclass may change `forward` (Gemma's embedding multiplies its output by √d).
+Modelled:
+
+- `nn.Linear` (kind `linear`) and Hugging Face's `Conv1D` (kind `conv1d`), with their biases;
+- `nn.Embedding`; embeddings whose forward is the lookup times `embed_scale` (class name ending
+  in `ScaledWordEmbedding`, e.g. `GemmaTextScaledWordEmbedding`): the backprops are the gradient
+  of the lookup, i.e. the output's gradient times the scale; OPT's learned positions
+  (`OPTLearnedPositionalEmbedding`: ids = positions + 2). Rows at `padding_idx` receive no
+  gradient from a lookup, so their backprops are zero;
+- `nn.LayerNorm` (kind `layernorm` for the weight, `bias` for the bias);
+- RMSNorms: `nn.RMSNorm` and any module whose class name ends in `RMSNorm` with a `weight` and an
+  `eps` or `variance_epsilon` (Llama's x̂ ⊙ w and Gemma's x̂ ⊙ (1 + w) alike: the gradient with
+  respect to w is Σ_t δ_t ⊙ x̂_t in both), kind `layernorm`, activations x̂ = x / rms(x).
+
+Factors are arranged as B×T×features: an output computed once for the batch (GPT-2's 1×T
+position embedding) is expanded to B×T first, so that its gradient stays per example, and
+activations flattened to B·T rows inside a block (OPT's MLP) are reshaped back.
+
+Nothing is written unless the trace is complete and right. For every trainable parameter that
+received a gradient, the batch gradient rebuilt from its sites' factors (as stored) must equal
+autograd's `p.grad` of the summed losses to rounding; a parameter with no site, or whose rebuilt
+gradient differs, is an error naming the parameter, its module(s) and their classes. The header
+carries `compute_dtype` (the parameters' dtype) and the `parameters` manifest (every trainable
+parameter that received a gradient, with its number of elements; a tied parameter once).
+
+    from ghost_oracle.torch import export_trace
+    export_trace(model, per_example_loss, inputs, "trace.safetensors",
+                 claimed_norms=my_clipper_norms, max_grad_norm=1.0, clipper="my-clipper")
+
+`inputs` is the batch: a tensor of token ids (B×T) or a dict of tensors (B and T are read from
+its `input_ids`, else from its first B×T tensor); `per_example_loss(model, inputs) -> tensor(B)`;
+`claimed_norms` is a tensor, array or list of the B norms the clipper under audit used, or a
+callable returning one (it is called after the trace is recorded, with the model and the batch).
+`dtype` is the dtype the factors are stored in (default: the compute dtype).
+"""
+import json
+import math
+import os
+import warnings
+from collections.abc import Mapping
+
+import torch
+from safetensors.torch import save_file
+
+try:  # Hugging Face's Conv1D (GPT-2); optional
+    from transformers.pytorch_utils import Conv1D
+except Exception:  # pragma: no cover
+    Conv1D = None
+
+FORMAT = "ghost-oracle-trace/1"
+
+DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+class TraceExportError(ValueError):
+    """The model cannot be traced faithfully: a parameter without a site, a site whose factors
+    do not rebuild autograd's gradient, a module used in a way the exporter does not model."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Module kinds, by exact type.
+
+
+def _kind(module):
+    """The exporter's model of `module`, or None when it has none. Exact types only."""
+    t = type(module)
+    name = t.__name__
+    if t is torch.nn.Linear:
+        return "linear"
+    if Conv1D is not None and t is Conv1D:
+        return "conv1d"
+    if t is torch.nn.Embedding:
+        return "embedding"
+    if t is torch.nn.LayerNorm:
+        return "layernorm"
+    if t is getattr(torch.nn, "RMSNorm", None):
+        return "rmsnorm"
+    if name.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.nn.Parameter) and (
+        hasattr(module, "eps") or hasattr(module, "variance_epsilon")
+    ):
+        return "rmsnorm"
+    if issubclass(t, torch.nn.Embedding) and name.endswith("ScaledWordEmbedding") and hasattr(module, "embed_scale"):
+        return "scaled_embedding"
+    if name == "OPTLearnedPositionalEmbedding" and issubclass(t, torch.nn.Embedding) and hasattr(module, "offset"):
+        return "opt_positions"
+    return None
+
+
+def _embedding_scale(module):
+    """The factor a scaled embedding multiplies its lookup by, as its forward applies it (a
+    buffer cast to the weight's dtype in Hugging Face's classes)."""
+    s = module.embed_scale
+    if torch.is_tensor(s):
+        return s.to(module.weight.dtype)
+    return float(s)
+
+
+def _rms_eps(module, x):
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(module, "eps", None)
+    if eps is None:  # nn.RMSNorm(eps=None)
+        eps = torch.finfo(x.dtype).eps
+    return float(eps)
+
+
+def _opt_position_ids(module, args, kwargs):
+    """The ids OPT's learned-position table is indexed with (its forward, replayed)."""
+    pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    if pos is None:
+        mask = kwargs.get("attention_mask", args[0] if args else None)
+        cache = kwargs.get("cache_length", args[1] if len(args) > 1 else 0)
+        pos = (torch.cumsum(mask, dim=1) * mask - 1).long()[:, cache:]
+    return pos + module.offset
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording.
+
+
+def _param_names(model):
+    """Canonical name of every parameter object (a tied tensor keeps its first name)."""
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+def _param_owners(model):
+    """id(parameter) -> [(module name, class name)] of every module holding it directly."""
+    owners = {}
+    for mod_name, m in model.named_modules(remove_duplicate=False):
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), [])
+                entry = (mod_name, type(m).__name__)
+                if entry not in owners[id(p)]:
+                    owners[id(p)].append(entry)
+    return owners
+
+
+def _btf(t, b, tt, what, entry):
+    """`t` arranged as B×T×features (or B×T for ids)."""
+    ids = t.dtype in (torch.int64, torch.int32)
+    want = 2 if ids else 3
+    if t.dim() == want and t.shape[0] == b and t.shape[1] == tt:
+        return t
+    if t.dim() == want and t.shape[0] == 1 and t.shape[1] == tt:
+        return t.expand(b, *t.shape[1:])
+    if t.dim() == want - 1 and t.shape[0] == b * tt:
+        return t.reshape(b, tt, *t.shape[1:])
+    raise TraceExportError(
+        f"module `{entry['name']}` ({entry['cls']}): its {what} has shape {list(t.shape)}; the exporter needs "
+        f"{b}×{tt}{'' if ids else '×features'} (batch × sequence) or {b * tt} flattened rows"
+    )
+
+
+def _record(model, batch_size):
+    entries, handles = [], []
+    seen = set()
+
+    def hook(module, args, kwargs, output, mod_name, kind):
+        if mod_name in seen:
+            raise TraceExportError(
+                f"module `{mod_name}` ({type(module).__name__}) is called twice in one forward; "
+                "give each call its own module so that each use is its own site"
+            )
+        seen.add(mod_name)
+        x = args[0] if args else None
+        if kind == "opt_positions":
+            x = _opt_position_ids(module, args, kwargs)
+        elif x is None and kwargs:
+            x = next(iter(kwargs.values()))
+        if x is None:
+            raise TraceExportError(f"module `{mod_name}` ({type(module).__name__}) was called without an input")
+        out = output
+        if not torch.is_tensor(out) or not out.requires_grad:
+            return None  # not on a trainable path
+        if out.dim() >= 1 and out.shape[0] == 1 and batch_size > 1:
+            out = out.expand(batch_size, *out.shape[1:])  # a per-batch output: make its gradient per example
+        entry = {"module": module, "name": mod_name, "cls": type(module).__name__, "kind": kind,
+                 "input": x.detach(), "grad": None}
+
+        def save_grad(g):
+            entry["grad"] = g.detach()
+
+        out.register_hook(save_grad)
+        entries.append(entry)
+        return out if out is not output else None
+
+    for mod_name, module in model.named_modules():
+        kind = _kind(module)
+        if kind is not None:
+            handles.append(module.register_forward_hook(
+                lambda m, a, kw, o, n=mod_name, k=kind: hook(m, a, kw, o, n, k), with_kwargs=True))
+    return entries, handles
+
+
+def _site_tensors(entry, names, dtype, b, tt):
+    """Yields (spec, tensors) for the weight use and, where present, the bias use."""
+    m, n, kind = entry["module"], entry["name"], entry["kind"]
+    g = entry["grad"]
+    out = []
+    if g is None:
+        return out  # output not on the loss path
+    g = _btf(g, b, tt, "output gradient", entry)
+
+    def trainable(p):
+        return isinstance(p, torch.nn.Parameter) and p.requires_grad
+
+    if kind in ("embedding", "scaled_embedding", "opt_positions"):
+        if m.max_norm is not None or m.scale_grad_by_freq:
+            raise TraceExportError(f"module `{n}` ({entry['cls']}): max_norm / scale_grad_by_freq are not modelled")
+        ids = _btf(entry["input"].to(torch.int64), b, tt, "ids", entry)
+        if kind == "scaled_embedding":
+            g = g * _embedding_scale(m)  # the gradient of the lookup, not of the scaled output
+        if m.padding_idx is not None:  # the padding row receives no gradient from a lookup
+            g = g.masked_fill((ids == m.padding_idx).unsqueeze(-1), 0)
+        if trainable(m.weight):
+            spec = {"name": f"{n}.weight", "param": names[id(m.weight)], "kind": "embedding",
+                    "vocab": m.num_embeddings}
+            out.append((spec, {"ids": ids, "backprops": g.to(dtype)}))
+        return out
+    x = _btf(entry["input"], b, tt, "input", entry)
+    if kind == "layernorm":
+        xf = x.to(torch.float64)
+        mean = xf.mean(-1, keepdim=True)
+        var = xf.var(-1, unbiased=False, keepdim=True)
+        xhat = ((xf - mean) / torch.sqrt(var + m.eps)).to(dtype)
+        if trainable(m.weight):
+            out.append(({"name": f"{n}.weight", "param": names[id(m.weight)], "kind": "layernorm"},
+                        {"activations": xhat, "backprops": g.to(dtype)}))
+    elif kind == "rmsnorm":
+        # x / rms(x) in the input's dtype (half types computed in float32 and rounded, as
+        # Hugging Face's RMSNorms do). For x̂ ⊙ w and x̂ ⊙ (1 + w) alike, dL/dw = Σ δ ⊙ x̂.
+        cd = torch.promote_types(x.dtype, torch.float32)
+        xc = x.to(cd)
+        xhat = (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + _rms_eps(m, x))).to(x.dtype)
+        if trainable(m.weight):
+            out.append(({"name": f"{n}.weight", "param": names[id(m.weight)], "kind": "layernorm"},
+                        {"activations": xhat.to(dtype), "backprops": g.to(dtype)}))
+    else:
+        if trainable(m.weight):
+            out.append(({"name": f"{n}.weight", "param": names[id(m.weight)], "kind": kind},
+                        {"activations": x.to(dtype), "backprops": g.to(dtype)}))
+    bias = getattr(m, "bias", None)
+    if trainable(bias):
+        out.append(({"name": f"{n}.bias", "param": names[id(bias)], "kind": "bias"}, {"backprops": g.to(dtype)}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The self-check: each parameter's batch gradient rebuilt from its sites' factors.
+
+
+def _rebuild(spec, ts):
+    """(Σ over examples and positions of the site's gradient, the same sum of |terms|), f64, in
+    the parameter's layout flattened the way `p.reshape(-1)` is."""
+    g = ts["backprops"].to(torch.float64)
+    kind = spec["kind"]
+    if kind == "bias":
+        return g.sum((0, 1)), g.abs().sum((0, 1))
+    if kind == "embedding":
+        ids = ts["ids"].reshape(-1)
+        d = g.shape[-1]
+        v = spec["vocab"]
+        full = torch.zeros(v, d, dtype=torch.float64).index_add_(0, ids, g.reshape(-1, d))
+        absum = torch.zeros(v, d, dtype=torch.float64).index_add_(0, ids, g.abs().reshape(-1, d))
+        return full.reshape(-1), absum.reshape(-1)
+    a = ts["activations"].to(torch.float64)
+    if kind == "layernorm":
+        return (g * a).sum((0, 1)), (g * a).abs().sum((0, 1))
+    if kind == "linear":
+        return torch.einsum("bto,bti->oi", g, a).reshape(-1), torch.einsum("bto,bti->oi", g.abs(), a.abs()).reshape(-1)
+    if kind == "conv1d":
+        return torch.einsum("bti,bto->io", a, g).reshape(-1), torch.einsum("bti,bto->io", a.abs(), g.abs()).reshape(-1)
+    raise AssertionError(kind)
+
+
+def _unit_roundoff(dt):
+    return torch.finfo(dt).eps / 2
+
+
+def _self_check(model, sites, names, owners, compute_dtype, store_dtype, b, tt):
+    """Raises unless every trainable parameter that received a gradient has a site and its
+    sites' factors rebuild autograd's gradient to rounding."""
+    by_param = {}
+    for spec, ts, entry in sites:
+        by_param.setdefault(spec["param"], []).append((spec, ts, entry))
+    # Rounding: autograd reduces B·T terms per site in the compute dtype, the factors are
+    # rounded to the storage dtype, and an x̂ recomputed here may differ from the forward's by a
+    # few ulps. 2·(n + 16)·u·Σ|terms| covers all three (n = terms per entry); a site that is
+    # wrong by a structural factor (a missing scale, a skipped use, a wrong position) is off by
+    # a fraction of Σ|terms| itself.
+    u = max(_unit_roundoff(compute_dtype), _unit_roundoff(store_dtype))
+    seen = set()
+    for _, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen or not p.requires_grad or p.grad is None:
+            continue
+        seen.add(id(p))
+        name = names[id(p)]
+        mods = ", ".join(f"`{m}` ({c})" for m, c in owners.get(id(p), []))
+        uses = by_param.get(name)
+        if not uses:
+            raise TraceExportError(
+                f"parameter `{name}` (module {mods}) received a gradient but has no site: the exporter "
+                "models nn.Linear, Conv1D, nn.Embedding, nn.LayerNorm, RMSNorms and scaled embeddings by "
+                "exact type, and this module is none of them (or its output is not what the forward "
+                "hook sees)"
+            )
+        rebuilt = torch.zeros(p.numel(), dtype=torch.float64)
+        absum = torch.zeros(p.numel(), dtype=torch.float64)
+        for spec, ts, _ in uses:
+            r, a = _rebuild(spec, ts)
+            if r.numel() != p.numel():
+                raise TraceExportError(
+                    f"parameter `{name}` (module {mods}): site `{spec['name']}` ({spec['kind']}) rebuilds "
+                    f"{r.numel()} entries but the parameter has {p.numel()}"
+                )
+            rebuilt += r
+            absum += a
+        want = p.grad.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        n = len(uses) * b * tt
+        tol = 2.0 * (n + 16) * u * absum + torch.finfo(compute_dtype).tiny
+        err = (rebuilt - want).abs()
+        bad = err > tol
+        if bool(bad.any()):
+            k = int(torch.argmax(err / tol))
+            site_list = ", ".join(f"`{s['name']}` ({s['kind']}, module class {e['cls']})" for s, _, e in uses)
+            raise TraceExportError(
+                f"parameter `{name}` (module {mods}): the gradient rebuilt from its sites {site_list} differs "
+                f"from autograd's at {int(bad.sum())} of {p.numel()} entries; worst entry {k}: rebuilt "
+                f"{float(rebuilt[k]):.6e}, autograd {float(want[k]):.6e}, |error| {float(err[k]):.3e} > "
+                f"tolerance {float(tol[k]):.3e}. The module's forward is not what the exporter models "
+                "(a subclass that changes forward, a scale or cast inside it, an RMSNorm computing in "
+                "another precision than its input)"
+            )
+
+
+def _compute_dtype(model):
+    """The precision the model computes in: its trainable parameters' dtype (the coarsest, if
+    they differ)."""
+    dts = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    if not dts:
+        raise TraceExportError("the model has no trainable floating-point parameter")
+    return max(dts, key=_unit_roundoff)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _batch_shape(inputs):
+    """(B, T) of a batch: a B×T tensor of ids, or a dict with `input_ids` (else any B×T tensor)."""
+    if torch.is_tensor(inputs):
+        if inputs.dim() != 2:
+            raise ValueError(f"inputs has shape {list(inputs.shape)}; expected batch × sequence (token ids)")
+        return tuple(inputs.shape)
+    if isinstance(inputs, Mapping):
+        t = inputs.get("input_ids")
+        if not (torch.is_tensor(t) and t.dim() == 2):
+            t = next((v for v in inputs.values() if torch.is_tensor(v) and v.dim() == 2), None)
+        if t is None:
+            raise ValueError(f"inputs is a dict with keys {sorted(inputs)} but no `input_ids` or other batch × "
+                             "sequence tensor: the exporter needs B and T")
+        return tuple(t.shape)
+    raise TypeError(f"inputs must be a tensor of token ids (batch × sequence) or a dict of tensors, "
+                    f"got {type(inputs).__name__}")
+
+
+def _per_example(values, b, what):
+    """`values` (a tensor, array, list or number per example) as a float64 CPU tensor of B."""
+    if torch.is_tensor(values):
+        values = values.detach().cpu()
+    try:
+        t = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{what} must be a tensor, array or list of {b} numbers, got {type(values).__name__}") from e
+    if t.numel() != b:
+        raise ValueError(f"{what} has {t.numel()} values; the batch has {b} examples")
+    return t.contiguous()
+
+
+def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_norm,
+                 clipper="claimed", claimed_coefficients=None, noise_multiplier=None, dtype=None):
+    """Records the trace of one batch, checks it against autograd and writes it with the claimed
+    norms. Returns the site specs. Raises `TraceExportError` (a ValueError) instead of writing a
+    trace that is incomplete or wrong.
+
+    Runs one forward and backward pass of `per_example_loss(model, inputs).sum()`: the model's
+    `.grad`s are reset first and hold that batch gradient afterwards."""
+    b, tt = _batch_shape(inputs)
+    c = float(max_grad_norm)
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm}")
+    if noise_multiplier is not None:
+        sigma = float(noise_multiplier)
+        if not (math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"noise_multiplier must be a non-negative number, got {noise_multiplier}")
+    compute_dtype = _compute_dtype(model)
+    if compute_dtype not in DTYPE_NAMES:
+        raise TraceExportError(f"the model computes in {compute_dtype}; traces record {list(DTYPE_NAMES)}")
+    dtype = compute_dtype if dtype is None else dtype
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype} cannot store a trace; use one of {list(DTYPE_NAMES)}")
+    names = _param_names(model)
+    owners = _param_owners(model)
+    entries, handles = _record(model, b)
+    try:
+        model.zero_grad(set_to_none=True)
+        losses = per_example_loss(model, inputs)
+        if not torch.is_tensor(losses) or losses.shape != (b,):
+            shape = tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__
+            raise ValueError(f"per_example_loss returned {shape}; expected a tensor of shape ({b},), one loss per example")
+        losses.sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    sites, tensors = [], {}
+    for entry in entries:
+        for spec, ts in _site_tensors(entry, names, dtype, b, tt):
+            if spec["name"] in tensors or any(s["name"] == spec["name"] for s, _, _ in sites):
+                raise TraceExportError(f"site name `{spec['name']}` appears twice")
+            # bias and weight share backprops; the file is written from host memory
+            ts = {k: v.detach().cpu().clone().contiguous() for k, v in ts.items()}
+            sites.append((spec, ts, entry))
+    _self_check(model, sites, names, owners, compute_dtype, dtype, b, tt)
+    specs = [s for s, _, _ in sites]
+    for spec, ts, _ in sites:
+        for k, v in ts.items():
+            tensors[f"{spec['name']}.{k}"] = v
+    parameters = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad and names[id(p)] not in parameters:
+            if p.grad is None:
+                warnings.warn(f"parameter `{names[id(p)]}` received no gradient: it is left out of the trace")
+                continue
+            parameters[names[id(p)]] = p.numel()
+    if callable(claimed_norms):
+        claimed_norms = claimed_norms(model, inputs)
+    tensors["claimed.norms"] = _per_example(claimed_norms, b, "claimed_norms")
+    if claimed_coefficients is not None:
+        tensors["claimed.coefficients"] = _per_example(claimed_coefficients, b, "claimed_coefficients")
+    meta = {"format": FORMAT, "max_grad_norm": repr(c), "clipper": str(clipper),
+            "sites": json.dumps(specs), "compute_dtype": DTYPE_NAMES[compute_dtype],
+            "parameters": json.dumps(parameters)}
+    if noise_multiplier is not None:
+        meta["noise_multiplier"] = repr(float(noise_multiplier))
+    save_file(tensors, os.fspath(path), metadata=meta)
+    return specs

@@ -1,0 +1,38 @@
+"""Type stubs of the compiled core (`python/src/lib.rs`). Use the wrappers in `ghost_oracle`:
+these functions return plain dicts that `ghost_oracle.Report` reads."""
+from typing import Any
+
+__version__: str
+BUILTIN_CLIPPERS: list[str]
+
+def check(
+    trace: str,
+    *,
+    noise_multiplier: float | None = None,
+    precision: str | None = None,
+    sampling_rate: float | None = None,
+    steps: int | None = None,
+    delta: float | None = None,
+) -> dict[str, Any]: ...
+def audit(
+    *,
+    model: str | None = None,
+    batch: str | None = None,
+    clippers: list[str] | None = None,
+    max_grad_norm: float | None = None,
+    noise_multiplier: float = 1.0,
+    dtype: str = "f32",
+    reduction: str = "mean",
+    sampling_rate: float | None = None,
+    steps: int | None = None,
+    delta: float | None = None,
+) -> dict[str, Any]: ...
+def mutants(
+    *,
+    dtype: str = "f32",
+    sampling_rate: float | None = None,
+    steps: int | None = None,
+    delta: float | None = None,
+) -> dict[str, Any]: ...
+def mutant_list() -> list[tuple[str, str]]: ...
+def _panic_for_tests() -> None: ...

@@ -1,0 +1,434 @@
+"""The `Report` that `check`, `audit` and `mutants` return."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: Verdicts from the least to the most severe.
+VERDICTS = ("pass", "utility-distortion", "privacy-violation", "invalid-norm")
+_SEVERITY = {v: k for k, v in enumerate(VERDICTS)}
+
+
+def _f(x: Any) -> float:
+    """A float; None (an undefined metric) as NaN."""
+    return math.nan if x is None else float(x)
+
+
+def _array(xs: list, dtype: Any = np.float64) -> np.ndarray:
+    a = np.asarray(xs, dtype=dtype)
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """Stated and actual (ε, δ) of the DP-SGD run a clipper's worst overshoot belongs to.
+
+    A clipped contribution of s·C (s > 1) at noise σC is the Gaussian mechanism at σ/s, so the
+    actual ε is that of σ_eff = σ / max(1, s), accounted with the Rényi DP accountant of
+    ghost-oracle over `steps` steps at Poisson sampling rate `sampling_rate`.
+    """
+
+    sampling_rate: float
+    steps: int
+    delta: float
+    #: True when no sampling_rate/steps/delta was given: the typical fine-tuning run
+    #: (q = 0.01, 1000 steps, δ = 1e-5).
+    default_setting: bool
+    #: The stated noise multiplier σ.
+    noise_multiplier: float
+    #: ε at the stated σ.
+    stated_epsilon: float
+    #: ε at σ_eff; +inf when a norm was invalid.
+    actual_epsilon: float
+    #: The largest clipped contribution beyond rounding, in units of C (1 when none exceeds C;
+    #: NaN when a norm was invalid).
+    worst_contribution: float
+    #: σ / max(1, worst contribution) (NaN when a norm was invalid).
+    effective_noise_multiplier: float
+    #: The σ that would keep the stated ε at that overshoot (NaN when none would).
+    sigma_needed: float
+    #: The optimal Rényi order of the actual ε, and whether it sits at an end of the grid.
+    order: float
+    order_at_grid_edge: bool
+    #: The report's one-sentence summary, as the CLI prints it.
+    sentence: str
+    #: Where the numbers come from, as the CLI prints it.
+    setting: str
+
+    @classmethod
+    def _from_native(cls, d: dict | None) -> Privacy | None:
+        if d is None:
+            return None
+        return cls(
+            sampling_rate=float(d["sampling_rate"]),
+            steps=int(d["steps"]),
+            delta=float(d["delta"]),
+            default_setting=bool(d["default_setting"]),
+            noise_multiplier=float(d["noise_multiplier"]),
+            stated_epsilon=float(d["stated_epsilon"]),
+            actual_epsilon=float(d["actual_epsilon"]),
+            worst_contribution=_f(d["worst_contribution"]),
+            effective_noise_multiplier=_f(d["effective_noise_multiplier"]),
+            sigma_needed=_f(d["sigma_needed"]),
+            order=float(d["order"]),
+            order_at_grid_edge=bool(d["order_at_grid_edge"]),
+            sentence=str(d["sentence"]),
+            setting=str(d["setting"]),
+        )
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One clipper on one case (a batch at one clipping norm C): the case's figures and, per
+    example, read-only NumPy arrays of length B."""
+
+    name: str
+    verdict: str
+    max_grad_norm: float
+    noise_multiplier: float
+    #: The example that decided the verdict (largest clipped contribution for a privacy
+    #: violation, first invalid norm, else largest error in units of the bound).
+    worst_example: int
+    #: max over examples of c·n*/C: above 1 (beyond rounding) the DP guarantee fails at σ.
+    max_sensitivity: float
+    #: σ / max(1, max_sensitivity).
+    effective_noise_multiplier: float
+    max_norm_rel_err: float
+    max_err_units: float
+    max_coef_abs_diff: float
+    decision_flips: int
+    #: σC / ‖Σ c_i g_i*‖ with the claimed and with the exact coefficients (NaN: undefined).
+    effective_noise_ratio: float
+    reference_noise_ratio: float
+    clipped_sum_cosine: float
+    max_cross_share: float
+    invalid_examples: tuple[int, ...]
+    #: The largest clipped contribution rounding cannot explain, at least 1 (NaN: invalid norm).
+    worst_contribution: float
+    #: The per-example norms from the f64 reference.
+    true_norms: np.ndarray = field(repr=False)
+    #: The per-example norms the clipper claimed.
+    claimed_norms: np.ndarray = field(repr=False)
+    #: The clipper's clipping coefficients c_i, and the exact ones min(1, C/n_i*).
+    coefficients: np.ndarray = field(repr=False)
+    true_coefficients: np.ndarray = field(repr=False)
+    #: Each example's clipped contribution c_i·n_i*/C.
+    sensitivity: np.ndarray = field(repr=False)
+    #: |n_i − n_i*| / n_i*, the rounding bound on it, and their ratio.
+    norm_rel_err: np.ndarray = field(repr=False)
+    bound: np.ndarray = field(repr=False)
+    err_units: np.ndarray = field(repr=False)
+    #: 2⟨g_in, g_out⟩ / ‖g*‖²: the share of each true squared norm that is the tied cross term
+    #: (NaN where the true gradient is zero).
+    cross_share: np.ndarray = field(repr=False)
+    flipped: np.ndarray = field(repr=False)
+    invalid: np.ndarray = field(repr=False)
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    def __repr__(self) -> str:
+        return (f"CaseResult({self.name!r}, {self.verdict}, B={len(self.true_norms)}, worst example "
+                f"{self.worst_example}, max sensitivity {self.max_sensitivity:.4f})")
+
+    @classmethod
+    def _from_native(cls, d: dict) -> CaseResult:
+        return cls(
+            name=d["case"],
+            verdict=d["verdict"],
+            max_grad_norm=float(d["max_grad_norm"]),
+            noise_multiplier=float(d["noise_multiplier"]),
+            worst_example=int(d["worst_example"]),
+            max_sensitivity=float(d["max_sensitivity_ratio"]),
+            effective_noise_multiplier=float(d["effective_noise_multiplier"]),
+            max_norm_rel_err=float(d["max_norm_rel_err"]),
+            max_err_units=float(d["max_err_units"]),
+            max_coef_abs_diff=float(d["max_coef_abs_diff"]),
+            decision_flips=int(d["decision_flips"]),
+            effective_noise_ratio=_f(d["effective_noise_ratio"]),
+            reference_noise_ratio=_f(d["reference_noise_ratio"]),
+            clipped_sum_cosine=_f(d["clipped_sum_cosine"]),
+            max_cross_share=_f(d["max_cross_share"]),
+            invalid_examples=tuple(int(i) for i in d["invalid_examples"]),
+            worst_contribution=_f(d["worst_contribution"]),
+            true_norms=_array(d["true_norm"]),
+            claimed_norms=_array(d["norm"]),
+            coefficients=_array(d["coefficient"]),
+            true_coefficients=_array(d["true_coefficient"]),
+            sensitivity=_array(d["sensitivity"]),
+            norm_rel_err=_array(d["norm_rel_err"]),
+            bound=_array(d["bound"]),
+            err_units=_array(d["err_units"]),
+            cross_share=_array(d["cross_share"]),
+            flipped=_array(d["flipped"], bool),
+            invalid=_array(d["invalid"], bool),
+        )
+
+
+@dataclass(frozen=True)
+class ClipperResult:
+    """One clipper's results over every case of a report."""
+
+    name: str
+    verdict: str
+    cases: tuple[CaseResult, ...]
+    #: Index into `cases` of the case that decided the verdict.
+    worst_case: int
+    warnings: tuple[str, ...]
+    privacy: Privacy | None
+    #: Kill matrix only: whether this clipper is a seeded bug, the library behaviour it
+    #: reproduces, its most severe verdict per base case, and what the matrix's checks found
+    #: wrong with it (empty: caught as expected, or a correct clipper not flagged).
+    mutant: bool = False
+    reproduces: str | None = None
+    cells: dict[str, str] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    @property
+    def worst(self) -> CaseResult:
+        """The case that decided the verdict."""
+        return self.cases[self.worst_case]
+
+    def __repr__(self) -> str:
+        return f"ClipperResult({self.name!r}, {self.verdict}, {len(self.cases)} case(s), worst {self.worst.name!r})"
+
+    @classmethod
+    def _from_native(cls, d: dict) -> ClipperResult:
+        return cls(
+            name=d["name"],
+            verdict=d["verdict"],
+            cases=tuple(CaseResult._from_native(c) for c in d["cases"]),
+            worst_case=int(d["worst_case"]),
+            warnings=tuple(d["warnings"]),
+            privacy=Privacy._from_native(d["privacy"]),
+        )
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g} %"
+
+
+class Report:
+    """What ghost-oracle found: one entry per audited clipper.
+
+    - `passed`: every clipper passed (for `mutants()`: every seeded bug was caught with the
+      verdict it must get and no correct clipper was flagged);
+    - `verdict`: the most severe verdict, one of `VERDICTS` (for `mutants()`: "pass" or
+      "detection-check-failed");
+    - `clippers`: a `ClipperResult` per clipper, each with its `CaseResult`s;
+    - `true_norms`, `claimed_norms`, `coefficients`, `true_coefficients`, `sensitivity`,
+      `cross_share`: per-example NumPy arrays of the deciding case (the only case of a `check`);
+    - `privacy`: stated and actual ε of the deciding clipper;
+    - `tied_parameters`: for a `check`, each parameter the trace's sites share, with its sites;
+    - `to_json()`: the document the CLI writes with `--json`; `repr()`: the CLI's table;
+      `explain()`: the deciding case in words (what `assert_norms` raises with).
+    """
+
+    def __init__(self, native: dict):
+        self.kind: str = native["kind"]
+        #: The precision the bound assumed (a check) or the clippers computed in.
+        self.dtype: str = native["dtype"]
+        self.device: str = native["device"]
+        self.trace: str | None = native.get("trace")
+        self.tied_parameters: dict[str, tuple[tuple[str, str], ...]] = {
+            t["param"]: tuple((str(n), str(k)) for n, k in t["sites"]) for t in native.get("tied", [])
+        }
+        self._json: str = native["json"]
+        self._table: str = native["table"]
+        clippers = [ClipperResult._from_native(c) for c in native["clippers"]]
+        if self.kind == "mutants":
+            cases = list(native["cases"])
+            rows = native["rows"]
+            clippers = [
+                ClipperResult(
+                    name=c.name, verdict=c.verdict, cases=c.cases, worst_case=c.worst_case,
+                    warnings=c.warnings, privacy=c.privacy, mutant=bool(r["mutant"]),
+                    reproduces=r["reproduces"], cells=dict(zip(cases, r["cells"])),
+                    problems=tuple(r["problems"]),
+                )
+                for c, r in zip(clippers, rows)
+            ]
+            self.cases: tuple[str, ...] = tuple(cases)
+            self.passed: bool = bool(native["ok"])
+            self.verdict: str = "pass" if self.passed else "detection-check-failed"
+        else:
+            self.cases = tuple(dict.fromkeys(k.name for c in clippers for k in c.cases))
+            self.passed = all(c.passed for c in clippers)
+            self.verdict = max((c.verdict for c in clippers), key=_SEVERITY.__getitem__, default="pass")
+        self.clippers: tuple[ClipperResult, ...] = tuple(clippers)
+
+    # -- the deciding clipper and case ---------------------------------------------------------
+
+    @property
+    def deciding(self) -> ClipperResult:
+        """The clipper that decided the verdict: the most severe, then the largest clipped
+        contribution (for the kill matrix, the first whose check failed, else the first)."""
+        if self.kind == "mutants":
+            return next((c for c in self.clippers if c.problems), self.clippers[0])
+        return max(self.clippers, key=lambda c: (_SEVERITY[c.verdict], c.worst.max_sensitivity))
+
+    @property
+    def worst(self) -> CaseResult:
+        """The deciding clipper's deciding case."""
+        return self.deciding.worst
+
+    @property
+    def privacy(self) -> Privacy | None:
+        return self.deciding.privacy
+
+    @property
+    def true_norms(self) -> np.ndarray:
+        return self.worst.true_norms
+
+    @property
+    def claimed_norms(self) -> np.ndarray:
+        return self.worst.claimed_norms
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        return self.worst.coefficients
+
+    @property
+    def true_coefficients(self) -> np.ndarray:
+        return self.worst.true_coefficients
+
+    @property
+    def sensitivity(self) -> np.ndarray:
+        return self.worst.sensitivity
+
+    @property
+    def cross_share(self) -> np.ndarray:
+        return self.worst.cross_share
+
+    @property
+    def max_sensitivity(self) -> float:
+        return self.worst.max_sensitivity
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        return self.worst.effective_noise_multiplier
+
+    # -- output ----------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        """The JSON document the CLI writes with `--json` (`ghost-oracle check/audit/mutants`)."""
+        return self._json
+
+    def __repr__(self) -> str:
+        return self._table.lstrip("\n").rstrip("\n")
+
+    def __str__(self) -> str:
+        return repr(self)
+
+    def explain(self) -> str:
+        """The deciding case in words: the verdict, the worst example with its true and claimed
+        norm, the sensitivity, σ_eff, stated and actual ε, and the tied parameter involved."""
+        if self.kind == "mutants":
+            return self._explain_matrix()
+        c = self.deciding
+        k = c.worst
+        i = k.worst_example
+        lines = [f"ghost-oracle: clipper `{c.name}`: {c.verdict}" + {
+            "pass": " (every claimed norm is within the rounding bound of the truth)",
+            "utility-distortion": " (norms off beyond rounding, but no example's clipped contribution exceeds C: "
+                                  "privacy holds, training signal is lost)",
+            "privacy-violation": " (an example's clipped contribution exceeds C: the DP guarantee does not hold "
+                                 "at the stated noise)",
+            "invalid-norm": " (a NaN, infinite or negative norm or coefficient: the claim cannot be used)",
+        }[c.verdict]]
+        if len(self.clippers) > 1 or len(c.cases) > 1:
+            lines.append(f"  deciding case: {k.name}")
+        b = len(k.true_norms)
+        t, n = k.true_norms[i], k.claimed_norms[i]
+        if math.isfinite(n) and t > 0:
+            direction = "low" if n < t else "high"
+            diff = f"{_pct(abs(n - t) / t)} {direction}"
+        else:
+            diff = "not a valid norm"
+        lines.append(f"  worst example {i} of {b}: claimed norm {n:.6g}, true norm {t:.6g} ({diff}; "
+                     f"rounding allows {k.bound[i]:.2g} relative)")
+        lines.append(f"  sensitivity: its clipped contribution is {k.sensitivity[i]:.4f}·C at C = {k.max_grad_norm:.6g}"
+                     f" (the largest over the batch: {k.max_sensitivity:.4f}·C; above 1·C the stated σ does not "
+                     "buy the stated ε)")
+        lines.append(f"  σ_eff = {k.effective_noise_multiplier:.4f} (stated σ = {k.noise_multiplier:g})")
+        p = c.privacy
+        if p is not None:
+            where = (f"δ = {p.delta:g}, q = {p.sampling_rate:g}, {p.steps} steps"
+                     + (": a typical fine-tuning run; pass sampling_rate=, steps=, delta= for yours"
+                        if p.default_setting else ""))
+            actual = "∞" if not math.isfinite(p.actual_epsilon) else f"{p.actual_epsilon:.2f}"
+            line = f"  ε: stated {p.stated_epsilon:.2f}, actual {actual} ({where})"
+            if p.worst_contribution > 1 and math.isfinite(p.sigma_needed):
+                line += f"; σ = {p.sigma_needed:.4f} would keep ε = {p.stated_epsilon:.2f}"
+            lines.append(line)
+        lines.extend(self._explain_tied(k, i))
+        for w in c.warnings:
+            lines.append(f"  warning: {w}")
+        lines.extend(self._example_table(k))
+        if len(self.clippers) > 1:
+            lines.append("  clippers: " + ", ".join(f"{x.name} {x.verdict}" for x in self.clippers))
+        return "\n".join(lines)
+
+    def _explain_tied(self, k: CaseResult, i: int) -> list[str]:
+        share = k.cross_share[i]
+        if self.kind == "check" and not self.tied_parameters:
+            return ["  tied parameters: none (no parameter has two sites), so the error is not a missing "
+                    "cross term"]
+        if self.tied_parameters:
+            names = []
+            for param, sites in self.tied_parameters.items():
+                uses = " and ".join(f"`{s}` ({kind})" for s, kind in sites)
+                names.append(f"`{param}` (sites {uses})")
+            head = "  tied parameter: " + "; ".join(names)
+        elif math.isfinite(share) and share != 0:
+            head = "  tied parameters: the model shares a parameter between sites"
+        else:
+            return []
+        lines = [head]
+        t, n = k.true_norms[i], k.claimed_norms[i]
+        if math.isfinite(share) and t > 0 and math.isfinite(n):
+            short = 1 - (n / t) ** 2
+            lines.append(f"    example {i}: the tied cross term is {share:+.3%} of the true squared norm n*²; "
+                         f"the claimed n² = n*² {-short:+.3%}")
+            if share != 0 and abs(short - share) <= 0.1 * abs(share) + 4 * k.bound[i]:
+                lines.append("    the claim is the truth without the cross term: the clipper summed the tied uses "
+                             "as if they were separate parameters (standard ghost clipping, or a copy of the model "
+                             "with the parameter untied)")
+        return lines
+
+    @staticmethod
+    def _example_table(k: CaseResult, limit: int = 16) -> list[str]:
+        b = len(k.true_norms)
+        order = list(range(b))
+        note = ""
+        if b > limit:
+            order = sorted(np.argsort(-np.nan_to_num(k.err_units, nan=np.inf))[:limit].tolist())
+            note = f" ({limit} of {b}: the largest errors)"
+        lines = [f"  per example{note}:",
+                 "        i        claimed           true    rel err   err/bound  coef claimed/true  contribution  cross/n²"]
+        for j in order:
+            cs = k.cross_share[j]
+            lines.append(
+                f"    {j:>5}  {k.claimed_norms[j]:>13.6e}  {k.true_norms[j]:>13.6e}  {k.norm_rel_err[j]:>9.2e}"
+                f"  {k.err_units[j]:>10.3g}  {k.coefficients[j]:>8.5f}/{k.true_coefficients[j]:<8.5f}"
+                f"  {k.sensitivity[j]:>12.5f}  {'n/a' if not math.isfinite(cs) else f'{cs:+.2%}':>8}"
+                + ("  <- worst" if j == k.worst_example else ""))
+        return lines
+
+    def _explain_matrix(self) -> str:
+        lines = [f"ghost-oracle kill matrix: {self.verdict}"]
+        for c in self.clippers:
+            if c.problems:
+                lines.append(f"  {c.name}: " + "; ".join(c.problems))
+        if self.passed:
+            lines.append("  every mutant caught with the right verdict; no false alarm")
+        return "\n".join(lines)
