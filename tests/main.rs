@@ -1,5 +1,6 @@
 //! All integration tests in one binary (one link on a 2-core machine).
 
+mod accountant;
 mod audit;
 mod cli;
 mod clippers;
