@@ -138,7 +138,10 @@ pub fn evaluate(
             norm: n,
             norm_rel_err: if rel.is_nan() { f64::INFINITY } else { rel },
             bound,
-            err_units: if rel.is_nan() {
+            // An exact answer is 0 units even where the bound is 0.
+            err_units: if rel == 0.0 {
+                0.0
+            } else if rel.is_nan() {
                 f64::INFINITY
             } else {
                 rel / bound

@@ -260,7 +260,13 @@ impl Tolerance {
         let reference = LAMBDA * f64::EPSILON / 2.0
             * (t + self.largest_param as f64).sqrt()
             * self.abs_terms[i];
-        0.5 * (dots + accumulation + reference) / n2
+        let absolute = 0.5 * (dots + accumulation + reference);
+        // A zero gradient: with no terms at all there is no rounding (0); terms that cancel to
+        // exactly zero allow any relative error.
+        if n2 == 0.0 {
+            return if absolute == 0.0 { 0.0 } else { f64::INFINITY };
+        }
+        absolute / n2
     }
 
     /// Absolute bound on ‖S − S*‖ for the clipped sum S = Σ_i c_i g_i in unit roundoff `u`: each

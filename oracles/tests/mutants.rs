@@ -1,0 +1,156 @@
+//! Checks that close gaps found by mutation testing of the reference (docs/detection.md,
+//! "Mutation testing of the oracle"): behaviour the golden-file and finite-difference tests do
+//! not look at.
+
+use ghost_oracle_reference::*;
+use ndarray::{array, Array2};
+
+fn tiny(tied: bool) -> Gpt2 {
+    let cfg = Gpt2Config::tiny(11, 8, 8, 1, 2);
+    Gpt2::random(if tied { cfg } else { cfg.untied() }, 7, 0.5)
+}
+
+#[test]
+fn reductions_are_named_as_on_the_command_line() {
+    assert_eq!(Reduction::Mean.name(), "mean");
+    assert_eq!(Reduction::Sum.name(), "sum");
+}
+
+#[test]
+fn a_head_buffer_of_another_shape_is_replaced_not_written_into() {
+    // The buffer a caller reuses may hold a head of another model's shape (V×d here is 11×8);
+    // the head gradient must come out as if the buffer were fresh.
+    let model = tiny(false);
+    let batch = Batch::new(array![[1_i64, 4, 1, 9]], None);
+    let fresh = example_gradient(&model, &batch, 0, Reduction::Mean, false);
+    let want = fresh.grad.lm_head.as_ref().expect("a head gradient");
+    assert_eq!(want.dim(), (11, 8));
+    let mut g = model.zero_gradient();
+    g.lm_head = Some(Array2::from_elem((3, 5), 7.0));
+    let (loss, _) = example_gradient_into(&model, &batch, 0, Reduction::Mean, false, &mut g);
+    assert_eq!(loss, fresh.loss);
+    assert_eq!(g.lm_head.as_ref(), Some(want));
+}
+
+fn run(model: &Gpt2, ids: Array2<i64>, reduction: Reduction) -> Reference {
+    let opts = Options {
+        reduction,
+        record_trace: false,
+        keep_gradients: true,
+    };
+    compute(model, &Batch::new(ids, None), &opts, &mut |_, _| {}).unwrap()
+}
+
+#[test]
+fn the_layout_lists_every_parameter_once_whatever_the_batch_size() {
+    let model = tiny(true);
+    for ids in [
+        array![[1_i64, 4, 1, 9]],
+        array![[1_i64, 4, 1, 9], [2, 2, 3, 0], [5, 6, 7, 8]],
+    ] {
+        let b = ids.nrows();
+        let r = run(&model, ids, Reduction::Mean);
+        // One entry per reported parameter, in the order of the per-parameter norms...
+        let names: Vec<&str> = r.layout.iter().map(|(n, _)| n.as_str()).collect();
+        let reported: Vec<&str> = r.examples[0]
+            .params
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect();
+        assert_eq!(names, reported, "batch of {b}");
+        // ...whose sizes add up to every flattened gradient, and whose slices have the norms.
+        let g = r.gradients.as_ref().unwrap();
+        assert_eq!(g.len(), b);
+        let total: usize = r
+            .layout
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        for (i, gi) in g.iter().enumerate() {
+            assert_eq!(gi.len(), total, "batch of {b}, example {i}");
+            let mut offset = 0;
+            for ((name, shape), (_, norm)) in r.layout.iter().zip(&r.examples[i].params) {
+                let n: usize = shape.iter().product();
+                let sq: f64 = gi[offset..offset + n].iter().map(|v| v * v).sum();
+                assert!(
+                    (sq.sqrt() - norm).abs() <= 1e-12 * norm,
+                    "{name}: {} vs {norm}",
+                    sq.sqrt()
+                );
+                offset += n;
+            }
+        }
+    }
+}
+
+#[test]
+fn the_json_report_carries_every_number_of_the_reference() {
+    let model = tiny(true);
+    let r = run(
+        &model,
+        array![[1_i64, 4, 1, 9], [2, 2, 3, 0]],
+        Reduction::Sum,
+    );
+    let j = r.to_json();
+    assert_eq!(j["reduction"], "sum");
+    let examples = j["examples"].as_array().expect("an examples array");
+    assert_eq!(examples.len(), 2);
+    for (e, want) in examples.iter().zip(&r.examples) {
+        assert_eq!(e["loss"].as_f64(), Some(want.loss));
+        assert_eq!(e["norm"].as_f64(), Some(want.norm));
+        let params = e["params"].as_object().expect("a params object");
+        assert_eq!(params.len(), want.params.len());
+        for (name, v) in &want.params {
+            assert_eq!(params[name].as_f64(), Some(*v), "{name}");
+        }
+        assert_eq!(want.shared.len(), 1);
+        let (name, split) = &want.shared[0];
+        let s = &e["shared"][name];
+        assert_eq!(s["input_sq"].as_f64(), Some(split.input_sq));
+        assert_eq!(s["output_sq"].as_f64(), Some(split.output_sq));
+        assert_eq!(s["cross"].as_f64(), Some(split.cross));
+    }
+}
+
+#[test]
+fn progress_counts_the_examples_done() {
+    let model = tiny(false);
+    let batch = Batch::new(array![[1_i64, 4, 1, 9], [2, 2, 3, 0], [5, 6, 7, 8]], None);
+    let mut calls = Vec::new();
+    compute(&model, &batch, &Options::default(), &mut |done, total| {
+        calls.push((done, total))
+    })
+    .unwrap();
+    assert_eq!(calls, vec![(1, 3), (2, 3), (3, 3)]);
+}
+
+#[test]
+fn the_gradient_gram_of_a_batch_with_a_repeated_example() {
+    // Examples 0 and 1 are the same sequence, so their gradients are equal: every entry of the
+    // top-left 2×2 block is ‖g_0‖².
+    let model = tiny(true);
+    let r = run(
+        &model,
+        array![[1_i64, 4, 1, 9], [1, 4, 1, 9], [2, 2, 3, 0]],
+        Reduction::Sum,
+    );
+    let gram = r.gradient_gram().expect("gradients were kept");
+    assert_eq!(gram.len(), 3);
+    let n = |i: usize| r.examples[i].norm;
+    for (i, row) in gram.iter().enumerate() {
+        assert_eq!(row.len(), 3);
+        assert!(
+            (row[i] - n(i) * n(i)).abs() <= 1e-12 * n(i) * n(i),
+            "({i}, {i})"
+        );
+        for (k, v) in row.iter().enumerate() {
+            assert_eq!(*v, gram[k][i], "symmetry at ({i}, {k})");
+        }
+    }
+    let n0 = n(0) * n(0);
+    for v in [gram[0][1], gram[1][0], gram[1][1]] {
+        assert!((v - n0).abs() <= 1e-12 * n0, "{v} vs {n0}");
+    }
+    // The third example differs: Cauchy–Schwarz is strict.
+    assert!(gram[0][2].abs() < n(0) * n(2) * (1.0 - 1e-6));
+}
