@@ -95,25 +95,35 @@ fn log_a_matches_the_quadrature_of_the_definition_to_1e_10_on_the_whole_grid() {
     );
 }
 
+/// The points where the libraries drift from the integral, and 40 seeded random points off
+/// the grid (q up to 0.998, σ up to 50, orders up to 64).
 #[test]
-fn log_a_matches_the_quadrature_where_the_libraries_drift() {
-    for p in golden()["disagreements"].as_array().unwrap() {
+fn log_a_matches_the_quadrature_off_the_grid() {
+    let g = golden();
+    let points = g["disagreements"].as_array().unwrap().iter();
+    let points: Vec<&Value> = points.chain(g["spot_checks"].as_array().unwrap()).collect();
+    assert!(points.len() >= 40);
+    let mut worst = 0.0f64;
+    for p in points {
         let (q, sigma, alpha) = (f(&p["q"]), f(&p["sigma"]), f(&p["alpha"]));
         let want = f(&p["integral"]);
         let got = log_a(q, sigma, alpha).unwrap();
+        let e = rel(got, want);
         assert!(
-            rel(got, want) <= 1e-12,
+            e <= 1e-10,
             "q = {q}, σ = {sigma}, α = {alpha}: {got:e} vs integral {want:e}"
         );
+        worst = worst.max(e);
         // Where a library is off by more than 1e-10, we are closer to the integral.
         for lib in ["opacus", "dp_accounting"] {
             if let Some(v) = p[lib].as_f64() {
                 if rel(v, want) > 1e-10 {
-                    assert!(rel(got, want) < rel(v, want) / 100.0, "{lib} at {p}");
+                    assert!(e < rel(v, want) / 100.0, "{lib} at {p}");
                 }
             }
         }
     }
+    eprintln!("ln A vs integral off the grid: worst rel {worst:.1e}");
 }
 
 /// Opacus's own ln A_α loses digits when A_α − 1 is tiny (it sums terms of size 1), and a

@@ -2,7 +2,7 @@
 """Regenerates oracles/golden/accounting.json, the ground truth for src/accountant.
 
     pip install opacus dp-accounting mpmath
-    python3 oracles/golden/make_accounting.py              # about an hour on two cores
+    python3 oracles/golden/make_accounting.py              # about 75 minutes on two cores
     python3 oracles/golden/make_accounting.py --summary    # the numbers of docs/privacy.md
     python3 oracles/golden/make_accounting.py --reuse-log-a  # keep the integrals, redo the rest
 
@@ -24,13 +24,15 @@ What it writes:
   ten times finer one (`pld_fine`, where the epsilon is small enough). null where a library gave
   an infinite or NaN epsilon or could not finish (the PLD of the noisiest compositions needs
   more memory than the limit set here; `pld_note` says why).
-* `disagreements`: single points where a library's log A_alpha is measurably off the integral.
+* `disagreements`: single points where a library's log A_alpha is measurably off the integral;
+  `spot_checks`: seeded random points off the grid (q up to 0.998, sigma up to 50).
 """
 import json
 import math
 import multiprocessing as mproc
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -58,13 +60,27 @@ PLD_TIMEOUT_S = 300
 PLD_INTERVAL = 1e-4
 PLD_FINE_INTERVAL = 1e-5
 PLD_FINE_MAX_EPSILON = 20.0
-# (q, sigma, alpha) points where a library is reported off the integral.
-# The first two are the points where dp_accounting 0.6 is reported off; the rest probe
-# regions the grid does not (q > 1/2, large orders, large sigma).
+# Single (q, sigma, alpha) points: the first two are where dp_accounting 0.6 is reported off the
+# integral; the rest probe what the grid does not (q > 1/2, large orders, large sigma).
 DISAGREEMENT_POINTS = [
     (0.25, 2.5, 6.8), (0.01, 1.0, 7.8), (0.1, 1.0, 2.5), (1e-3, 0.5, 30.5),
     (0.6, 1.5, 3.7), (0.9, 4.0, 1.5), (0.05, 0.7, 100.5), (0.3, 10.0, 250.0),
 ]
+SPOT_SEED = 2019
+SPOT_COUNT = 40
+
+
+def spot_points():
+    """Seeded random (q, sigma, alpha) off the grid: q up to 0.998, sigma 0.3 .. 50, fractional
+    and integer orders up to 64."""
+    rng = random.Random(SPOT_SEED)
+    pts = []
+    for _ in range(SPOT_COUNT):
+        q = 10 ** rng.uniform(-6, -0.001)
+        sigma = 10 ** rng.uniform(-0.5, 1.7)
+        alpha = rng.choice([1 + 3 * rng.random(), rng.uniform(1, 64), float(rng.randint(2, 64))])
+        pts.append((q, sigma, max(round(alpha, 3), 1.001)))
+    return pts
 
 
 def default_orders():
@@ -332,19 +348,23 @@ def main(reuse_log_a=False):
     eps_rows.sort(key=lambda r: (r["sigma"], r["q"], r["steps"], r["delta"]))
     t_eps = time.time() - t_eps0
 
-    # the documented disagreements
-    dis = []
-    for q, s, a in DISAGREEMENT_POINTS:
-        _, _, _, val, rel, _ = log_a_job((q, s, a))
-        with mp.workdps(DPS):
-            x = mp.mpf(val)
-            o, d = opacus_log_a(q, s, a), dpa_log_a(q, s, a)
-            dis.append({"q": q, "sigma": s, "alpha": a, "integral": float(x), "integral_digits": val,
+    # the documented disagreements, and random points off the grid
+    points = {"disagreements": DISAGREEMENT_POINTS, "spot_checks": spot_points()}
+    singles = {name: [] for name in points}
+    with mproc.Pool(WORKERS) as pool:
+        for name, pts in points.items():
+            for q, s, a, val, _, _ in pool.map(log_a_job, pts):
+                with mp.workdps(DPS):
+                    x = mp.mpf(val)
+                    o, d = opacus_log_a(q, s, a), dpa_log_a(q, s, a)
+                    singles[name].append({
+                        "q": q, "sigma": s, "alpha": a, "integral": float(x), "integral_digits": val,
                         "opacus": finite_or_none(o), "opacus_rel_err": finite_or_none(rel_err(o, x)),
                         "dp_accounting": finite_or_none(d),
                         "dp_accounting_rel_err": finite_or_none(rel_err(d, x))})
-        print(f"  disagreement q={q} sigma={s} alpha={a}: opacus {dis[-1]['opacus_rel_err']}, "
-              f"dp_accounting {dis[-1]['dp_accounting_rel_err']}", flush=True)
+                r = singles[name][-1]
+                print(f"  {name}: q={q:.4g} sigma={s:.4g} alpha={a}: opacus {r['opacus_rel_err']}, "
+                      f"dp_accounting {r['dp_accounting_rel_err']}", flush=True)
 
     out = {
         "about": "Ground truth for src/accountant; written by oracles/golden/make_accounting.py",
@@ -366,7 +386,8 @@ def main(reuse_log_a=False):
         "sigmas": SIGMAS, "qs": QS, "steps": STEPS, "deltas": DELTAS,
         "log_a": log_a_rows,
         "epsilon": eps_rows,
-        "disagreements": dis,
+        "disagreements": singles["disagreements"],
+        "spot_checks": singles["spot_checks"],
     }
     with open(OUT, "w") as f:
         json.dump(out, f, indent=1, allow_nan=False)
@@ -408,6 +429,11 @@ def summary(path=OUT):
         bad = sum(len(r[f"{lib}_nonfinite_orders"]) for r in d["log_a"])
         print(f"log A, {lib} vs integral: worst rel {e:.2e} at (sigma, q, alpha) = {where}; "
               f"{bad} of {len(d['log_a']) * len(d['orders'])} values infinite")
+    for name in ("disagreements", "spot_checks"):
+        for lib in ("opacus", "dp_accounting"):
+            e, where = worst((p[f"{lib}_rel_err"], (p["q"], p["sigma"], p["alpha"])) for p in d[name])
+            print(f"log A, {lib} vs integral on the {len(d[name])} {name}: worst rel {e:.2e} at "
+                  f"(q, sigma, alpha) = {where}")
     rows = d["epsilon"]
     key = lambda r: (r["sigma"], r["q"], r["steps"], r["delta"])
     for name, get in (("opacus", lambda r: r["opacus"] and r["opacus"]["epsilon"]),
