@@ -22,9 +22,8 @@ fn truth(norms: &[f64], gram: Vec<Vec<f64>>) -> Truth {
     Truth {
         norms: norms.to_vec(),
         gram,
-        gradients: Vec::new(),
-        layout: Vec::new(),
         cross_share: vec![None; norms.len()],
+        factors: None,
     }
 }
 
@@ -401,8 +400,24 @@ fn a_claim_of_the_wrong_length_is_an_error() {
 fn sum_case() -> (Truth, Tolerance) {
     let norms = [5.0, 1.0];
     let mut t = truth(&norms, vec![vec![25.0, 0.0], vec![0.0, 1.0]]);
-    t.gradients = vec![vec![0.0, 4.0, 3.0], vec![1.0, 0.0, 0.0]];
-    t.layout = vec![("w".to_string(), vec![2]), ("b".to_string(), vec![1])];
+    // Bias sites with T = 1 write their backprops as the gradient.
+    let bias = |name: &str, rows: [&[f64]; 2]| Site {
+        spec: SiteSpec {
+            name: name.to_string(),
+            param: name.to_string(),
+            kind: SiteKind::Bias,
+            vocab: None,
+        },
+        activations: None,
+        ids: None,
+        backprops: Array3::from_shape_fn((2, 1, rows[0].len()), |(i, _, k)| rows[i][k]),
+    };
+    t.factors = Some(RefTrace {
+        sites: vec![
+            bias("w", [&[0.0, 4.0], &[1.0, 0.0]]),
+            bias("b", [&[3.0], &[0.0]]),
+        ],
+    });
     let mut tol = tolerance(&norms, &[0.125, 0.125]);
     tol.site_scale = vec![vec![6.0, 0.0], vec![0.0, 4.0]];
     tol.site_param = vec![0, 1];
@@ -708,12 +723,10 @@ fn the_tolerance_of_a_hand_built_trace() {
 #[test]
 fn the_truth_of_a_hand_built_trace() {
     let scales = [1.0, 2.0, 0.0];
-    let truth = Truth::from_trace(&hand_trace(&scales)).unwrap();
+    let truth = Truth::from_trace(hand_trace(&scales)).unwrap();
     let n2: f64 = 130.0;
     for (i, s) in scales.iter().enumerate() {
         assert_eq!(truth.norms[i], s * n2.sqrt(), "example {i}");
-        let want: Vec<f64> = GRADIENT.iter().map(|g| s * g).collect();
-        assert_eq!(truth.gradients[i], want, "example {i}");
         for (k, r) in scales.iter().enumerate() {
             assert_eq!(truth.gram[i][k], s * r * n2, "({i}, {k})");
         }
@@ -722,30 +735,67 @@ fn the_truth_of_a_hand_built_trace() {
     assert_close_opt(truth.cross_share[0], 24.0 / 130.0);
     assert_close_opt(truth.cross_share[1], 24.0 / 130.0);
     assert_eq!(truth.cross_share[2], None);
-    let layout = vec![
-        ("tied".to_string(), vec![3, 2]),
-        ("b".to_string(), vec![1, 2]),
-        ("ln".to_string(), vec![1, 2]),
-        ("conv".to_string(), vec![1, 2]),
-        ("pos".to_string(), vec![2, 2]),
-    ];
-    assert_eq!(truth.layout, layout);
-    // A batch of one has the same layout.
-    let one = Truth::from_trace(&hand_trace(&[1.0])).unwrap();
-    assert_eq!(one.layout, layout);
-    assert_eq!(one.gradients, vec![GRADIENT.to_vec()]);
+}
+
+/// A claimed clipped sum of the hand-built trace split by parameter in its layout: `tied` 3×2
+/// (both sites summed), `b` and `ln` and `conv` 2 values, `pos` 2×2.
+fn hand_sum(scale: f64) -> Vec<(String, Vec<f64>)> {
+    let g: Vec<f64> = GRADIENT.iter().map(|v| scale * v).collect();
+    [
+        ("tied", 0..6),
+        ("b", 6..8),
+        ("ln", 8..10),
+        ("conv", 10..12),
+        ("pos", 12..16),
+    ]
+    .into_iter()
+    .map(|(p, r)| (p.to_string(), g[r].to_vec()))
+    .collect()
+}
+
+#[test]
+fn the_true_clipped_sum_is_rebuilt_from_the_factors_in_the_parameters_layout() {
+    // Gradients s·G with s = (1, 2, 0) and ‖G‖² = 130. At C = √130 the true coefficients are
+    // (1, ½, 1), so S* = 1·G + ½·2G + 1·0 = 2G, all small integers: exact.
+    let scales = [1.0, 2.0, 0.0];
+    let judge = Judge::from_trace(hand_trace(&scales)).unwrap();
+    let n = 130f64.sqrt();
+    let mut claim = Claim {
+        norms: vec![n, 2.0 * n, 0.0],
+        coefficients: vec![1.0, 0.5, 1.0],
+        clipped_sum: Some(hand_sum(2.0)),
+    };
+    let m = judge
+        .evaluate("hand", &claim, n, 1.0, Precision::F64)
+        .unwrap();
+    assert_eq!(m.verdict, Verdict::Pass);
+    assert_eq!(m.clipped_sum_rel_err, Some(0.0));
+    // One value of `pos` off by 3: ‖S − S*‖ = 3 against ‖S*‖ = 2√130, and far beyond an f64
+    // bound.
+    claim.clipped_sum.as_mut().unwrap()[4].1[3] += 3.0;
+    let m = judge
+        .evaluate("hand", &claim, n, 1.0, Precision::F64)
+        .unwrap();
+    assert_eq!(m.verdict, Verdict::UtilityDistortion);
+    assert_close_opt(m.clipped_sum_rel_err, 3.0 / (2.0 * n));
+    // The sum of G alone (half of S*) is the wrong sum everywhere.
+    claim.clipped_sum = Some(hand_sum(1.0));
+    let m = judge
+        .evaluate("hand", &claim, n, 1.0, Precision::F64)
+        .unwrap();
+    assert_close_opt(m.clipped_sum_rel_err, 0.5);
 }
 
 #[test]
 fn tied_sites_writing_different_shapes_or_an_overflowing_norm_are_errors() {
     let mut t = hand_trace(&[1.0]);
     t.sites[0].spec.vocab = Some(4); // emb writes 4×2, head 3×2
-    let err = Truth::from_trace(&t).unwrap_err().to_string();
+    let err = Truth::from_trace(t).unwrap_err().to_string();
     assert!(
         err.contains("parameter `tied`") && err.contains("head"),
         "{err}"
     );
-    let err = Truth::from_trace(&hand_trace(&[1e200]))
+    let err = Truth::from_trace(hand_trace(&[1e200]))
         .unwrap_err()
         .to_string();
     assert!(err.contains("overflows"), "{err}");
@@ -757,8 +807,21 @@ fn the_truth_of_a_reference_run_takes_its_cross_share_from_the_split() {
     // products of the two sites of `wte`.
     let model = tiny(true, 1, 3);
     let r = reference_with_trace(&model, &batch(3, 6, 23, 5));
-    let truth = Truth::from_reference(&r).unwrap();
     let brute = r.trace.as_ref().unwrap().materialized_norms().unwrap();
+    let kept = r.gradients.clone().expect("gradients kept");
+    let truth = Truth::from_reference(r).unwrap();
+    // The Gram rebuilt from the factors against the reference's own materialized gradients.
+    for (i, gi) in kept.iter().enumerate() {
+        for (k, gk) in kept.iter().enumerate() {
+            let want: f64 = gi.iter().zip(gk).map(|(a, b)| a * b).sum();
+            let scale = truth.norms[i] * truth.norms[k];
+            assert!(
+                (truth.gram[i][k] - want).abs() <= 1e-12 * scale,
+                "({i}, {k}): {} vs {want}",
+                truth.gram[i][k]
+            );
+        }
+    }
     assert_eq!(truth.cross_share.len(), 3);
     for (i, m) in brute.iter().enumerate() {
         let inner = m.shared_inner.values().next().expect("a tied parameter");
@@ -774,11 +837,26 @@ fn the_truth_of_a_reference_run_takes_its_cross_share_from_the_split() {
 }
 
 #[test]
+fn a_reference_whose_factors_disagree_with_its_gradients_is_an_internal_error() {
+    let model = tiny(true, 1, 3);
+    let mut r = reference_with_trace(&model, &batch(2, 6, 23, 5));
+    // The head's backprops doubled: the factors no longer give the materialized gradient.
+    let trace = r.trace.as_mut().unwrap();
+    let head = trace.sites.len() - 1;
+    trace.sites[head].backprops *= 2.0;
+    let err = Truth::from_reference(r).unwrap_err().to_string();
+    assert!(
+        err.contains("example 0") && err.contains("materialized"),
+        "{err}"
+    );
+}
+
+#[test]
 fn an_example_with_a_zero_gradient_and_an_exact_zero_claim_passes() {
     // Example 1's backprops are all zero: its gradient, its every term and its norm are 0, so
     // a claim of 0 is exact; any other claim is infinitely wrong relative to 0.
     let rt = synthetic_zero_second_example();
-    let judge = Judge::from_trace(&rt).unwrap();
+    let judge = Judge::from_trace(rt.clone()).unwrap();
     assert_eq!(judge.truth.norms[1], 0.0);
     assert_eq!(
         judge

@@ -152,7 +152,7 @@ proptest! {
     #[test]
     fn true_norms_pass_and_shrunk_norms_violate_privacy_past_the_bound((spec, seed) in spec_strategy()) {
         let rt = synthetic_trace(&spec, seed);
-        let judge = Judge::from_trace(&rt).unwrap();
+        let judge = Judge::from_trace(rt.clone()).unwrap();
         let truth = &judge.truth;
         let trace = to_candle(&rt, DType::F64);
         let c = truth.norms.iter().cloned().fold(f64::INFINITY, f64::min) * 0.5; // every example clipped
@@ -161,7 +161,7 @@ proptest! {
             let coefficients = clip_coefficients(&norms, c);
             let clipped_sum = clipped_sum(&trace, &coefficients).unwrap();
             let report = NormReport { norms, ..Default::default() };
-            let claim = claim_of(&Clipped { report, coefficients, clipped_sum }).unwrap();
+            let claim = claim_of(Clipped { report, coefficients, clipped_sum }).unwrap();
             judge.evaluate("prop", &claim, c, 1.0, Precision::F64).unwrap()
         };
         let exact = claim(&|_| 1.0);
@@ -193,12 +193,13 @@ fn false_alarm_sweep() {
     let stats = std::cell::RefCell::new((0usize, 0.0f64, 0usize));
     let result = runner.run(&spec_strategy(), |(spec, seed)| {
         let rt = synthetic_trace(&spec, seed);
-        let judge = Judge::from_trace(&rt).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let judge =
+            Judge::from_trace(rt.clone()).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let c = median(&judge.truth.norms);
         for dtype in [DType::F32, DType::F64] {
             let trace = to_candle(&rt, dtype);
             let verdict_of = |clipper: &dyn Clipper| {
-                let claim = claim_of(&clipper.clip(&trace, c).unwrap()).unwrap();
+                let claim = claim_of(clipper.clip(&trace, c).unwrap()).unwrap();
                 judge
                     .evaluate("sweep", &claim, c, 1.0, precision_of(dtype))
                     .unwrap()
@@ -266,9 +267,9 @@ fn the_production_no_repeat_merge_bug_is_caught_by_the_identity_and_the_judge() 
         "the identity property must see the bug: {} vs {want}",
         buggy.site_sq[j][0]
     );
-    let judge = Judge::from_trace(&rt).unwrap();
+    let judge = Judge::from_trace(rt.clone()).unwrap();
     let c = median(&judge.truth.norms);
-    let claim = claim_of(&MutantClipper(Mutant::NoRepeatMerge).clip(&t, c).unwrap()).unwrap();
+    let claim = claim_of(MutantClipper(Mutant::NoRepeatMerge).clip(&t, c).unwrap()).unwrap();
     let m = judge
         .evaluate("repeats", &claim, c, 1.0, Precision::F64)
         .unwrap();

@@ -61,7 +61,7 @@ fuzz_target!(|inp: Input| {
     };
     // Values span ±12 decades, so a squared norm can overflow f64: that, and only that, is
     // refused by the truth.
-    let judge = match Judge::from_trace(&rt) {
+    let judge = match Judge::from_trace(rt) {
         Ok(judge) => judge,
         Err(e) => {
             assert!(e.to_string().contains("overflows f64"), "unexpected refusal: {e}");
@@ -74,7 +74,7 @@ fuzz_target!(|inp: Input| {
     }
     let c = truth.norms[0];
     let clipped = TiedGhostClipper.clip(&trace, c).expect("clipping a valid trace");
-    let claim = claim_of(&clipped).expect("f64 claim");
+    let claim = claim_of(clipped).expect("f64 claim");
     let m = judge.evaluate("fuzz", &claim, c, 1.0, Precision::F64).expect("evaluate");
     assert_eq!(m.verdict, Verdict::Pass, "{:?}", m.examples[m.worst_example]);
 });

@@ -60,7 +60,7 @@ pub use tensors::{
     parse as parse_safetensors, read_bytes, to_f64 as tensor_f64, to_i64 as tensor_i64,
     MAX_FILE_BYTES,
 };
-pub use trace::{MaterializedNorm, Site, SiteKind, SiteRecord, SiteSpec, Trace};
+pub use trace::{MaterializedNorm, Site, SiteKind, SiteRecord, SiteSpec, Trace, TraceBuilder};
 pub use trace_file::{
     gradient_shape, read_trace, read_trace_bytes, write_trace, TraceMeta, MAX_SITE_ENTRIES,
     MAX_VOCAB, TRACE_FORMAT,

@@ -6,7 +6,7 @@ use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet};
 use crate::error::Result;
 use crate::gradient::{example_gradient_into, Reduction};
 use crate::model::Model;
-use crate::trace::{SiteRecord, Trace};
+use crate::trace::{SiteRecord, Trace, TraceBuilder};
 use ndarray::ArrayViewD;
 use serde_json::{json, Value};
 
@@ -172,7 +172,7 @@ pub fn compute<M: ReferenceModel + ?Sized>(
     let dims: Dims = model.dims();
     batch.validate(&dims, "batch")?;
     let mut examples = Vec::with_capacity(batch.len());
-    let mut records: Vec<Vec<SiteRecord>> = Vec::new();
+    let mut records = TraceBuilder::new(batch.len());
     let mut gradients = Vec::new();
     let mut layout = Vec::new();
     model.for_each_example(batch, opts.reduction, opts.record_trace, &mut |i, eg| {
@@ -194,7 +194,7 @@ pub fn compute<M: ReferenceModel + ?Sized>(
             gradients.push(flat);
         }
         if let Some(s) = eg.sites {
-            records.push(s);
+            records.push(i, s);
         }
         examples.push(ExampleReport {
             loss: eg.loss,
@@ -207,7 +207,7 @@ pub fn compute<M: ReferenceModel + ?Sized>(
     Ok(Reference {
         reduction: opts.reduction,
         examples,
-        trace: opts.record_trace.then(|| Trace::from_examples(&records)),
+        trace: opts.record_trace.then(|| records.finish()),
         layout,
         gradients: opts.keep_gradients.then_some(gradients),
     })
@@ -231,19 +231,5 @@ impl Reference {
             })
             .collect();
         json!({"reduction": self.reduction.name(), "examples": examples})
-    }
-
-    /// ⟨g_i, g_j⟩ for every pair of examples (needs `keep_gradients`).
-    pub fn gradient_gram(&self) -> Option<Vec<Vec<f64>>> {
-        let g = self.gradients.as_ref()?;
-        Some(
-            g.iter()
-                .map(|a| {
-                    g.iter()
-                        .map(|b| a.iter().zip(b).map(|(x, y)| x * y).sum())
-                        .collect()
-                })
-                .collect(),
-        )
     }
 }

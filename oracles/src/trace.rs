@@ -3,8 +3,10 @@
 //! rebuilds every per-example gradient from them by brute force.
 
 use crate::error::{bail, Result};
-use ndarray::{s, Array2, Array3};
+use ndarray::linalg::general_mat_mul;
+use ndarray::{s, Array2, Array3, Axis};
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SiteKind {
@@ -169,50 +171,70 @@ pub struct Trace {
     pub sites: Vec<Site>,
 }
 
-fn stack(rows: &[&Array2<f64>]) -> Array3<f64> {
-    let (t, m) = rows[0].dim();
-    let mut out = Array3::zeros((rows.len(), t, m));
-    for (i, r) in rows.iter().enumerate() {
-        out.slice_mut(s![i, .., ..]).assign(r);
+/// Stacks a batch's site records into a [`Trace`] as they arrive, one example at a time, so a
+/// large model's factors are held once (never as records and as stacked arrays together).
+#[derive(Debug)]
+pub struct TraceBuilder {
+    batch: usize,
+    sites: Vec<Site>,
+}
+
+impl TraceBuilder {
+    pub fn new(batch: usize) -> Self {
+        TraceBuilder {
+            batch,
+            sites: Vec::new(),
+        }
     }
-    out
+
+    /// Example `i`'s records; every example lists the same sites in the same order and shapes.
+    pub fn push(&mut self, i: usize, records: Vec<SiteRecord>) {
+        if self.sites.is_empty() {
+            let b = self.batch;
+            self.sites = records
+                .iter()
+                .map(|r| Site {
+                    spec: r.spec(),
+                    activations: r
+                        .activations
+                        .as_ref()
+                        .map(|a| Array3::zeros((b, a.nrows(), a.ncols()))),
+                    ids: r.ids.as_ref().map(|ids| Array2::zeros((b, ids.len()))),
+                    backprops: Array3::zeros((b, r.backprops.nrows(), r.backprops.ncols())),
+                })
+                .collect();
+        }
+        assert_eq!(
+            records.len(),
+            self.sites.len(),
+            "every example records the same sites"
+        );
+        for (site, r) in self.sites.iter_mut().zip(records) {
+            site.backprops.slice_mut(s![i, .., ..]).assign(&r.backprops);
+            if let (Some(dst), Some(a)) = (site.activations.as_mut(), r.activations.as_ref()) {
+                dst.slice_mut(s![i, .., ..]).assign(a);
+            }
+            if let (Some(dst), Some(ids)) = (site.ids.as_mut(), r.ids.as_ref()) {
+                for (t, &x) in ids.iter().enumerate() {
+                    dst[(i, t)] = x as i64;
+                }
+            }
+        }
+    }
+
+    pub fn finish(self) -> Trace {
+        Trace { sites: self.sites }
+    }
 }
 
 impl Trace {
     /// Stacks per-example records (every example lists the same sites in the same order).
-    pub fn from_examples(examples: &[Vec<SiteRecord>]) -> Self {
-        let n_sites = examples[0].len();
-        let sites = (0..n_sites)
-            .map(|j| {
-                let first = &examples[0][j];
-                let backprops =
-                    stack(&examples.iter().map(|e| &e[j].backprops).collect::<Vec<_>>());
-                let activations = first.activations.as_ref().map(|_| {
-                    stack(
-                        &examples
-                            .iter()
-                            .map(|e| e[j].activations.as_ref().unwrap())
-                            .collect::<Vec<_>>(),
-                    )
-                });
-                let ids = first.ids.as_ref().map(|ids0| {
-                    let mut a = Array2::zeros((examples.len(), ids0.len()));
-                    for (i, e) in examples.iter().enumerate() {
-                        for (t, &x) in e[j].ids.as_ref().unwrap().iter().enumerate() {
-                            a[(i, t)] = x as i64;
-                        }
-                    }
-                    a
-                });
-                Site {
-                    spec: first.spec(),
-                    activations,
-                    ids,
-                    backprops,
-                }
-            })
-            .collect();
-        Trace { sites }
+    pub fn from_examples(examples: Vec<Vec<SiteRecord>>) -> Self {
+        let mut b = TraceBuilder::new(examples.len());
+        for (i, records) in examples.into_iter().enumerate() {
+            b.push(i, records);
+        }
+        b.finish()
     }
 
     pub fn batch_size(&self) -> usize {
@@ -231,35 +253,82 @@ impl Trace {
         order
     }
 
+    /// (rows, cols) of the gradient site `j` writes, in its parameter's layout.
+    pub fn site_gradient_shape(&self, j: usize) -> (usize, usize) {
+        let site = &self.sites[j];
+        let input = site.activations.as_ref().map_or(0, |a| a.dim().2);
+        site.spec
+            .kind
+            .gradient_shape(site.backprops.dim().2, input, site.spec.vocab)
+    }
+
     /// Example `i`'s gradient at site `j`, materialized in the parameter's layout.
     pub fn site_gradient(&self, j: usize, i: usize) -> Result<Array2<f64>> {
+        let (rows, cols) = self.site_gradient_shape(j);
+        let mut weights = vec![0.0; self.batch_size()];
+        weights[i] = 1.0;
+        let mut g = Array2::zeros((rows, cols));
+        self.add_site_gradient_rows(j, &weights, 0..rows, &mut g)?;
+        Ok(g)
+    }
+
+    /// Adds Σ_i w_i·(example i's gradient at site `j`), rows `rows` of the parameter's layout,
+    /// into `out` (rows.len() × cols). Examples of weight 0 are skipped. Only a block of rows is
+    /// ever materialized, so a judge can rebuild a vocabulary-sized gradient in bounded memory.
+    pub fn add_site_gradient_rows(
+        &self,
+        j: usize,
+        weights: &[f64],
+        rows: Range<usize>,
+        out: &mut Array2<f64>,
+    ) -> Result<()> {
         let site = &self.sites[j];
-        let bp = site.backprops.slice(s![i, .., ..]);
-        let act = || site.activations.as_ref().map(|a| a.slice(s![i, .., ..]));
-        Ok(match site.spec.kind {
-            SiteKind::Linear => bp.t().dot(&act().expect("linear site has activations")),
-            SiteKind::Conv1d => act().expect("conv1d site has activations").t().dot(&bp),
-            SiteKind::Bias => bp.sum_axis(ndarray::Axis(0)).insert_axis(ndarray::Axis(0)),
-            SiteKind::LayerNorm => (&bp * &act().expect("layernorm site has activations"))
-                .sum_axis(ndarray::Axis(0))
-                .insert_axis(ndarray::Axis(0)),
-            SiteKind::Embedding => {
-                let vocab = site.spec.vocab.expect("embedding site has a vocabulary");
-                let ids = site.ids.as_ref().expect("embedding site has ids");
-                let mut g = Array2::zeros((vocab, bp.ncols()));
-                for (t, &x) in ids.row(i).iter().enumerate() {
-                    if x < 0 || x as usize >= vocab {
-                        bail!(
-                            "site `{}`: id {x} at example {i}, position {t} is outside 0..{vocab}",
-                            site.spec.name
-                        );
-                    }
-                    let mut r = g.row_mut(x as usize);
-                    r += &bp.row(t);
-                }
-                g
+        let act = |i: usize| {
+            site.activations
+                .as_ref()
+                .map(|a| a.slice(s![i, .., ..]))
+                .expect("a linear, conv1d or layernorm site has activations")
+        };
+        for (i, &w) in weights.iter().enumerate() {
+            if w == 0.0 {
+                continue;
             }
-        })
+            let bp = site.backprops.slice(s![i, .., ..]);
+            match site.spec.kind {
+                SiteKind::Linear => {
+                    general_mat_mul(w, &bp.slice(s![.., rows.clone()]).t(), &act(i), 1.0, out)
+                }
+                SiteKind::Conv1d => {
+                    general_mat_mul(w, &act(i).slice(s![.., rows.clone()]).t(), &bp, 1.0, out)
+                }
+                SiteKind::Bias => {
+                    let sums = bp.slice(s![.., rows.clone()]).sum_axis(Axis(0));
+                    out.column_mut(0).scaled_add(w, &sums);
+                }
+                SiteKind::LayerNorm => {
+                    let a = act(i);
+                    let prod = &bp.slice(s![.., rows.clone()]) * &a.slice(s![.., rows.clone()]);
+                    out.column_mut(0).scaled_add(w, &prod.sum_axis(Axis(0)));
+                }
+                SiteKind::Embedding => {
+                    let vocab = site.spec.vocab.expect("embedding site has a vocabulary");
+                    let ids = site.ids.as_ref().expect("embedding site has ids");
+                    for (t, &x) in ids.row(i).iter().enumerate() {
+                        if x < 0 || x as usize >= vocab {
+                            bail!(
+                                "site `{}`: id {x} at example {i}, position {t} is outside 0..{vocab}",
+                                site.spec.name
+                            );
+                        }
+                        let x = x as usize;
+                        if rows.contains(&x) {
+                            out.row_mut(x - rows.start).scaled_add(w, &bp.row(t));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Per-example squared norms by brute force: every site's gradient materialized, sites that

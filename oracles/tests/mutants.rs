@@ -123,34 +123,3 @@ fn progress_counts_the_examples_done() {
     .unwrap();
     assert_eq!(calls, vec![(1, 3), (2, 3), (3, 3)]);
 }
-
-#[test]
-fn the_gradient_gram_of_a_batch_with_a_repeated_example() {
-    // Examples 0 and 1 are the same sequence, so their gradients are equal: every entry of the
-    // top-left 2×2 block is ‖g_0‖².
-    let model = tiny(true);
-    let r = run(
-        &model,
-        array![[1_i64, 4, 1, 9], [1, 4, 1, 9], [2, 2, 3, 0]],
-        Reduction::Sum,
-    );
-    let gram = r.gradient_gram().expect("gradients were kept");
-    assert_eq!(gram.len(), 3);
-    let n = |i: usize| r.examples[i].norm;
-    for (i, row) in gram.iter().enumerate() {
-        assert_eq!(row.len(), 3);
-        assert!(
-            (row[i] - n(i) * n(i)).abs() <= 1e-12 * n(i) * n(i),
-            "({i}, {i})"
-        );
-        for (k, v) in row.iter().enumerate() {
-            assert_eq!(*v, gram[k][i], "symmetry at ({i}, {k})");
-        }
-    }
-    let n0 = n(0) * n(0);
-    for v in [gram[0][1], gram[1][0], gram[1][1]] {
-        assert!((v - n0).abs() <= 1e-12 * n0, "{v} vs {n0}");
-    }
-    // The third example differs: Cauchy–Schwarz is strict.
-    assert!(gram[0][2].abs() < n(0) * n(2) * (1.0 - 1e-6));
-}

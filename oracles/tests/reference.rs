@@ -217,7 +217,7 @@ fn checkpoint_round_trip_in_both_precisions() {
 }
 
 #[test]
-fn gradient_gram_diagonal_is_the_squared_norm() {
+fn kept_gradients_have_the_reported_norms_and_the_model_layout() {
     let model = Gpt2::random(Gpt2Config::tiny(9, 6, 4, 1, 2), 9, 0.3);
     let batch = Batch::new(array![[1_i64, 2, 3], [3, 2, 1]], None);
     let opts = Options {
@@ -225,9 +225,11 @@ fn gradient_gram_diagonal_is_the_squared_norm() {
         ..Options::default()
     };
     let r = compute(&model, &batch, &opts, &mut |_, _| {}).unwrap();
-    let k = r.gradient_gram().unwrap();
-    for (i, row) in k.iter().enumerate() {
-        assert!(close(row[i].sqrt(), r.examples[i].norm, 1e-12));
+    let kept = r.gradients.as_ref().unwrap();
+    for (i, g) in kept.iter().enumerate() {
+        let sq: f64 = g.iter().map(|v| v * v).sum();
+        assert!(close(sq.sqrt(), r.examples[i].norm, 1e-12));
+        assert_eq!(g.len(), model.config.parameter_count());
     }
     let n: usize = r
         .layout

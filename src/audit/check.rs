@@ -26,7 +26,7 @@ pub fn check_trace(
     noise_multiplier: Option<f64>,
 ) -> Result<(ClipperAudit, Precision)> {
     let (trace, meta) = reference::read_trace(path)?;
-    let judge = Judge::from_trace(&trace).map_err(|e| e.context(path.display()))?;
+    let judge = Judge::from_trace(trace).map_err(|e| e.context(path.display()))?;
     let c = meta.max_grad_norm;
     // A trace without coefficients is clipped the standard way by whoever reads it.
     let coefficients = match &meta.claimed_coefficients {

@@ -16,6 +16,7 @@ use ghost_oracle_reference::{
 };
 use ndarray::Array2;
 use serde::Serialize;
+use std::borrow::Borrow;
 
 /// A model and a batch to audit on, with the clipping norms to try (as multiples of the median
 /// true norm, unless the user fixes C).
@@ -317,16 +318,21 @@ pub fn precision_of(dtype: DType) -> Precision {
     }
 }
 
-/// A clipper's output as the judge reads it: f64 values, no tensors.
-pub fn claim_of(clipped: &Clipped) -> Result<Claim> {
-    let clipped_sum = clipped
-        .clipped_sum
-        .iter()
-        .map(|(p, t)| Ok((p.clone(), t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)))
+/// A clipper's output as the judge reads it: f64 values, no tensors. Each clipped-sum tensor
+/// is dropped as soon as it is converted, so a large model's sum is never held twice.
+pub fn claim_of(clipped: Clipped) -> Result<Claim> {
+    let Clipped {
+        report,
+        coefficients,
+        clipped_sum,
+    } = clipped;
+    let clipped_sum = clipped_sum
+        .into_iter()
+        .map(|(p, t)| Ok((p, t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)))
         .collect::<Result<Vec<_>>>()?;
     Ok(Claim {
-        norms: clipped.report.norms.clone(),
-        coefficients: clipped.coefficients.clone(),
+        norms: report.norms,
+        coefficients,
         clipped_sum: Some(clipped_sum),
     })
 }
@@ -339,20 +345,23 @@ pub struct PreparedCase {
     pub clip_norms: Vec<(String, f64)>,
 }
 
-pub fn prepare(case: &Case, opts: &AuditOptions) -> Result<PreparedCase> {
+/// The reference on a case, its judge and the clippers' trace. A case passed by value is
+/// dropped here, its f64 weights with it, before any clipper runs.
+pub fn prepare(case: impl Borrow<Case>, opts: &AuditOptions) -> Result<PreparedCase> {
+    let case = case.borrow();
     let ropts = reference::Options {
         reduction: opts.reduction,
         record_trace: true,
-        keep_gradients: true,
+        keep_gradients: false,
     };
     let r = reference::compute(&case.model, &case.batch, &ropts, &mut |_, _| {})
         .map_err(|e| Error::from(e).context(&case.name))?;
-    let judge = Judge::from_reference(&r)?;
     let trace = Trace::from_reference(
         r.trace.as_ref().expect("trace recorded"),
         opts.dtype,
         &opts.device,
     )?;
+    let judge = Judge::from_reference(r).map_err(|e| e.context(&case.name))?;
     let clip_norms = match opts.max_grad_norm {
         Some(c) => vec![(case.name.clone(), c)],
         None => {
@@ -374,13 +383,19 @@ pub fn prepare(case: &Case, opts: &AuditOptions) -> Result<PreparedCase> {
     })
 }
 
-/// Runs every clipper on every case. `progress(done, total, label)` after each step.
-pub fn run(
-    cases: &[Case],
+/// Runs every clipper on every case. `progress(done, total, label)` after each step. Cases
+/// given by value are dropped one by one as soon as their reference has run.
+pub fn run<C: Borrow<Case>, I>(
+    cases: I,
     clippers: &[Box<dyn Clipper>],
     opts: &AuditOptions,
     progress: &mut dyn FnMut(usize, usize, &str),
-) -> Result<Vec<ClipperAudit>> {
+) -> Result<Vec<ClipperAudit>>
+where
+    I: IntoIterator<Item = C>,
+    I::IntoIter: ExactSizeIterator,
+{
+    let cases = cases.into_iter();
     let precision = precision_of(opts.dtype);
     let mut out: Vec<ClipperAudit> = clippers
         .iter()
@@ -396,6 +411,7 @@ pub fn run(
     let total = cases.len() * clippers.len();
     let mut done = 0;
     for case in cases {
+        let name = case.borrow().name.clone();
         let prepared = prepare(case, opts)?;
         for (audit, clipper) in out.iter_mut().zip(clippers) {
             for (label, c) in &prepared.clip_norms {
@@ -409,14 +425,14 @@ pub fn run(
                 }
                 audit.cases.push(prepared.judge.evaluate(
                     label,
-                    &claim_of(&clipped)?,
+                    &claim_of(clipped)?,
                     *c,
                     opts.noise_multiplier,
                     precision,
                 )?);
             }
             done += 1;
-            progress(done, total, &case.name);
+            progress(done, total, &name);
         }
     }
     for a in &mut out {

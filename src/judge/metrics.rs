@@ -5,9 +5,10 @@
 //! its claim.
 
 use super::tolerance::Tolerance;
-use super::truth::Truth;
+use super::truth::{for_each_param_block, Block, Truth};
 use super::verdict::Verdict;
 use crate::error::{Error, Result};
+use ndarray::Array2;
 use serde::Serialize;
 
 /// What a clipper claims for a batch: its norms, its coefficients and, when it computed one,
@@ -265,14 +266,20 @@ fn clipped_sum_error(
     let Some(sum) = &claim.clipped_sum else {
         return Ok(None);
     };
-    if truth.gradients.is_empty() {
+    let Some(factors) = &truth.factors else {
         return Ok(None);
-    }
+    };
     let mut err2 = 0.0;
     let mut ref2 = 0.0;
-    let mut offset = 0;
-    for (name, shape) in &truth.layout {
-        let n: usize = shape.iter().product();
+    // S* is rebuilt a block of rows at a time: Σ_i c_i G_ij summed over the parameter's sites.
+    for_each_param_block(factors, 1, &mut |block| {
+        let Block {
+            param: name,
+            sites: js,
+            size: n,
+            rows,
+            cols,
+        } = block;
         let got = &sum
             .iter()
             .find(|(p, _)| p == name)
@@ -288,18 +295,17 @@ fn clipped_sum_error(
                 got.len()
             )));
         }
-        for (k, g) in got.iter().enumerate() {
-            let want: f64 = truth
-                .gradients
-                .iter()
-                .zip(coefs)
-                .map(|(gi, c)| c * gi[offset + k])
-                .sum();
-            err2 += (g - want) * (g - want);
-            ref2 += want * want;
+        let mut want = Array2::zeros((rows.len(), cols));
+        for &j in js {
+            factors.add_site_gradient_rows(j, coefs, rows.clone(), &mut want)?;
         }
-        offset += n;
-    }
+        let got = &got[rows.start * cols..rows.end * cols];
+        for (g, w) in got.iter().zip(want.iter()) {
+            err2 += (g - w) * (g - w);
+            ref2 += w * w;
+        }
+        Ok(())
+    })?;
     Ok(Some(SumError {
         err: err2.sqrt(),
         reference: ref2.sqrt(),

@@ -2,7 +2,7 @@
 //! and the verdict.
 //!
 //! Everything here is computed from the reference side (the f64 trace and the materialized
-//! gradients); a clipper contributes only its [`Claim`]. No module of the judge imports clipper,
+//! norms); a clipper contributes only its [`Claim`]. No module of the judge imports clipper,
 //! Gram-kernel or mutant code, and no candle type reaches it (`tests/layout.rs` checks the
 //! imports), so no bug planted in a clipper can move a bound.
 
@@ -30,23 +30,26 @@ pub struct Judge {
 }
 
 impl Judge {
-    /// From a reference run that recorded its trace and kept its gradients.
-    pub fn from_reference(r: &Reference) -> Result<Self> {
+    /// From a reference run that recorded its trace (its gradients need not be kept: the
+    /// judge rebuilds what it needs of them from the trace).
+    pub fn from_reference(r: Reference) -> Result<Self> {
         let trace = r
             .trace
             .as_ref()
             .ok_or_else(|| Error::internal("reference ran without a trace"))?;
+        let tolerance = Tolerance::from_trace(trace)?;
         Ok(Judge {
             truth: Truth::from_reference(r)?,
-            tolerance: Tolerance::from_trace(trace)?,
+            tolerance,
         })
     }
 
-    /// From a trace alone: every site's gradient materialized in f64.
-    pub fn from_trace(trace: &RefTrace) -> Result<Self> {
+    /// From a trace alone: every site's gradient materialized in f64, a block at a time.
+    pub fn from_trace(trace: RefTrace) -> Result<Self> {
+        let tolerance = Tolerance::from_trace(&trace)?;
         Ok(Judge {
             truth: Truth::from_trace(trace)?,
-            tolerance: Tolerance::from_trace(trace)?,
+            tolerance,
         })
     }
 

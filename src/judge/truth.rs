@@ -1,8 +1,18 @@
-//! The truth of a case: every example's norm, the Gram of the true gradients and the gradients
-//! themselves, from the reference's materialized f64 gradients (no clipper code).
+//! The truth of a case: every example's norm, the Gram of the true gradients, and the reference's
+//! factors, from which the true clipped sum of any claim is rebuilt (no clipper code).
+//!
+//! No example's whole gradient is ever held. The true gradients are rebuilt from the f64 trace a
+//! block of rows at a time ([`for_each_block`]), so the judge's memory is the trace plus a few
+//! blocks, whatever the model's size: a 0.5 B-parameter model's gradient is 4 GB an example in
+//! f64, and keeping one per example is what once limited the audit to a batch of two.
 
 use crate::error::{Error, Result};
 use ghost_oracle_reference::{Reference, Trace as RefTrace};
+use ndarray::{Array2, ArrayView1};
+use std::ops::Range;
+
+/// Bytes of rebuilt gradient rows held at once, over all examples of a block.
+const BLOCK_BYTES: usize = 64 << 20;
 
 /// Everything about a case that comes from the reference, not from the clipper.
 #[derive(Clone, Debug)]
@@ -10,18 +20,38 @@ pub struct Truth {
     pub norms: Vec<f64>,
     /// ⟨g_i*, g_k*⟩ for every pair of examples.
     pub gram: Vec<Vec<f64>>,
-    /// Per-example flattened true gradients (reference layout) and that layout.
-    pub gradients: Vec<Vec<f64>>,
-    pub layout: Vec<(String, Vec<usize>)>,
     /// 2⟨g_in, g_out⟩ / ‖g‖² per example, summed over shared parameters (`None` where ‖g‖ = 0).
     pub cross_share: Vec<Option<f64>>,
+    /// The reference's f64 factors: the true gradients, rebuilt on demand. `None` for a truth
+    /// given by hand (then a claim's clipped sum is not checked).
+    pub factors: Option<RefTrace>,
+}
+
+/// The Gram of a trace's true gradients and, per example, Σ_{j≠k}⟨G_j, G_k⟩ over the sites of
+/// every shared parameter.
+struct GramAndCross {
+    gram: Vec<Vec<f64>>,
+    cross: Vec<f64>,
 }
 
 impl Truth {
-    pub fn from_reference(r: &Reference) -> Result<Self> {
-        let gram = r
-            .gradient_gram()
-            .ok_or_else(|| Error::internal("reference ran without gradients"))?;
+    /// Norms and the split from the reference's materialized gradients; the Gram from its
+    /// factors, whose diagonal must reproduce those norms (a reference whose trace disagrees
+    /// with its own gradients is a bug, reported as such).
+    pub fn from_reference(r: Reference) -> Result<Self> {
+        let factors = r
+            .trace
+            .ok_or_else(|| Error::internal("reference ran without a trace"))?;
+        let GramAndCross { gram, .. } = gram_and_cross(&factors)?;
+        let norms: Vec<f64> = r.examples.iter().map(|e| e.norm).collect();
+        for (i, n) in norms.iter().enumerate() {
+            let (want, got) = (n * n, gram[i][i]);
+            if (got - want).abs() > 1e-6 * want.max(got) {
+                return Err(Error::internal(format!(
+                    "example {i}: the reference's factors give ‖g‖² = {got:e}, its materialized gradient {want:e}"
+                )));
+            }
+        }
         let cross_share = r
             .examples
             .iter()
@@ -32,85 +62,141 @@ impl Truth {
                 )
             })
             .collect();
-        let norms = r.examples.iter().map(|e| e.norm).collect();
-        let gradients = r.gradients.clone().unwrap_or_default();
         Ok(Truth {
             norms,
             gram,
-            gradients,
-            layout: r.layout.clone(),
             cross_share,
+            factors: Some(factors),
         })
     }
 
     /// The truth of any trace, by the reference's brute force: every site's gradient
-    /// materialized in f64, sites of a parameter summed (no model needed).
-    pub fn from_trace(trace: &RefTrace) -> Result<Self> {
-        let params = trace.params();
-        let mut gradients = Vec::new();
-        let mut layout = Vec::new();
-        let mut norms = Vec::new();
-        let mut cross_share = Vec::new();
-        for i in 0..trace.batch_size() {
-            // One pass materializes every site once: the summed gradient of each parameter,
-            // and Σ_{j≠k}⟨G_j, G_k⟩ = ‖Σ_j G_j‖² − Σ_j ‖G_j‖² for the cross share.
-            let (mut flat, mut total_sq, mut cross) = (Vec::new(), 0.0, 0.0);
-            for (param, js) in &params {
-                let mut sum: Option<ndarray::Array2<f64>> = None;
-                let mut own_sq = 0.0;
-                for &j in js {
-                    let g = trace.site_gradient(j, i)?;
-                    own_sq += g.iter().map(|v| v * v).sum::<f64>();
-                    sum = Some(match sum {
-                        None => g,
-                        Some(acc) if acc.dim() == g.dim() => acc + g,
-                        Some(acc) => {
-                            return Err(Error::input(format!(
-                                "parameter `{param}`: site `{}` writes a {:?} gradient but an earlier site writes {:?}",
-                                trace.sites[j].spec.name,
-                                g.dim(),
-                                acc.dim()
-                            )))
-                        }
-                    });
-                }
-                let sum = sum.expect("parameter has a site");
-                let sq = sum.iter().map(|v| v * v).sum::<f64>();
-                total_sq += sq;
-                if js.len() > 1 {
-                    cross += sq - own_sq;
-                }
-                if i == 0 {
-                    layout.push((param.clone(), sum.shape().to_vec()));
-                }
-                flat.extend(sum.iter().copied());
-            }
+    /// materialized in f64 (a block of rows at a time), sites of a parameter summed.
+    pub fn from_trace(trace: RefTrace) -> Result<Self> {
+        let GramAndCross { gram, cross } = gram_and_cross(&trace)?;
+        let mut norms = Vec::with_capacity(gram.len());
+        let mut cross_share = Vec::with_capacity(gram.len());
+        for (i, row) in gram.iter().enumerate() {
+            let total_sq = row[i];
             if !total_sq.is_finite() {
                 return Err(Error::input(format!(
                     "example {i}: the squared gradient norm overflows f64"
                 )));
             }
             norms.push(total_sq.sqrt());
-            cross_share.push(share(cross, total_sq));
-            gradients.push(flat);
+            cross_share.push(share(cross[i], total_sq));
         }
-        let gram = gradients
-            .iter()
-            .map(|a| {
-                gradients
-                    .iter()
-                    .map(|b| a.iter().zip(b).map(|(x, y)| x * y).sum())
-                    .collect()
-            })
-            .collect();
         Ok(Truth {
             norms,
             gram,
-            gradients,
-            layout,
             cross_share,
+            factors: Some(trace),
         })
     }
+}
+
+/// A block of rows of one parameter's gradient, in the parameter's layout.
+pub(crate) struct Block<'a> {
+    pub param: &'a str,
+    /// The trace's sites that write the parameter.
+    pub sites: &'a [usize],
+    /// The parameter's number of values (rows × cols of the whole gradient).
+    pub size: usize,
+    pub rows: Range<usize>,
+    pub cols: usize,
+}
+
+/// Visits every parameter of a trace in blocks of rows of its gradient's layout, in order, sized
+/// so that `examples_per_block` such blocks fit in [`BLOCK_BYTES`], after the parameter's sites
+/// are checked to write one shape.
+pub(crate) fn for_each_param_block(
+    trace: &RefTrace,
+    examples_per_block: usize,
+    visit: &mut dyn FnMut(Block<'_>) -> Result<()>,
+) -> Result<()> {
+    for (param, js) in trace.params() {
+        let (rows, cols) = trace.site_gradient_shape(js[0]);
+        for &j in &js[1..] {
+            let shape = trace.site_gradient_shape(j);
+            if shape != (rows, cols) {
+                return Err(Error::input(format!(
+                    "parameter `{param}`: site `{}` writes a {shape:?} gradient but site `{}` writes {:?}",
+                    trace.sites[j].spec.name,
+                    trace.sites[js[0]].spec.name,
+                    (rows, cols)
+                )));
+            }
+        }
+        let per_row = (cols * 8 * examples_per_block.max(1)).max(1);
+        let step = (BLOCK_BYTES / per_row).max(1);
+        let mut start = 0;
+        while start < rows {
+            let end = (start + step).min(rows);
+            visit(Block {
+                param: &param,
+                sites: &js,
+                size: rows * cols,
+                rows: start..end,
+                cols,
+            })?;
+            start = end;
+        }
+    }
+    Ok(())
+}
+
+fn gram_and_cross(trace: &RefTrace) -> Result<GramAndCross> {
+    let b = trace.batch_size();
+    let mut gram = vec![vec![0.0; b]; b];
+    let mut cross = vec![0.0; b];
+    for_each_param_block(trace, b, &mut |Block {
+                                             sites: js,
+                                             rows,
+                                             cols,
+                                             ..
+                                         }| {
+        let mut grads = Vec::with_capacity(b);
+        for i in 0..b {
+            let mut weights = vec![0.0; b];
+            weights[i] = 1.0;
+            let mut sum = Array2::zeros((rows.len(), cols));
+            if js.len() == 1 {
+                trace.add_site_gradient_rows(js[0], &weights, rows.clone(), &mut sum)?;
+            } else {
+                // Σ_{j≠k}⟨G_j, G_k⟩ = ‖Σ_j G_j‖² − Σ_j ‖G_j‖², block by block.
+                for &j in js {
+                    let mut g = Array2::zeros((rows.len(), cols));
+                    trace.add_site_gradient_rows(j, &weights, rows.clone(), &mut g)?;
+                    cross[i] -= flat_dot(&g, &g);
+                    sum += &g;
+                }
+                cross[i] += flat_dot(&sum, &sum);
+            }
+            grads.push(sum);
+        }
+        for i in 0..b {
+            for k in i..b {
+                let d = flat_dot(&grads[i], &grads[k]);
+                gram[i][k] += d;
+                if k != i {
+                    gram[k][i] += d;
+                }
+            }
+        }
+        Ok(())
+    })?;
+    Ok(GramAndCross { gram, cross })
+}
+
+/// ⟨a, b⟩ of two blocks of one shape, as flat vectors (blocks are allocated here, contiguous).
+pub(crate) fn flat_dot(a: &Array2<f64>, b: &Array2<f64>) -> f64 {
+    fn flat(m: &Array2<f64>) -> ArrayView1<'_, f64> {
+        ArrayView1::from(
+            m.as_slice()
+                .expect("a freshly allocated block is contiguous"),
+        )
+    }
+    flat(a).dot(&flat(b))
 }
 
 /// x / n², undefined for a zero gradient.
