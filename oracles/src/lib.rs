@@ -44,16 +44,15 @@ pub use decoder::{DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
 pub use gpt2::{Block, Gpt2, Gpt2BlockCache, Params};
 pub use gradient::{
-    example_gradient, example_gradient_into, example_loss, ExampleGradient, Reduction,
+    example_gradient, example_gradient_into, example_loss, ExampleGradient, HeadPath, Reduction,
+    SharedSplit,
 };
 pub use io::{write_f64_tensors, write_raw, RawTensor};
 pub use layers::{Conv1d, LayerNorm, Linear, NormCache, RmsNorm};
 pub use llama::{Llama, LlamaBlockCache, LlamaLayer, LlamaParams, EMBED_TOKENS};
 pub use llama_config::{LlamaConfig, LlamaFlavor, RopeScaling};
 pub use model::{Model, ModelConfig, MODEL_TYPES};
-pub use reference::{
-    compute, ExampleReport, ExampleView, Options, Reference, ReferenceModel, SharedSplit,
-};
+pub use reference::{compute, ExampleReport, ExampleView, Options, Reference, ReferenceModel};
 pub use rng::SplitMix64;
 pub use safetensors::Dtype;
 pub use tensors::{

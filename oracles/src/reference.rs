@@ -4,7 +4,7 @@
 use crate::batch::Batch;
 use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet};
 use crate::error::Result;
-use crate::gradient::{example_gradient_into, Reduction};
+use crate::gradient::{example_gradient_into, HeadPath, Reduction, SharedSplit};
 use crate::model::Model;
 use crate::trace::{SiteRecord, Trace, TraceBuilder};
 use ndarray::ArrayViewD;
@@ -27,14 +27,6 @@ impl Default for Options {
             keep_gradients: false,
         }
     }
-}
-
-/// ‖g_in‖², ‖g_out‖² and ⟨g_in, g_out⟩ of a parameter used as input embedding and as LM head.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SharedSplit {
-    pub input_sq: f64,
-    pub output_sq: f64,
-    pub cross: f64,
 }
 
 #[derive(Clone, Debug)]
@@ -91,36 +83,22 @@ impl<M: DecoderModel> ReferenceModel for M {
         record_sites: bool,
         visit: &mut dyn FnMut(usize, ExampleView<'_>),
     ) {
-        let tied = self.dims().tie_word_embeddings;
         let mut grad = self.zero_gradient();
         for i in 0..batch.len() {
-            let (loss, sites) =
-                example_gradient_into(self, batch, i, reduction, record_sites, &mut grad);
-            let mut shared = Vec::new();
-            // A tied model's head path is folded into the embedding's gradient after the split
-            // is taken; the head buffer stays out of the reported tensors and is reused (the
-            // next example assigns it rather than adding to it).
-            let mut head = None;
-            if tied {
-                let h = grad
-                    .lm_head_mut()
-                    .take()
-                    .expect("head gradient is always produced");
-                let input = grad.token_embedding_mut();
-                let input_sq = dot(input.iter().map(|v| v * v));
-                let output_sq = dot(h.iter().map(|v| v * v));
-                let cross = dot(input.iter().zip(h.iter()).map(|(a, b)| a * b));
-                *input += &h;
-                shared.push((
-                    self.param_name(self.embedding_local_name()),
-                    SharedSplit {
-                        input_sq,
-                        output_sq,
-                        cross,
-                    },
-                ));
-                head = Some(h);
-            }
+            // A tied head's path is added into the embedding's buffer as it is formed, its split
+            // taken from the few rows the input path touches: no second vocabulary-sized buffer.
+            let (loss, sites, split) = example_gradient_into(
+                self,
+                batch,
+                i,
+                reduction,
+                record_sites,
+                HeadPath::Folded,
+                &mut grad,
+            );
+            let shared = split
+                .map(|s| vec![(self.param_name(self.embedding_local_name()), s)])
+                .unwrap_or_default();
             visit(
                 i,
                 ExampleView {
@@ -130,9 +108,6 @@ impl<M: DecoderModel> ReferenceModel for M {
                     sites,
                 },
             );
-            if head.is_some() {
-                *grad.lm_head_mut() = head;
-            }
         }
     }
 }

@@ -27,9 +27,88 @@ fn a_head_buffer_of_another_shape_is_replaced_not_written_into() {
     assert_eq!(want.dim(), (11, 8));
     let mut g = model.zero_gradient();
     g.lm_head = Some(Array2::from_elem((3, 5), 7.0));
-    let (loss, _) = example_gradient_into(&model, &batch, 0, Reduction::Mean, false, &mut g);
+    let (loss, _, split) = example_gradient_into(
+        &model,
+        &batch,
+        0,
+        Reduction::Mean,
+        false,
+        HeadPath::Separate,
+        &mut g,
+    );
     assert_eq!(loss, fresh.loss);
     assert_eq!(g.lm_head.as_ref(), Some(want));
+    assert_eq!(split, None);
+}
+
+#[test]
+fn a_folded_head_path_is_the_sum_of_the_separate_paths_and_its_split_their_products() {
+    // Repeated ids (1 twice) make the input path's rows sums over positions. The folded buffer
+    // must equal input + head path, and its split the two paths' own squared norms and inner
+    // product, computed here over the whole separate tables.
+    let model = tiny(true);
+    let batch = Batch::new(array![[1_i64, 4, 1, 9, 2]], None);
+    let sep = example_gradient(&model, &batch, 0, Reduction::Mean, false);
+    let input = &sep.grad.wte;
+    let head = sep.grad.lm_head.as_ref().expect("a separate head path");
+    let mut g = model.zero_gradient();
+    // A stale separate head in the buffer is dropped, not kept beside the folded one.
+    g.lm_head = Some(head.clone());
+    let (loss, _, split) = example_gradient_into(
+        &model,
+        &batch,
+        0,
+        Reduction::Mean,
+        false,
+        HeadPath::Folded,
+        &mut g,
+    );
+    assert_eq!(loss, sep.loss);
+    assert!(g.lm_head.is_none());
+    let sum = input + head;
+    let scale = sum.iter().fold(0.0_f64, |a, v| a.max(v.abs()));
+    for (a, b) in g.wte.iter().zip(sum.iter()) {
+        assert!((a - b).abs() <= 1e-14 * scale, "{a} vs {b}");
+    }
+    let s = split.expect("a tied model's split");
+    let dot =
+        |a: &Array2<f64>, b: &Array2<f64>| -> f64 { a.iter().zip(b).map(|(x, y)| x * y).sum() };
+    let (i2, o2, c) = (dot(input, input), dot(head, head), dot(input, head));
+    assert!(
+        (s.input_sq - i2).abs() <= 1e-12 * i2,
+        "{} vs {i2}",
+        s.input_sq
+    );
+    assert!(
+        (s.output_sq - o2).abs() <= 1e-12 * o2,
+        "{} vs {o2}",
+        s.output_sq
+    );
+    assert!(
+        (s.cross - c).abs() <= 1e-12 * (i2 * o2).sqrt(),
+        "{} vs {c}",
+        s.cross
+    );
+    assert!(
+        c.abs() > 1e-6 * (i2 * o2).sqrt(),
+        "the cross term must matter here"
+    );
+    // Untied, folding changes nothing: the head is its own parameter.
+    let untied = tiny(false);
+    let mut g = untied.zero_gradient();
+    let (_, _, split) = example_gradient_into(
+        &untied,
+        &batch,
+        0,
+        Reduction::Mean,
+        false,
+        HeadPath::Folded,
+        &mut g,
+    );
+    assert_eq!(split, None);
+    let sep = example_gradient(&untied, &batch, 0, Reduction::Mean, false);
+    assert_eq!(g.lm_head, sep.grad.lm_head);
+    assert_eq!(g.wte, sep.grad.wte);
 }
 
 fn run(model: &Gpt2, ids: Array2<i64>, reduction: Reduction) -> Reference {

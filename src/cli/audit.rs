@@ -55,7 +55,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         reduction: a.reduction.into(),
     };
     let progress = Progress::new();
-    let mut audits = run_audit(&cases, &clippers, &opts, &mut |d, t, l| {
+    let mut audits = run_audit(cases, &clippers, &opts, &mut |d, t, l| {
         progress.update(d, t, l)
     })?;
     account(&mut audits, &accounting, a.noise_multiplier)?;
