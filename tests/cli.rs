@@ -498,3 +498,51 @@ fn export_trace_of_llama_and_qwen2_checkpoints_passes_the_gate_with_exact_tied_n
         assert_eq!(code, Some(if tied { 1 } else { 0 }), "{case}");
     }
 }
+
+#[test]
+fn bench_times_every_clipper_on_a_trace_exported_from_a_qwen2_checkpoint() {
+    let case = "qwen2_tied_biases_t12";
+    let d = golden(case);
+    let dir = tmp("bench-trace-qwen2");
+    let trace = dir.join("trace.safetensors");
+    let o = run(&[
+        "export-trace",
+        "--model",
+        d.to_str().unwrap(),
+        "--batch",
+        d.join("batch.safetensors").to_str().unwrap(),
+        "--out",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let json = dir.join("b.json");
+    let o = run(&[
+        "bench",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--runs",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["trace"], trace.to_str().unwrap(), "{doc}");
+    let results = doc["results"].as_array().unwrap();
+    let names: Vec<&str> = results
+        .iter()
+        .map(|r| r["clipper"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["ghost", "ghost-tied", "materialize"], "{doc}");
+    // Every Qwen2 site is timed: the trace holds the embedding, q/k/v weights and biases, o,
+    // gate, up, down, both norms of each layer, the final norm and the tied head.
+    let (rt, _) = ghost_oracle_reference::read_trace(&trace).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+    let layers = cfg["num_hidden_layers"].as_u64().unwrap() as usize;
+    assert_eq!(rt.sites.len(), 1 + 12 * layers + 2);
+    for r in results {
+        assert!(r["seconds"].as_f64().unwrap() > 0.0, "{doc}");
+    }
+}
