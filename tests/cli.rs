@@ -28,6 +28,15 @@ pub fn run(args: &[&str]) -> Output {
     bin().args(args).output().unwrap()
 }
 
+/// `sub --model DIR --batch DIR/batch.safetensors ARGS...` on a golden checkpoint directory.
+pub fn run_on_golden(sub: &str, case: &str, args: &[&str]) -> Output {
+    let d = golden(case);
+    let (model, batch) = (d.to_str().unwrap(), d.join("batch.safetensors"));
+    let mut all = vec![sub, "--model", model, "--batch", batch.to_str().unwrap()];
+    all.extend_from_slice(args);
+    run(&all)
+}
+
 /// `audit --gate` of one clipper on a golden checkpoint at C = 1: the exit status.
 pub fn gate_on_golden(case: &str, clipper: &str) -> Option<i32> {
     let d = golden(case);
@@ -72,15 +81,7 @@ fn reference_reproduces_torch_func_norms_on_a_save_pretrained_checkpoint() {
     for case in ["tied_l2_h4_t33", "untied_l2_h3_t8", "tied_f32_hub_names"] {
         let dir = golden(case);
         let out = tmp(&format!("ref-{case}")).join("r.json");
-        let o = run(&[
-            "reference",
-            "--model",
-            dir.to_str().unwrap(),
-            "--batch",
-            dir.join("batch.safetensors").to_str().unwrap(),
-            "--json",
-            out.to_str().unwrap(),
-        ]);
+        let o = run_on_golden("reference", case, &["--json", out.to_str().unwrap()]);
         assert!(o.status.success(), "{}", stderr(&o));
         let stdout = String::from_utf8_lossy(&o.stdout);
         assert!(
@@ -437,24 +438,22 @@ fn sigma_zero_is_audited_with_a_warning() {
 /// was made with) with one clipper's claims, then `check --gate` of the written trace: the exit
 /// status and the claimed norms.
 fn export_and_gate(case: &str, clipper: &str) -> (Option<i32>, Vec<f64>) {
-    let d = golden(case);
     let expected = expected_json(case);
     let out = tmp(&format!("export-{case}-{clipper}")).join("trace.safetensors");
-    let o = run(&[
+    let o = run_on_golden(
         "export-trace",
-        "--model",
-        d.to_str().unwrap(),
-        "--batch",
-        d.join("batch.safetensors").to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--clipper",
-        clipper,
-        "--dtype",
-        "f64",
-        "--reduction",
-        expected["reduction"].as_str().unwrap(),
-    ]);
+        case,
+        &[
+            "--out",
+            out.to_str().unwrap(),
+            "--clipper",
+            clipper,
+            "--dtype",
+            "f64",
+            "--reduction",
+            expected["reduction"].as_str().unwrap(),
+        ],
+    );
     assert!(o.status.success(), "{case} {clipper}: {}", stderr(&o));
     let (_, meta) = ghost_oracle_reference::read_trace(&out).unwrap();
     let o = run(&["check", out.to_str().unwrap(), "--gate"]);
@@ -505,15 +504,7 @@ fn bench_times_every_clipper_on_a_trace_exported_from_a_qwen2_checkpoint() {
     let d = golden(case);
     let dir = tmp("bench-trace-qwen2");
     let trace = dir.join("trace.safetensors");
-    let o = run(&[
-        "export-trace",
-        "--model",
-        d.to_str().unwrap(),
-        "--batch",
-        d.join("batch.safetensors").to_str().unwrap(),
-        "--out",
-        trace.to_str().unwrap(),
-    ]);
+    let o = run_on_golden("export-trace", case, &["--out", trace.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     let json = dir.join("b.json");
     let o = run(&[
