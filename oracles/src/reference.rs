@@ -15,7 +15,8 @@ pub struct Options {
     pub reduction: Reduction,
     /// Record the per-site factors (the trace clippers consume).
     pub record_trace: bool,
-    /// Keep every example's flattened gradient (B × parameters f64) for clipped-sum checks.
+    /// Keep every example's flattened gradient (B × parameters f64): for tests and callers that
+    /// want the gradients themselves (the judge rebuilds what it needs from the trace).
     pub keep_gradients: bool,
 }
 
