@@ -149,12 +149,13 @@ fn gram_and_cross(trace: &RefTrace) -> Result<GramAndCross> {
     let b = trace.batch_size();
     let mut gram = vec![vec![0.0; b]; b];
     let mut cross = vec![0.0; b];
-    for_each_param_block(trace, b, &mut |Block {
-                                             sites: js,
-                                             rows,
-                                             cols,
-                                             ..
-                                         }| {
+    for_each_param_block(trace, b, &mut |block| {
+        let Block {
+            sites: js,
+            rows,
+            cols,
+            ..
+        } = block;
         let mut grads = Vec::with_capacity(b);
         for i in 0..b {
             let mut weights = vec![0.0; b];
