@@ -8,7 +8,9 @@
 
 use crate::common::{batch, reference_with_trace, tiny};
 use ghost_oracle::{evaluate, CaseMetrics, Claim, Judge, Precision, Tolerance, Truth, Verdict};
-use ghost_oracle_reference::{Site, SiteKind, SiteSpec, Trace as RefTrace};
+use ghost_oracle_reference::{
+    ExampleReport, Reduction, Reference, Site, SiteKind, SiteSpec, Trace as RefTrace,
+};
 use ndarray::{arr2, Array2, Array3};
 
 // ---------------------------------------------------------------------------------------------
@@ -834,6 +836,30 @@ fn the_truth_of_a_reference_run_takes_its_cross_share_from_the_split() {
         assert!(want.abs() > 1e-3, "example {i}: the cross term must matter");
         assert!(((truth.norms[i] * truth.norms[i]) - m.total_sq).abs() <= 1e-9 * m.total_sq);
     }
+}
+
+#[test]
+fn a_reference_with_a_zero_gradient_agrees_with_its_factors_at_zero() {
+    // The hand-built trace's gradients are s·G with ‖G‖² = 130; with s = 0 the materialized
+    // norm and the factors' Gram diagonal are both exactly 0, which is agreement (a check that
+    // called an equal difference of 0 a disagreement would stop here).
+    let example = |norm: f64| ExampleReport {
+        loss: 1.0,
+        norm,
+        params: Vec::new(),
+        shared: Vec::new(),
+    };
+    let r = Reference {
+        reduction: Reduction::Sum,
+        examples: vec![example(130f64.sqrt()), example(0.0)],
+        trace: Some(hand_trace(&[1.0, 0.0])),
+        layout: Vec::new(),
+        gradients: None,
+    };
+    let truth = Truth::from_reference(r).unwrap();
+    assert_eq!(truth.norms, vec![130f64.sqrt(), 0.0]);
+    assert_eq!(truth.gram, vec![vec![130.0, 0.0], vec![0.0, 0.0]]);
+    assert_eq!(truth.cross_share[1], None);
 }
 
 #[test]
