@@ -930,3 +930,48 @@ fn synthetic_zero_second_example() -> RefTrace {
     }
     rt
 }
+
+#[test]
+fn a_table_larger_than_a_block_is_judged_block_by_block_with_every_row_in_its_place() {
+    // An embedding of 600,000 rows × 16 (2 examples: 154 MB of f64 rows, more than one 64 MB
+    // block) read at ids 0, 300,000 and 599,999, the first and last rows of the table. Example 0
+    // writes 1 in each read row, example 1 writes 2: ‖g_0‖² = 3·16 = 48, ‖g_1‖² = 192,
+    // ⟨g_0, g_1⟩ = 96. With c = (1, ½), S* = g_0 + ½g_1 has 2 in the three rows.
+    let (v, d, ids) = (600_000_usize, 16_usize, [0_i64, 300_000, 599_999]);
+    let site = Site {
+        spec: SiteSpec {
+            name: "wte".into(),
+            param: "wte".into(),
+            kind: SiteKind::Embedding,
+            vocab: Some(v),
+        },
+        activations: None,
+        ids: Some(Array2::from_shape_fn((2, 3), |(_, t)| ids[t])),
+        backprops: Array3::from_shape_fn((2, 3, d), |(i, _, _)| (i + 1) as f64),
+    };
+    let judge = Judge::from_trace(RefTrace { sites: vec![site] }).unwrap();
+    assert_eq!(judge.truth.norms, vec![48f64.sqrt(), 192f64.sqrt()]);
+    assert_eq!(judge.truth.gram, vec![vec![48.0, 96.0], vec![96.0, 192.0]]);
+    let mut sum = vec![0.0; v * d];
+    for &x in &ids {
+        sum[x as usize * d..(x as usize + 1) * d].fill(2.0);
+    }
+    let c = 48f64.sqrt();
+    let mut claim = Claim {
+        norms: judge.truth.norms.clone(),
+        coefficients: vec![1.0, 0.5],
+        clipped_sum: Some(vec![("wte".to_string(), sum)]),
+    };
+    let m = judge
+        .evaluate("big", &claim, c, 1.0, Precision::F64)
+        .unwrap();
+    assert_eq!(m.clipped_sum_rel_err, Some(0.0));
+    assert_eq!(m.verdict, Verdict::Pass);
+    // The last value of the table off by 6: ‖S − S*‖ = 6 of ‖S*‖ = √(3·16·4) = √192.
+    claim.clipped_sum.as_mut().unwrap()[0].1[v * d - 1] += 6.0;
+    let m = judge
+        .evaluate("big", &claim, c, 1.0, Precision::F64)
+        .unwrap();
+    assert_close_opt(m.clipped_sum_rel_err, 6.0 / 192f64.sqrt());
+    assert_eq!(m.verdict, Verdict::UtilityDistortion);
+}

@@ -239,3 +239,57 @@ fn kept_gradients_have_the_reported_norms_and_the_model_layout() {
     assert_eq!(n, model.config.parameter_count());
     let _: Array2<f64> = Array2::zeros((1, 1));
 }
+
+#[test]
+fn gradient_rows_of_every_site_kind_add_up_to_the_weighted_whole_in_any_partition() {
+    // A tied GPT-2 (embedding, conv1d, bias, layernorm and linear head sites; repeated ids) on
+    // three examples. For weights w, Σ over a partition of the rows of add_site_gradient_rows
+    // must rebuild Σ_i w_i · site_gradient(j, i), each row block in its place; an example of
+    // weight 0 contributes nothing.
+    let model = Gpt2::random(Gpt2Config::tiny(9, 6, 4, 1, 2), 5, 0.4);
+    let batch = Batch::new(array![[1_i64, 2, 1, 8], [3, 3, 0, 8], [8, 7, 6, 5]], None);
+    let opts = Options {
+        record_trace: true,
+        ..Options::default()
+    };
+    let trace = compute(&model, &batch, &opts, &mut |_, _| {})
+        .unwrap()
+        .trace
+        .unwrap();
+    let kinds: std::collections::BTreeSet<&str> =
+        trace.sites.iter().map(|s| s.spec.kind.name()).collect();
+    assert_eq!(kinds.len(), 5, "{kinds:?}");
+    let weights = [0.5, 0.0, -2.0];
+    for j in 0..trace.sites.len() {
+        let (rows, cols) = trace.site_gradient_shape(j);
+        let mut want = Array2::zeros((rows, cols));
+        for (i, w) in weights.iter().enumerate() {
+            let g = trace.site_gradient(j, i).unwrap();
+            assert_eq!(g.dim(), (rows, cols), "site {j}");
+            want.scaled_add(*w, &g);
+        }
+        for step in [1, 2, 3, rows] {
+            let mut got = Array2::zeros((rows, cols));
+            let mut start = 0;
+            while start < rows {
+                let end = (start + step).min(rows);
+                let mut block = Array2::zeros((end - start, cols));
+                trace
+                    .add_site_gradient_rows(j, &weights, start..end, &mut block)
+                    .unwrap();
+                got.slice_mut(ndarray::s![start..end, ..]).assign(&block);
+                start = end;
+            }
+            let scale = want.iter().fold(0.0_f64, |a, v| a.max(v.abs()));
+            assert!(scale > 0.0, "site {j}");
+            for (a, b) in got.iter().zip(want.iter()) {
+                assert!(
+                    (a - b).abs() <= 1e-13 * scale,
+                    "site {} ({}), blocks of {step}: {a} vs {b}",
+                    trace.sites[j].spec.name,
+                    trace.sites[j].spec.kind.name()
+                );
+            }
+        }
+    }
+}
