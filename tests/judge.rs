@@ -863,6 +863,29 @@ fn a_reference_with_a_zero_gradient_agrees_with_its_factors_at_zero() {
 }
 
 #[test]
+fn the_factors_and_the_materialized_norms_agree_to_one_part_in_a_million_at_any_scale() {
+    // Gradients 10⁴·G (‖g‖² = 1.3e10 from the factors, exactly). A materialized norm² that
+    // differs by 2e-9 relative (26 in absolute terms) is rounding; 2e-5 relative is a bug.
+    let n2 = 130.0e8_f64;
+    let with = |rel: f64| Reference {
+        reduction: Reduction::Sum,
+        examples: vec![ExampleReport {
+            loss: 1.0,
+            norm: (n2 * (1.0 + rel)).sqrt(),
+            params: Vec::new(),
+            shared: Vec::new(),
+        }],
+        trace: Some(hand_trace(&[1e4])),
+        layout: Vec::new(),
+        gradients: None,
+    };
+    let truth = Truth::from_reference(with(2e-9)).unwrap();
+    assert_eq!(truth.gram, vec![vec![n2]]);
+    let err = Truth::from_reference(with(2e-5)).unwrap_err().to_string();
+    assert!(err.contains("materialized"), "{err}");
+}
+
+#[test]
 fn a_reference_whose_factors_disagree_with_its_gradients_is_an_internal_error() {
     let model = tiny(true, 1, 3);
     let mut r = reference_with_trace(&model, &batch(2, 6, 23, 5));
