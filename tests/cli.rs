@@ -348,28 +348,25 @@ fn a_config_claiming_a_huge_model_fails_on_the_header_not_on_allocation() {
     );
 }
 
+/// `bench ARGS --runs 1 --json FILE` (exit 0), and the JSON it wrote.
+fn bench_json(name: &str, args: &[&str]) -> serde_json::Value {
+    let json = tmp(name).join("b.json");
+    let mut all = vec!["bench"];
+    all.extend_from_slice(args);
+    all.extend(["--runs", "1", "--json", json.to_str().unwrap()]);
+    let o = run(&all);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+}
+
 #[test]
 fn bench_reports_every_clipper_and_materialize_holds_more_memory_than_ghost() {
-    let dir = tmp("bench");
-    let json = dir.join("b.json");
-    let o = run(&[
+    let doc = bench_json(
         "bench",
-        "--vocab",
-        "3000",
-        "--hidden",
-        "16",
-        "--seq",
-        "8",
-        "--batch",
-        "2",
-        "--runs",
-        "1",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        &[
+            "--vocab", "3000", "--hidden", "16", "--seq", "8", "--batch", "2",
+        ],
+    );
     assert_eq!(doc["shape"]["vocab"], 3000);
     assert_eq!(doc["shape"]["batch"], 2);
     assert_eq!(doc["dtype"], "f32");
@@ -506,19 +503,7 @@ fn bench_times_every_clipper_on_a_trace_exported_from_a_qwen2_checkpoint() {
     let trace = dir.join("trace.safetensors");
     let o = run_on_golden("export-trace", case, &["--out", trace.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let json = dir.join("b.json");
-    let o = run(&[
-        "bench",
-        "--trace",
-        trace.to_str().unwrap(),
-        "--runs",
-        "1",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let doc = bench_json("bench-trace", &["--trace", trace.to_str().unwrap()]);
     assert_eq!(doc["trace"], trace.to_str().unwrap(), "{doc}");
     let results = doc["results"].as_array().unwrap();
     let names: Vec<&str> = results
