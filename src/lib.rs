@@ -123,8 +123,8 @@ pub use judge::{
 };
 pub use model::{CandleGpt2, CandleLlama, CandleModel, Extracted};
 pub use mutants::{
-    clipper_by_name, kill_matrix, kill_matrix_html, kill_matrix_json, kill_matrix_table,
-    ExpectedVerdict, KillMatrix, Mutant, MutantClipper,
+    clipper_by_name, clippers_by_name, kill_matrix, kill_matrix_html, kill_matrix_json,
+    kill_matrix_table, ExpectedVerdict, KillMatrix, Mutant, MutantClipper,
 };
 pub use report::{audit_html, audit_json, audit_junit, audit_tables, reference_table, summary};
 pub use trace::{stored_dtype, write_claimed_trace, ParamSites, Site, SiteKind, SiteSpec, Trace};

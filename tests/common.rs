@@ -48,3 +48,18 @@ macro_rules! device_test {
         }
     };
 }
+
+/// Two examples of three positions over two-wide sites and a vocabulary of 4, no cancellation:
+/// a small valid synthetic trace to edit.
+pub fn tiny_synthetic_spec() -> ghost_oracle::synthetic::SyntheticSpec {
+    ghost_oracle::synthetic::SyntheticSpec {
+        batch: 2,
+        seq: 3,
+        width: 2,
+        vocab: 4,
+        id_range: 4,
+        cancellation: 0.0,
+        leftover_log10: -3.0,
+        scale_log10_range: 0.0,
+    }
+}

@@ -937,16 +937,7 @@ fn an_example_with_a_zero_gradient_and_an_exact_zero_claim_passes() {
 }
 
 fn synthetic_zero_second_example() -> RefTrace {
-    let spec = ghost_oracle::synthetic::SyntheticSpec {
-        batch: 2,
-        seq: 3,
-        width: 2,
-        vocab: 4,
-        id_range: 4,
-        cancellation: 0.0,
-        leftover_log10: -3.0,
-        scale_log10_range: 0.0,
-    };
+    let spec = crate::common::tiny_synthetic_spec();
     let mut rt = ghost_oracle::synthetic::synthetic_trace(&spec, 9);
     for s in &mut rt.sites {
         s.backprops.slice_mut(ndarray::s![1, .., ..]).fill(0.0);

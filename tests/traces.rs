@@ -136,16 +136,7 @@ struct RawTrace {
 }
 
 fn valid_raw() -> RawTrace {
-    let spec = SyntheticSpec {
-        batch: 2,
-        seq: 3,
-        width: 2,
-        vocab: 4,
-        id_range: 4,
-        cancellation: 0.0,
-        leftover_log10: -3.0,
-        scale_log10_range: 0.0,
-    };
+    let spec = crate::common::tiny_synthetic_spec();
     let t = synthetic_trace(&spec, 5);
     let meta = TraceMeta {
         max_grad_norm: 1.0,

@@ -228,15 +228,6 @@ impl TraceBuilder {
 }
 
 impl Trace {
-    /// Stacks per-example records (every example lists the same sites in the same order).
-    pub fn from_examples(examples: Vec<Vec<SiteRecord>>) -> Self {
-        let mut b = TraceBuilder::new(examples.len());
-        for (i, records) in examples.into_iter().enumerate() {
-            b.push(i, records);
-        }
-        b.finish()
-    }
-
     pub fn batch_size(&self) -> usize {
         self.sites.first().map_or(0, |s| s.backprops.dim().0)
     }

@@ -12,10 +12,9 @@
 
 use ghost_oracle::accountant::AccountingError;
 use ghost_oracle::{
-    account, audit_json, audit_tables, builtin_suite, check_trace, clipper_by_name, kill_matrix,
+    account, audit_json, audit_tables, builtin_suite, check_trace, clippers_by_name, kill_matrix,
     kill_matrix_json, kill_matrix_table, run_audit, Accounting, AuditOptions, Case, CaseMetrics,
-    Clipper, ClipperAudit, Error, ExampleMetrics, Mutant, Precision, PrivacyReport,
-    BUILTIN_CLIPPERS,
+    ClipperAudit, Error, ExampleMetrics, Mutant, Precision, PrivacyReport, BUILTIN_CLIPPERS,
 };
 use ghost_oracle_reference::Reduction;
 use pyo3::exceptions::{PyFileNotFoundError, PyRuntimeError, PyValueError};
@@ -428,18 +427,7 @@ fn audit<'py>(
         check_max_grad_norm(max_grad_norm)?;
         check_noise_multiplier(Some(noise_multiplier))?;
         let setting = accounting(sampling_rate, steps, delta)?;
-        let names = clippers.unwrap_or_default();
-        let boxes: Vec<Box<dyn Clipper>> = if names.is_empty() {
-            BUILTIN_CLIPPERS
-                .iter()
-                .map(|n| clipper_by_name(n))
-                .collect::<Result<_, _>>()?
-        } else {
-            names
-                .iter()
-                .map(|n| clipper_by_name(n))
-                .collect::<Result<_, _>>()?
-        };
+        let boxes = clippers_by_name(&clippers.unwrap_or_default(), &BUILTIN_CLIPPERS)?;
         let cases = match (&model, &batch) {
             (Some(m), Some(b)) => {
                 vec![Case::load(m, b)
@@ -465,7 +453,7 @@ fn audit<'py>(
             device: candle_core::Device::Cpu,
             reduction,
         };
-        let mut audits = run_audit(&cases, &boxes, &opts, &mut |_, _, _| {})?;
+        let mut audits = run_audit(cases, &boxes, &opts, &mut |_, _, _| {})?;
         account(&mut audits, &setting, noise_multiplier)?;
         Ok(audits)
     })?;

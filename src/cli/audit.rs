@@ -1,8 +1,10 @@
 //! `audit`: every chosen clipper on the built-in suite or on a checkpoint and batch.
 
-use super::{check_flags, clippers_or, DeviceArg, DtypeArg, Progress, ReductionArg, ReportArgs};
+use super::{check_flags, DeviceArg, DtypeArg, Progress, ReductionArg, ReportArgs};
 use ghost_oracle::BUILTIN_CLIPPERS;
-use ghost_oracle::{account, builtin_suite, run_audit, AuditOptions, Case, Error};
+use ghost_oracle::{
+    account, builtin_suite, clippers_by_name, run_audit, AuditOptions, Case, Error,
+};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -42,7 +44,7 @@ pub struct Args {
 pub fn run(a: Args) -> Result<ExitCode, Error> {
     check_flags(a.max_grad_norm, Some(a.noise_multiplier))?;
     let accounting = a.report.accounting()?;
-    let clippers = clippers_or(&a.clippers, &BUILTIN_CLIPPERS)?;
+    let clippers = clippers_by_name(&a.clippers, &BUILTIN_CLIPPERS)?;
     let cases = match (&a.model, &a.batch) {
         (Some(m), Some(b)) => vec![Case::load(m, b)?],
         _ => builtin_suite(),

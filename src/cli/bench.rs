@@ -1,7 +1,7 @@
 //! `bench`: clipper time and peak memory on a random tied LM head or a trace file.
 
-use super::{clippers_or, out, to_json, write_file, DeviceArg, DtypeArg, Progress};
-use ghost_oracle::{bench as bench_clippers, tied_head_trace, Error, Trace};
+use super::{out, to_json, write_file, DeviceArg, DtypeArg, Progress};
+use ghost_oracle::{bench as bench_clippers, clippers_by_name, tied_head_trace, Error, Trace};
 use ghost_oracle_reference as reference;
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -113,7 +113,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
             return Err(Error::input(format!("{flag} must be at least 1")));
         }
     }
-    let clippers = clippers_or(&a.clippers, &["ghost", "ghost-tied", "materialize"])?;
+    let clippers = clippers_by_name(&a.clippers, &["ghost", "ghost-tied", "materialize"])?;
     let device = a.device.device()?;
     let dtype = a.dtype.dtype();
     let (t, shape) = match &a.trace {

@@ -9,8 +9,8 @@ mod reference;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use ghost_oracle::ClipperAudit;
-use ghost_oracle::{audit_html, audit_json, audit_junit, audit_tables, clipper_by_name};
-use ghost_oracle::{Accounting, Clipper, Error, Verdict};
+use ghost_oracle::{audit_html, audit_json, audit_junit, audit_tables};
+use ghost_oracle::{Accounting, Error, Verdict};
 use ghost_oracle_reference::Reduction;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -324,15 +324,6 @@ pub fn check_flags(max_grad_norm: Option<f64>, noise_multiplier: Option<f64>) ->
         eprintln!("warning: --noise-multiplier 0: without noise DP-SGD gives no privacy (ε = ∞)");
     }
     Ok(())
-}
-
-/// The clippers named by `--clipper`, or `default` when none is.
-pub fn clippers_or(names: &[String], default: &[&str]) -> Result<Vec<Box<dyn Clipper>>, Error> {
-    if names.is_empty() {
-        default.iter().map(|n| clipper_by_name(n)).collect()
-    } else {
-        names.iter().map(|n| clipper_by_name(n)).collect()
-    }
 }
 
 pub fn main() -> ExitCode {

@@ -190,7 +190,7 @@ fn gram_and_cross(trace: &RefTrace) -> Result<GramAndCross> {
 }
 
 /// ⟨a, b⟩ of two blocks of one shape, as flat vectors (blocks are allocated here, contiguous).
-pub(crate) fn flat_dot(a: &Array2<f64>, b: &Array2<f64>) -> f64 {
+fn flat_dot(a: &Array2<f64>, b: &Array2<f64>) -> f64 {
     fn flat(m: &Array2<f64>) -> ArrayView1<'_, f64> {
         ArrayView1::from(
             m.as_slice()

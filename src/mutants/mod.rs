@@ -114,6 +114,19 @@ pub fn clipper_by_name(name: &str) -> crate::error::Result<Box<dyn Clipper>> {
     }
 }
 
+/// The clippers of a list of names (`--clipper`, repeatable), or of `default` when the list is
+/// empty.
+pub fn clippers_by_name(
+    names: &[String],
+    default: &[&str],
+) -> crate::error::Result<Vec<Box<dyn Clipper>>> {
+    if names.is_empty() {
+        default.iter().map(|n| clipper_by_name(n)).collect()
+    } else {
+        names.iter().map(|n| clipper_by_name(n)).collect()
+    }
+}
+
 /// A clipper with one seeded bug; otherwise exact tied ghost clipping.
 #[derive(Clone, Copy, Debug)]
 pub struct MutantClipper(pub Mutant);
