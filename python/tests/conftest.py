@@ -143,24 +143,22 @@ def func_norms(model, loss, ids, untie=None):
     return sum((v.reshape(ids.shape[0], -1) ** 2).sum(1) for v in g.values()).sqrt().detach()
 
 
+def tied_case(model, ids, loss, tied):
+    """A tied model with its batch, loss and exact torch.func norms; C at 0.8 × their median."""
+    exact = func_norms(model, loss, ids)
+    return types.SimpleNamespace(model=model, ids=ids, loss=loss, exact=exact,
+                                 c=float(exact.median()) * 0.8, tied=tied,
+                                 untie=(tied, "lm_head.weight"))
+
+
 @pytest.fixture(scope="session")
 def tied_gpt2():
-    model = gpt2()
-    ids = gpt2_ids()
-    exact = func_norms(model, gpt2_loss, ids)
-    return types.SimpleNamespace(model=model, ids=ids, loss=gpt2_loss, exact=exact,
-                                 c=float(exact.median()) * 0.8, tied="transformer.wte.weight",
-                                 untie=("transformer.wte.weight", "lm_head.weight"))
+    return tied_case(gpt2(), gpt2_ids(), gpt2_loss, "transformer.wte.weight")
 
 
 @pytest.fixture(scope="session")
 def tied_llama():
-    model = llama()
-    ids = llama_ids()
-    exact = func_norms(model, llama_loss, ids)
-    return types.SimpleNamespace(model=model, ids=ids, loss=llama_loss, exact=exact,
-                                 c=float(exact.median()) * 0.8, tied="model.embed_tokens.weight",
-                                 untie=("model.embed_tokens.weight", "lm_head.weight"))
+    return tied_case(llama(), llama_ids(), llama_loss, "model.embed_tokens.weight")
 
 
 def untied_copy(model, emb, head):
