@@ -29,12 +29,24 @@ Factors are arranged as B×T×features: an output computed once for the batch (G
 position embedding) is expanded to B×T first, so that its gradient stays per example, and
 activations flattened to B·T rows inside a block (OPT's MLP) are reshaped back.
 
+Precision is per site: each use is recorded in the dtype its module really computed in. That is
+the parameters' dtype (an f32, bf16 or f16 model), except where autocast lowered the module's op:
+when autocast is enabled for the output's device type inside the module's forward and the
+output comes out in autocast's dtype (not the weight's), the site computed in autocast's dtype.
+On CPU and CUDA that is true of `nn.Linear` and `Conv1D` (matmuls), not of embeddings or norms,
+which stay in the parameters' dtype; the output's dtype decides, not a list of ops. Such a site's
+activations are stored as the matmul saw them (cast to autocast's dtype, as autocast casts
+them) and its backprops as autograd produced them (in the output's dtype).
+
 Nothing is written unless the trace is complete and right. For every trainable parameter that
 received a gradient, the batch gradient rebuilt from its sites' factors (as stored) must equal
-autograd's `p.grad` of the summed losses to rounding; a parameter with no site, or whose rebuilt
-gradient differs, is an error naming the parameter, its module(s) and their classes. The header
-carries `compute_dtype` (the parameters' dtype) and the `parameters` manifest (every trainable
-parameter that received a gradient, with its number of elements; a tied parameter once).
+autograd's `p.grad` of the summed losses to rounding, at a tolerance that follows each site's
+precision (a bf16 site: bf16 factors, products accumulated in f32, the result rounded to bf16);
+a parameter with no site, or whose rebuilt gradient differs, is an error naming the parameter,
+its module(s) and their classes. The header carries `compute_dtype` (the coarsest of the sites'
+precisions; when they differ, every site's entry in `sites` carries its own) and the
+`parameters` manifest (every trainable parameter that received a gradient, with its number of
+elements; a tied parameter once).
 
     from ghost_oracle.torch import export_trace
     export_trace(model, per_example_loss, inputs, "trace.safetensors",
@@ -44,7 +56,7 @@ parameter that received a gradient, with its number of elements; a tied paramete
 its `input_ids`, else from its first B×T tensor); `per_example_loss(model, inputs) -> tensor(B)`;
 `claimed_norms` is a tensor, array or list of the B norms the clipper under audit used, or a
 callable returning one (it is called after the trace is recorded, with the model and the batch).
-`dtype` is the dtype the factors are stored in (default: the compute dtype).
+`dtype` is the dtype the factors are stored in (default: each site's compute dtype).
 """
 import json
 import math
@@ -128,6 +140,36 @@ def _opt_position_ids(module, args, kwargs):
 
 
 # ---------------------------------------------------------------------------------------------
+# Precision: the dtype each use really computed in.
+
+
+def _autocast_dtype(device_type):
+    """Autocast's dtype where autocast is enabled for `device_type` at this point of the forward,
+    else None."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except (TypeError, RuntimeError, AttributeError):  # torch < 2.4, or a device type autocast lacks
+        if device_type == "cpu" and hasattr(torch, "is_autocast_cpu_enabled"):
+            return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+        if device_type == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+        return None
+
+
+def _site_dtype(module, output):
+    """The dtype `module`'s use computed in: autocast's, where autocast lowered the op (enabled
+    for the output's device type, and the output in autocast's dtype instead of the weight's),
+    else the weight's."""
+    w = module.weight.dtype
+    ac = _autocast_dtype(output.device.type)
+    if ac is not None and ac != w and output.dtype == ac:
+        return ac
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
 # Recording.
 
 
@@ -192,7 +234,7 @@ def _record(model, batch_size):
         if out.dim() >= 1 and out.shape[0] == 1 and batch_size > 1:
             out = out.expand(batch_size, *out.shape[1:])  # a per-batch output: make its gradient per example
         entry = {"module": module, "name": mod_name, "cls": type(module).__name__, "kind": kind,
-                 "input": x.detach(), "grad": None}
+                 "input": x.detach(), "grad": None, "dtype": _site_dtype(module, output)}
 
         def save_grad(g):
             entry["grad"] = g.detach()
@@ -210,9 +252,11 @@ def _record(model, batch_size):
 
 
 def _site_tensors(entry, names, dtype, b, tt):
-    """Yields (spec, tensors) for the weight use and, where present, the bias use."""
+    """Yields (spec, tensors) for the weight use and, where present, the bias use, stored in
+    `dtype` (None: the use's own compute dtype)."""
     m, n, kind = entry["module"], entry["name"], entry["kind"]
     g = entry["grad"]
+    dtype = entry["dtype"] if dtype is None else dtype
     out = []
     if g is None:
         return out  # output not on the loss path
@@ -253,6 +297,8 @@ def _site_tensors(entry, names, dtype, b, tt):
             out.append(({"name": f"{n}.weight", "param": names[id(m.weight)], "kind": "layernorm"},
                         {"activations": xhat.to(dtype), "backprops": g.to(dtype)}))
     else:
+        # the input as the matmul saw it: under autocast, cast to autocast's dtype
+        x = x.to(entry["dtype"])
         if trainable(m.weight):
             out.append(({"name": f"{n}.weight", "param": names[id(m.weight)], "kind": kind},
                         {"activations": x.to(dtype), "backprops": g.to(dtype)}))
@@ -294,18 +340,57 @@ def _unit_roundoff(dt):
     return torch.finfo(dt).eps / 2
 
 
-def _self_check(model, sites, names, owners, compute_dtype, store_dtype, b, tt):
+def _low_precision(dt):
+    """bf16 and f16: kernels take their products and accumulate them in f32, and store the
+    result rounded back."""
+    return _unit_roundoff(dt) > _unit_roundoff(torch.float32)
+
+
+def _site_tolerance(spec, ts, absum, site_dtype, store_dtype, n):
+    """How far autograd's batch gradient of one site may lie from the gradient rebuilt (in f64)
+    from its stored factors, entry by entry; `absum` is Σ|terms|, n = B·T terms per entry.
+
+    - f32 / f64 sites: autograd reduces the n terms in the site's precision, and an x̂
+      recomputed here may differ from the forward's by a few ulps: 2·(n + 16)·u·Σ|terms|.
+    - bf16 / f16 sites (a bf16 or f16 model, or a matmul under autocast): the factors are stored
+      exactly as the kernel saw them; products are exact in f32 or rounded once to the low
+      precision (an RMSNorm's δ ⊙ x̂), accumulated in f32 (up to log2 n partial sums rounded to
+      the low precision, as split reductions do), and the result is rounded to the low precision:
+      (4 + log2 n)·u·Σ|terms| plus the f32 accumulation. An embedding's backward adds each
+      lookup's row into the table in the low precision, one rounding per occurrence of the id:
+      (count + 4)·u·Σ|terms| for that row. Products and results that underflow lose up to half
+      the smallest subnormal each (f16's is 2⁻²⁴).
+    - factors stored in a coarser dtype than the site computed in: each of the two factors of a
+      term rounded once, 3·u_store·Σ|terms|.
+    A site that is wrong by a structural factor (a missing scale, a skipped use, a wrong
+    position) is off by a fraction of Σ|terms| itself."""
+    u = _unit_roundoff(site_dtype)
+    if _low_precision(site_dtype):
+        if spec["kind"] == "embedding":
+            ids = ts["ids"].reshape(-1)
+            count = torch.zeros(spec["vocab"], dtype=torch.float64).index_add_(
+                0, ids, torch.ones(ids.numel(), dtype=torch.float64))
+            k = (count + 4.0).unsqueeze(1).expand(-1, ts["backprops"].shape[-1]).reshape(-1)
+        else:
+            k = 4.0 + math.log2(max(n, 2))
+        sub = torch.finfo(site_dtype).smallest_normal * torch.finfo(site_dtype).eps  # smallest subnormal
+        tol = k * u * absum + 2.0 * (n + 16) * _unit_roundoff(torch.float32) * absum + (n + 4) * sub / 2
+    else:
+        tol = 2.0 * (n + 16) * u * absum
+    us = _unit_roundoff(store_dtype)
+    if us > u:
+        tol = tol + 3.0 * us * absum
+    return tol
+
+
+def _self_check(model, sites, names, owners, store_dtype, b, tt):
     """Raises unless every trainable parameter that received a gradient has a site and its
-    sites' factors rebuild autograd's gradient to rounding."""
+    sites' factors rebuild autograd's gradient to rounding, each site at its own precision
+    (`entry["dtype"]`; `store_dtype` None: each site stored in its own)."""
     by_param = {}
     for spec, ts, entry in sites:
         by_param.setdefault(spec["param"], []).append((spec, ts, entry))
-    # Rounding: autograd reduces B·T terms per site in the compute dtype, the factors are
-    # rounded to the storage dtype, and an x̂ recomputed here may differ from the forward's by a
-    # few ulps. 2·(n + 16)·u·Σ|terms| covers all three (n = terms per entry); a site that is
-    # wrong by a structural factor (a missing scale, a skipped use, a wrong position) is off by
-    # a fraction of Σ|terms| itself.
-    u = max(_unit_roundoff(compute_dtype), _unit_roundoff(store_dtype))
+    n = b * tt
     seen = set()
     for _, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen or not p.requires_grad or p.grad is None:
@@ -323,7 +408,8 @@ def _self_check(model, sites, names, owners, compute_dtype, store_dtype, b, tt):
             )
         rebuilt = torch.zeros(p.numel(), dtype=torch.float64)
         absum = torch.zeros(p.numel(), dtype=torch.float64)
-        for spec, ts, _ in uses:
+        tol = torch.zeros(p.numel(), dtype=torch.float64)
+        for spec, ts, entry in uses:
             r, a = _rebuild(spec, ts)
             if r.numel() != p.numel():
                 raise TraceExportError(
@@ -332,14 +418,17 @@ def _self_check(model, sites, names, owners, compute_dtype, store_dtype, b, tt):
                 )
             rebuilt += r
             absum += a
+            store = entry["dtype"] if store_dtype is None else store_dtype
+            tol += _site_tolerance(spec, ts, a, entry["dtype"], store, n)
+        # autograd adds the uses of a tied parameter into p.grad in the parameter's dtype
+        tol += 2.0 * (len(uses) - 1) * _unit_roundoff(p.dtype) * absum + torch.finfo(p.dtype).tiny
         want = p.grad.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
-        n = len(uses) * b * tt
-        tol = 2.0 * (n + 16) * u * absum + torch.finfo(compute_dtype).tiny
         err = (rebuilt - want).abs()
         bad = err > tol
         if bool(bad.any()):
             k = int(torch.argmax(err / tol))
-            site_list = ", ".join(f"`{s['name']}` ({s['kind']}, module class {e['cls']})" for s, _, e in uses)
+            site_list = ", ".join(f"`{s['name']}` ({s['kind']}, module class {e['cls']}, computed in "
+                                  f"{DTYPE_NAMES.get(e['dtype'], e['dtype'])})" for s, _, e in uses)
             raise TraceExportError(
                 f"parameter `{name}` (module {mods}): the gradient rebuilt from its sites {site_list} differs "
                 f"from autograd's at {int(bad.sum())} of {p.numel()} entries; worst entry {k}: rebuilt "
@@ -412,8 +501,7 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
     compute_dtype = _compute_dtype(model)
     if compute_dtype not in DTYPE_NAMES:
         raise TraceExportError(f"the model computes in {compute_dtype}; traces record {list(DTYPE_NAMES)}")
-    dtype = compute_dtype if dtype is None else dtype
-    if dtype not in DTYPE_NAMES:
+    if dtype is not None and dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype {dtype} cannot store a trace; use one of {list(DTYPE_NAMES)}")
     names = _param_names(model)
     owners = _param_owners(model)
@@ -436,7 +524,19 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
             # bias and weight share backprops; the file is written from host memory
             ts = {k: v.detach().cpu().clone().contiguous() for k, v in ts.items()}
             sites.append((spec, ts, entry))
-    _self_check(model, sites, names, owners, compute_dtype, dtype, b, tt)
+    for spec, _, entry in sites:
+        if entry["dtype"] not in DTYPE_NAMES:
+            raise TraceExportError(f"site `{spec['name']}` ({entry['cls']}) computed in {entry['dtype']}; traces "
+                                   f"record {list(DTYPE_NAMES)}")
+    _self_check(model, sites, names, owners, dtype, b, tt)
+    # The precision is per site: the header holds the coarsest (what a reader that knows no
+    # per-site precision judges at), and where the sites differ each carries its own.
+    site_dtypes = [entry["dtype"] for _, _, entry in sites]
+    if site_dtypes:
+        compute_dtype = max(site_dtypes, key=_unit_roundoff)
+    if len(set(site_dtypes)) > 1:
+        for spec, _, entry in sites:
+            spec["compute_dtype"] = DTYPE_NAMES[entry["dtype"]]
     specs = [s for s, _, _ in sites]
     for spec, ts, _ in sites:
         for k, v in ts.items():

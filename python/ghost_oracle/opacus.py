@@ -11,7 +11,11 @@
 - `GradSampleModule` (hooks): the norm of every example's gradient from the parameters'
   `grad_sample`. Opacus 1.6 sums a tied parameter's uses into one `grad_sample` (the hooks of
   both modules add into `_current_grad_sample` until the parameter's forward count reaches zero),
-  so each parameter is counted once, with its summed per-sample gradient.
+  so each parameter is counted once, with its summed per-sample gradient. By default the norms
+  are taken in float64 from the grad samples as stored; `as_optimizer=True` takes them as
+  `DPOptimizer.clip_and_accumulate` does, in the grad samples' own dtype (per parameter, then
+  over parameters): in bf16 or f16 these are the norms the optimizer really clips by, rounded
+  twice to the low precision.
 - `GradSampleModuleFastGradientClipping` (ghost clipping): `get_norm_sample()`, the norms its
   clipping coefficients come from.
 
@@ -69,9 +73,17 @@ def per_sample_norms(
     gsm: GradSampleModule,
     per_example_loss: Callable[..., torch.Tensor] | None = None,
     inputs: Any = None,
+    *,
+    as_optimizer: bool = False,
 ) -> torch.Tensor:
     """‖g_i‖ of every example from a `GradSampleModule`'s `grad_sample`s: each trainable
     parameter once (a tied parameter's `grad_sample` already sums its uses), float64 on the CPU.
+
+    With `as_optimizer=True` the arithmetic is `DPOptimizer.clip_and_accumulate`'s: each
+    parameter's per-sample norm in its grad sample's dtype, then the norm over the parameters
+    (in the module's parameter order, that of an optimizer built from `model.parameters()`) in
+    the dtype they promote to; the result is converted to float64 afterwards. Without it, the
+    grad samples are converted to float64 first.
     """
     _needs_both(per_example_loss, inputs)
     batch = None
@@ -79,6 +91,7 @@ def per_sample_norms(
         batch = _backward(gsm, per_example_loss, inputs)
     try:
         sq = None
+        per_param: list[torch.Tensor] = []
         sizes: dict[str, int] = {}
         for name, p in gsm._module.named_parameters():  # a tied parameter once
             if not p.requires_grad:
@@ -93,6 +106,8 @@ def per_sample_norms(
                 raise ValueError(f"parameter `{name}`: grad_sample holds {len(gs)} accumulated batches; call "
                                  "zero_grad() before the backward pass of the batch to audit")
             sizes[name] = int(gs.shape[0])
+            if as_optimizer:
+                per_param.append(gs.detach().reshape(len(gs), -1).norm(2, dim=-1))
             term = gs.detach().reshape(gs.shape[0], -1).to(device="cpu", dtype=torch.float64).pow(2).sum(1)
             if sq is not None and term.shape != sq.shape:
                 other = next(iter(sizes))
@@ -107,6 +122,10 @@ def per_sample_norms(
                              "first, or pass per_example_loss and inputs")
         if batch is not None and sq.shape[0] != batch:
             raise ValueError(f"grad_sample has batch size {sq.shape[0]} for a batch of {batch}")
+        if as_optimizer:
+            device = per_param[0].device
+            norms = torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)
+            return norms.to(device="cpu", dtype=torch.float64)
         return sq.sqrt()
     finally:
         if per_example_loss is not None:
@@ -137,13 +156,15 @@ def norms(
     gsm: GradSampleModule,
     per_example_loss: Callable[..., torch.Tensor] | None = None,
     inputs: Any = None,
+    *,
+    as_optimizer: bool = False,
 ) -> torch.Tensor:
     """The per-example gradient norms an Opacus module clips by: `ghost_norms` for a
-    `GradSampleModuleFastGradientClipping`, `per_sample_norms` for any other
-    `GradSampleModule`."""
+    `GradSampleModuleFastGradientClipping` (its norms are the ones its clipping uses, whatever
+    `as_optimizer`), `per_sample_norms` for any other `GradSampleModule`."""
     if isinstance(gsm, GradSampleModuleFastGradientClipping):
         return ghost_norms(gsm, per_example_loss, inputs)
     if isinstance(gsm, GradSampleModule):
-        return per_sample_norms(gsm, per_example_loss, inputs)
+        return per_sample_norms(gsm, per_example_loss, inputs, as_optimizer=as_optimizer)
     raise TypeError(f"expected an Opacus GradSampleModule or GradSampleModuleFastGradientClipping, "
                     f"got {type(gsm).__name__}")

@@ -16,6 +16,12 @@ RMSNorms and scaled embeddings (matched by exact type); a parameter used twice (
 the embedding) becomes two sites of one parameter. It refuses, with `TraceExportError`, a model
 it cannot trace faithfully: every trainable parameter must have a site, and the batch gradient
 rebuilt from the sites must match autograd's.
+
+Low precision: a bf16 or f16 model (`model.to(torch.bfloat16)`, `model.half()`) is traced in
+its dtype, and a float32 model whose `per_example_loss` runs the forward under `torch.autocast`
+is traced per site: the matmuls autocast lowered (linear layers) in autocast's dtype, the rest
+(embeddings, norms) in the parameters'. The trace's `compute_dtype` is the coarsest of them,
+and the check judges at it.
 """
 from __future__ import annotations
 
@@ -66,7 +72,8 @@ def assert_norms(
         model: the model, in the precision the clipper computes in (dropout off: the trace and
             the claim must see the same function).
         per_example_loss: `per_example_loss(model, inputs) -> Tensor[B]`, one loss per example,
-            with the reduction the clipper assumes.
+            with the reduction the clipper assumes; it may run the forward under
+            `torch.autocast` (each site is then recorded in the precision it computed in).
         inputs: a tensor of token ids `[B, T]`, or a dict of tensors (B and T from `input_ids`).
         claimed_norms: the B norms the clipper computed (tensor, array or list), or a callable
             `claimed_norms(model, inputs)` returning them.
@@ -74,8 +81,8 @@ def assert_norms(
         noise_multiplier: σ of the run.
         clipper: the name reports give the claim.
         claimed_coefficients: the clipper's coefficients, when it does not clip by min(1, C/n).
-        dtype: the dtype the factors are stored in (default: the model's).
-        precision: the precision the tolerance assumes (default: the model's, see `check`).
+        dtype: the dtype the factors are stored in (default: each site's compute dtype).
+        precision: the precision the tolerance assumes (default: the trace's, see `check`).
         sampling_rate, steps, delta: the run the ε speaks of (default: q = 0.01, 1000 steps,
             δ = 1e-5).
         trace_path: where to keep the trace (default: a temporary file, removed afterwards).
