@@ -3,7 +3,7 @@
 //! `cargo bench --bench gram_variants`.
 
 use candle_core::{DType, Device, Tensor};
-use ghost_oracle::gram::{gram, Factor};
+use ghost_oracle::clippers::gram::{gram, Factor};
 use std::time::Instant;
 
 fn median<F: FnMut()>(mut f: F) -> f64 {

@@ -13,55 +13,61 @@
 //! does to privacy. The judge computes everything from the reference side (truth, tolerance,
 //! true coefficients): it shares no code with the clippers it judges.
 //!
+//! # The modules, in the order data flows through them
+//!
+//! ```text
+//! options     C, σ and the DP-SGD run, each validated once in its type
+//! trace       the per-site factors of a batch, on a candle device
+//!  ├─ model       candle models that produce a trace (GPT-2, Llama/Qwen2)
+//!  ├─ clippers    the Clipper trait and the built-in clippers (materialize, ghost, ghost-tied)
+//!  ├─ mutants     clippers with one seeded bug of a real DP library each
+//!  └─ registry    every clipper by name
+//! judge       truth, tolerance, metrics and verdict, from the reference side only
+//! accountant  ε of the Poisson-subsampled Gaussian mechanism
+//! audit       cases → reference → clippers → judge; trace files; the kill matrix
+//! report      tables, JSON, JUnit and HTML
+//! bench       timing of the clippers; synthetic: random traces for tests and fuzzing
+//! ```
+//!
 //! # Three ways in
 //!
 //! The built-in suite (seeded models, no files), a checkpoint and batch, or a trace file that
 //! a clipper outside Rust wrote with its claimed norms:
 //!
 //! ```
-//! use candle_core::{DType, Device};
-//! use ghost_oracle::*;
-//! use ghost_oracle_reference::{Batch, Model, Reduction};
+//! use ghost_oracle::{audit, AuditOptions, Case, CheckOptions, Verdict};
 //! use std::path::Path;
 //!
-//! let opts = AuditOptions {
-//!     max_grad_norm: None, // the median true norm, and 0.5× / 2× that
-//!     noise_multiplier: 1.0,
-//!     dtype: DType::F32,
-//!     device: Device::Cpu,
-//!     reduction: Reduction::Mean,
-//! };
-//! let clippers: Vec<Box<dyn Clipper>> = vec![Box::new(TiedGhostClipper), Box::new(GhostClipper)];
+//! // The median true norm as C (and 0.5× / 2× that), σ = 1, f32 on the CPU.
+//! let opts = AuditOptions::default();
+//! let clippers = ghost_oracle::registry::clippers(&["ghost-tied".into(), "ghost".into()]).unwrap();
 //!
-//! // 1. The built-in suite: a tied GPT-2, T = 64, repeated tokens.
-//! let audits = run_audit(&builtin_suite()[1..2], &clippers, &opts, &mut |_, _, _| {}).unwrap();
+//! // 1. The built-in suite: a tied GPT-2, T = 16, repeated tokens.
+//! let audits = audit::run(&audit::builtin_suite()[1..2], &clippers, &opts, &mut |_, _, _| {}).unwrap();
 //! assert_eq!(audits[0].verdict, Verdict::Pass); // exact tied ghost clipping
 //! assert_eq!(audits[1].verdict, Verdict::PrivacyViolation); // the cross term dropped
+//! assert!(audits[1].privacy.actual() > audits[1].privacy.stated_epsilon);
 //!
 //! // 2. A checkpoint directory (config.json + model.safetensors) and a batch.
 //! let dir = Path::new("oracles/golden/cases/tied_l1_h2_t2");
-//! let case = Case {
-//!     name: "tied_l1_h2_t2".into(),
-//!     model: Model::load(dir).unwrap(),
-//!     batch: Batch::load(&dir.join("batch.safetensors")).unwrap(),
-//!     c_multipliers: vec![1.0],
-//! };
-//! let audits = run_audit(&[case], &clippers[..1], &opts, &mut |_, _, _| {}).unwrap();
+//! let case = Case::load(dir, &dir.join("batch.safetensors")).unwrap();
+//! let audits = audit::run([case], &clippers[..1], &opts, &mut |_, _, _| {}).unwrap();
 //! assert_eq!(audits[0].verdict, Verdict::Pass);
 //!
 //! // 3. A trace file with the norms Opacus's per-sample clipper claimed.
 //! let trace = Path::new("oracles/golden/traces/opacus_per_sample.safetensors");
-//! let (audit, precision) = check_trace(trace, None, None).unwrap();
-//! assert_eq!(audit.verdict, Verdict::Pass);
+//! let checked = audit::check_trace(trace, &CheckOptions::default()).unwrap();
+//! assert_eq!(checked.verdict, Verdict::Pass);
 //! ```
 //!
 //! # Writing a clipper
 //!
 //! A backend implements [`Clipper::norms`]; coefficients and the clipped sum have defaults.
-//! The Gram identity every built-in clipper uses is in [`gram`]:
+//! The Gram identity every built-in clipper uses is in [`clippers::gram`]:
 //!
 //! ```
-//! use ghost_oracle::{gram, Clipper, NormReport, Result, Trace};
+//! use ghost_oracle::clippers::gram;
+//! use ghost_oracle::{Clipper, NormReport, Result, Trace};
 //!
 //! /// Standard ghost clipping written by hand: every site's own norm, no cross terms.
 //! struct OwnNormsOnly;
@@ -92,39 +98,24 @@
 //! - [`Verdict::PrivacyViolation`]: some example's clipped contribution c·n*/C exceeds 1 beyond
 //!   rounding: at the stated noise multiplier σ the run really has σ/that.
 //! - [`Verdict::InvalidNorm`]: a NaN, infinite or far negative norm or coefficient.
-//!
-//! [`synthetic`] makes random traces for property tests and fuzzing.
 
 pub mod accountant;
-mod audit;
-mod bench;
-mod clippers;
+pub mod audit;
+pub mod bench;
+pub mod clippers;
 mod error;
-mod judge;
-mod model;
-mod mutants;
-mod report;
+pub mod judge;
+pub mod model;
+pub mod mutants;
+pub mod options;
+pub mod registry;
+pub mod report;
 pub mod synthetic;
-mod trace;
+pub mod trace;
 
-pub use audit::{
-    account, builtin_suite, check_trace, claim_of, median, precision_of, prepare, run as run_audit,
-    worst_case, AuditOptions, Case, ClipperAudit, PreparedCase, SUITE_C_MULTIPLIERS,
-};
-pub use bench::{bench, tied_head_trace, BenchResult};
-pub use clippers::{
-    builtin, clip_coefficients, clipped_sum, gram, Clipped, Clipper, CrossTerm, GhostClipper,
-    MaterializeClipper, NormReport, TiedGhostClipper, BUILTIN_CLIPPERS,
-};
+pub use audit::{AuditOptions, Case, CheckOptions, ClipperAudit};
+pub use clippers::{Clipper, GhostClipper, MaterializeClipper, NormReport, TiedGhostClipper};
 pub use error::{Error, Result};
-pub use judge::{
-    evaluate, Accounting, CaseMetrics, Claim, ExampleMetrics, Judge, Precision, PrivacyReport,
-    Tolerance, Truth, Verdict,
-};
-pub use model::{CandleGpt2, CandleLlama, CandleModel, Extracted};
-pub use mutants::{
-    clipper_by_name, clippers_by_name, kill_matrix, kill_matrix_html, kill_matrix_json,
-    kill_matrix_table, ExpectedVerdict, KillMatrix, Mutant, MutantClipper,
-};
-pub use report::{audit_html, audit_json, audit_junit, audit_tables, reference_table, summary};
-pub use trace::{stored_dtype, write_claimed_trace, ParamSites, Site, SiteKind, SiteSpec, Trace};
+pub use judge::{Judge, Verdict};
+pub use options::{Accounting, AccountingRequest, ClipNorm, NoiseMultiplier};
+pub use trace::{Precision, Trace};

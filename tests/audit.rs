@@ -2,17 +2,15 @@
 //! truth says its dropped cross term matters, and the CLI's JSON / JUnit / gate contracts.
 
 use crate::cli::{gate_on_golden, golden, run, stderr, tmp};
-use candle_core::{DType, Device};
+use candle_core::DType;
+use ghost_oracle::audit::{builtin_suite, median, run as run_audit};
 use ghost_oracle::*;
-use ghost_oracle_reference::{compute, Batch, Model, Options, Reduction};
+use ghost_oracle_reference::{compute, Batch, Model, Options};
 
 fn opts(dtype: DType) -> AuditOptions {
     AuditOptions {
-        max_grad_norm: None,
-        noise_multiplier: 1.0,
-        dtype,
-        device: Device::Cpu,
-        reduction: Reduction::Mean,
+        precision: ghost_oracle::trace::precision_of(dtype).unwrap(),
+        ..AuditOptions::default()
     }
 }
 
@@ -29,7 +27,7 @@ fn golden_cases() -> Vec<Case> {
         }
         cases.push(Case {
             name: dir.file_name().unwrap().to_string_lossy().into_owned(),
-            model: Model::load(&dir).unwrap(),
+            model: ghost_oracle_reference::load::<Model>(&dir).unwrap(),
             batch: Batch::load(&dir.join("batch.safetensors")).unwrap(),
             c_multipliers: vec![0.5, 1.0],
         });

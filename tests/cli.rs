@@ -1,7 +1,7 @@
 //! The binary end to end: outputs against golden files, and every kind of bad input giving a
 //! clear message and exit status 2 (never a panic).
 
-use ghost_oracle_reference::{write_raw, Batch, Gpt2, Gpt2Config, RawTensor};
+use ghost_oracle_reference::{write_raw, Batch, Gpt2, Gpt2Config, Precision, RawTensor};
 use ndarray::array;
 use safetensors::Dtype;
 use std::path::{Path, PathBuf};
@@ -128,6 +128,7 @@ fn valid_case(name: &str) -> (PathBuf, PathBuf) {
         .unwrap();
     let batch = dir.join("batch.safetensors");
     Batch::new(array![[1_i64, 2, 3, 4]], None)
+        .unwrap()
         .save(&batch)
         .unwrap();
     (dir, batch)
@@ -185,12 +186,17 @@ fn config_and_tensor_shapes_disagree() {
 #[test]
 fn unsupported_tensor_dtype() {
     let (dir, batch) = valid_case("dtype");
-    let model = Gpt2::load(&dir).unwrap();
+    let model: Gpt2 = ghost_oracle_reference::load(&dir).unwrap();
     let mut raw: Vec<(String, RawTensor)> = model
         .params
         .tensors()
         .into_iter()
-        .map(|(n, t)| (model.param_name(&n), RawTensor::from_f64(&t, Dtype::F32)))
+        .map(|(n, t)| {
+            (
+                model.param_name(&n),
+                RawTensor::from_f64(&t, Precision::F32),
+            )
+        })
         .collect();
     let ln = raw
         .iter_mut()
@@ -212,15 +218,21 @@ fn unsupported_tensor_dtype() {
 fn ids_outside_the_vocabulary() {
     let (dir, batch) = valid_case("ids");
     Batch::new(array![[1_i64, 2, 11, 4]], None)
+        .unwrap()
         .save(&batch)
         .unwrap();
     expect_input_error(
         &reference_args(&dir, &batch),
         &["input_ids[0][2] = 11", "vocabulary"],
     );
-    Batch::new(array![[1_i64, -3, 1, 4]], None)
-        .save(&batch)
-        .unwrap();
+    // A batch with a negative id cannot be built, only written.
+    let ids = array![[1_i64, -3, 1, 4]].into_dyn();
+    write_raw(
+        &batch,
+        &[("input_ids".into(), RawTensor::from_i64(&ids.view()))],
+        None,
+    )
+    .unwrap();
     expect_input_error(&reference_args(&dir, &batch), &["input_ids[0][1] = -3"]);
 }
 
@@ -228,6 +240,7 @@ fn ids_outside_the_vocabulary() {
 fn sequence_longer_than_n_positions() {
     let (dir, batch) = valid_case("long");
     Batch::new(ndarray::Array2::from_elem((1, 9), 1_i64), None)
+        .unwrap()
         .save(&batch)
         .unwrap();
     expect_input_error(
@@ -243,6 +256,7 @@ fn labels_all_ignored_for_an_example() {
         array![[1_i64, 2, 3, 4], [1, 2, 3, 4]],
         Some(array![[1_i64, 2, 3, 4], [5, -100, -100, -100]]),
     )
+    .unwrap()
     .save(&batch)
     .unwrap();
     expect_input_error(
@@ -254,7 +268,7 @@ fn labels_all_ignored_for_an_example() {
 #[test]
 fn non_finite_weights() {
     let (dir, batch) = valid_case("nan");
-    let mut model = Gpt2::load(&dir).unwrap();
+    let mut model: Gpt2 = ghost_oracle_reference::load(&dir).unwrap();
     model.params.blocks[0].c_fc.weight[(2, 3)] = f64::NAN;
     model.save(&dir, true).unwrap();
     expect_input_error(

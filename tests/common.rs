@@ -7,7 +7,7 @@ use reference::{Batch, Gpt2, Gpt2Config, Options};
 pub fn batch(b: usize, t: usize, vocab: usize, seed: u64) -> Batch {
     let mut rng = reference::SplitMix64::new(seed);
     let ids = Array2::from_shape_fn((b, t), |_| rng.below(vocab.min(6)) as i64);
-    Batch::new(ids, None)
+    Batch::new(ids, None).unwrap()
 }
 
 pub fn tiny(tied: bool, layers: usize, seed: u64) -> Gpt2 {
@@ -62,4 +62,14 @@ pub fn tiny_synthetic_spec() -> ghost_oracle::synthetic::SyntheticSpec {
         leftover_log10: -3.0,
         scale_log10_range: 0.0,
     }
+}
+
+/// C for a test that knows it is positive.
+pub fn cn(c: f64) -> ghost_oracle::ClipNorm {
+    ghost_oracle::ClipNorm::new(c).unwrap()
+}
+
+/// σ for a test that knows it is non-negative.
+pub fn nm(sigma: f64) -> ghost_oracle::NoiseMultiplier {
+    ghost_oracle::NoiseMultiplier::new(sigma).unwrap()
 }

@@ -2,19 +2,18 @@
 //! the CLI contracts of `mutants` and `audit --clipper mutant:NAME --gate`.
 
 use crate::cli::{gate_on_golden, run, stderr, tmp};
-use candle_core::{DType, Device};
+use candle_core::DType;
+use ghost_oracle::audit::{builtin_suite, kill_matrix, run as run_audit};
+use ghost_oracle::mutants::{Mutant, MutantClipper};
+use ghost_oracle::report::kill_matrix_table;
 use ghost_oracle::*;
-use ghost_oracle_reference::Reduction;
 
 #[test]
 fn kill_matrix_catches_every_mutant_without_false_alarms() {
     for dtype in [DType::F32, DType::F64] {
         let opts = AuditOptions {
-            max_grad_norm: None,
-            noise_multiplier: 1.0,
-            dtype,
-            device: Device::Cpu,
-            reduction: Reduction::Mean,
+            precision: ghost_oracle::trace::precision_of(dtype).unwrap(),
+            ..AuditOptions::default()
         };
         let m = kill_matrix(&builtin_suite(), &opts, &mut |_, _, _| {}).unwrap();
         assert!(m.ok(), "{dtype:?}\n{}", kill_matrix_table(&m));
@@ -41,11 +40,8 @@ fn t1_effective_cases_hide_the_bias_and_repeat_bugs() {
     // behaves as T = 1, where ‖ΔΔᵀ‖_F = Σ(ΔΔᵀ) and no token repeats. Both bugs must slip through
     // there (the reason a T = 1 test suite missed them) and be caught at longer T.
     let opts = AuditOptions {
-        max_grad_norm: None,
-        noise_multiplier: 1.0,
-        dtype: DType::F64,
-        device: Device::Cpu,
-        reduction: Reduction::Mean,
+        precision: Precision::F64,
+        ..AuditOptions::default()
     };
     let suite = builtin_suite();
     for m in [Mutant::BiasFrobenius, Mutant::NoRepeatMerge] {

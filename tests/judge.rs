@@ -6,8 +6,9 @@
 //! none comes from the judge code it tests. The truths and tolerances of the verdict tests are
 //! built field by field, so each rule can be put exactly on its boundary.
 
-use crate::common::{batch, reference_with_trace, tiny};
-use ghost_oracle::{evaluate, CaseMetrics, Claim, Judge, Precision, Tolerance, Truth, Verdict};
+use crate::common::{batch, cn, nm, reference_with_trace, tiny};
+use ghost_oracle::judge::{evaluate, Arithmetic, CaseMetrics, Claim, Tolerance, Truth};
+use ghost_oracle::{Judge, Precision, Verdict};
 use ghost_oracle_reference::{
     ExampleReport, Reduction, Reference, Site, SiteKind, SiteSpec, Trace as RefTrace,
 };
@@ -53,6 +54,10 @@ fn tolerance(norms: &[f64], bounds: &[f64]) -> Tolerance {
         sqrt_width: 0.0,
         seq_len: 0,
         largest_param: 0,
+        // The verdict rules are put on their boundaries with bounds of a few tenths, whose
+        // arithmetic is exact; the cannot-judge rule has its own tests.
+        judgeable_bound: f64::INFINITY,
+        ..Default::default()
     };
     for (i, (&n, &b)) in norms.iter().zip(bounds).enumerate() {
         let got = tol.norm_bound(i, n, U);
@@ -73,7 +78,16 @@ fn claim(norms: &[f64], coefficients: &[f64]) -> Claim {
 }
 
 fn judge(truth: &Truth, tol: &Tolerance, claim: &Claim, c: f64, sigma: f64) -> CaseMetrics {
-    evaluate("hand", truth, tol, claim, c, sigma, U).unwrap()
+    evaluate(
+        "hand",
+        truth,
+        tol,
+        claim,
+        cn(c),
+        nm(sigma),
+        &Arithmetic::Uniform(U),
+    )
+    .unwrap()
 }
 
 fn close(got: f64, want: f64) -> bool {
@@ -384,7 +398,16 @@ fn a_claim_of_the_wrong_length_is_an_error() {
         (vec![1.0, 3.0], vec![1.0, 0.5, 0.75]),
         (vec![1.0, 3.0, 2.0], vec![1.0, 0.5]),
     ] {
-        let err = evaluate("short", &t, &tol, &claim(&norms, &coefs), 1.5, 1.0, U).unwrap_err();
+        let err = evaluate(
+            "short",
+            &t,
+            &tol,
+            &claim(&norms, &coefs),
+            cn(1.5),
+            nm(1.0),
+            &Arithmetic::Uniform(U),
+        )
+        .unwrap_err();
         assert!(
             err.to_string().contains("batch of 3"),
             "{norms:?} {coefs:?}: {err}"
@@ -475,11 +498,29 @@ fn a_clipped_sum_missing_a_parameter_or_of_the_wrong_size_is_an_error() {
     let (t, tol) = sum_case();
     let mut c = sum_claim([1.0, 2.0], 1.5);
     c.clipped_sum.as_mut().unwrap().remove(0);
-    let err = evaluate("sum", &t, &tol, &c, 2.5, 1.0, U).unwrap_err();
+    let err = evaluate(
+        "sum",
+        &t,
+        &tol,
+        &c,
+        cn(2.5),
+        nm(1.0),
+        &Arithmetic::Uniform(U),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("`b`"), "{err}");
     let mut c = sum_claim([1.0, 2.0], 1.5);
     c.clipped_sum.as_mut().unwrap()[1].1.push(0.0);
-    let err = evaluate("sum", &t, &tol, &c, 2.5, 1.0, U).unwrap_err();
+    let err = evaluate(
+        "sum",
+        &t,
+        &tol,
+        &c,
+        cn(2.5),
+        nm(1.0),
+        &Arithmetic::Uniform(U),
+    )
+    .unwrap_err();
     assert!(
         err.to_string().contains("has 3 values; expected 2"),
         "{err}"
@@ -499,6 +540,8 @@ fn bare_tolerance() -> Tolerance {
         sqrt_width: 0.0,
         seq_len: 0,
         largest_param: 0,
+        judgeable_bound: f64::INFINITY,
+        ..Default::default()
     }
 }
 
@@ -768,7 +811,7 @@ fn the_true_clipped_sum_is_rebuilt_from_the_factors_in_the_parameters_layout() {
         clipped_sum: Some(hand_sum(2.0)),
     };
     let m = judge
-        .evaluate("hand", &claim, n, 1.0, Precision::F64)
+        .evaluate("hand", &claim, cn(n), nm(1.0), Precision::F64)
         .unwrap();
     assert_eq!(m.verdict, Verdict::Pass);
     assert_eq!(m.clipped_sum_rel_err, Some(0.0));
@@ -776,14 +819,14 @@ fn the_true_clipped_sum_is_rebuilt_from_the_factors_in_the_parameters_layout() {
     // bound.
     claim.clipped_sum.as_mut().unwrap()[4].1[3] += 3.0;
     let m = judge
-        .evaluate("hand", &claim, n, 1.0, Precision::F64)
+        .evaluate("hand", &claim, cn(n), nm(1.0), Precision::F64)
         .unwrap();
     assert_eq!(m.verdict, Verdict::UtilityDistortion);
     assert_close_opt(m.clipped_sum_rel_err, 3.0 / (2.0 * n));
     // The sum of G alone (half of S*) is the wrong sum everywhere.
     claim.clipped_sum = Some(hand_sum(1.0));
     let m = judge
-        .evaluate("hand", &claim, n, 1.0, Precision::F64)
+        .evaluate("hand", &claim, cn(n), nm(1.0), Precision::F64)
         .unwrap();
     assert_close_opt(m.clipped_sum_rel_err, 0.5);
 }
@@ -921,7 +964,7 @@ fn an_example_with_a_zero_gradient_and_an_exact_zero_claim_passes() {
         clipped_sum: None,
     };
     let m = judge
-        .evaluate("zero", &exact, c, 1.0, Precision::F64)
+        .evaluate("zero", &exact, cn(c), nm(1.0), Precision::F64)
         .unwrap();
     assert_eq!(m.verdict, Verdict::Pass, "{:?}", m.examples[1]);
     assert_eq!(m.examples[1].err_units, 0.0);
@@ -930,7 +973,7 @@ fn an_example_with_a_zero_gradient_and_an_exact_zero_claim_passes() {
         ..exact
     };
     let m = judge
-        .evaluate("zero", &off, c, 1.0, Precision::F64)
+        .evaluate("zero", &off, cn(c), nm(1.0), Precision::F64)
         .unwrap();
     assert_eq!(m.verdict, Verdict::UtilityDistortion);
     assert_eq!(m.worst_example, 1);
@@ -977,14 +1020,14 @@ fn a_table_larger_than_a_block_is_judged_block_by_block_with_every_row_in_its_pl
         clipped_sum: Some(vec![("wte".to_string(), sum)]),
     };
     let m = judge
-        .evaluate("big", &claim, c, 1.0, Precision::F64)
+        .evaluate("big", &claim, cn(c), nm(1.0), Precision::F64)
         .unwrap();
     assert_eq!(m.clipped_sum_rel_err, Some(0.0));
     assert_eq!(m.verdict, Verdict::Pass);
     // The last value of the table off by 6: ‖S − S*‖ = 6 of ‖S*‖ = √(3·16·4) = √192.
     claim.clipped_sum.as_mut().unwrap()[0].1[v * d - 1] += 6.0;
     let m = judge
-        .evaluate("big", &claim, c, 1.0, Precision::F64)
+        .evaluate("big", &claim, cn(c), nm(1.0), Precision::F64)
         .unwrap();
     assert_close_opt(m.clipped_sum_rel_err, 6.0 / 192f64.sqrt());
     assert_eq!(m.verdict, Verdict::UtilityDistortion);

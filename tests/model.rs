@@ -3,6 +3,8 @@
 
 use crate::common::*;
 use candle_core::{DType, Device, Tensor};
+use ghost_oracle::model::{CandleGpt2, CandleModel};
+use ghost_oracle::trace::SiteSpec;
 use ghost_oracle::*;
 use ghost_oracle_reference::{
     Batch, Llama, LlamaConfig, LlamaFlavor, Model, Reduction, RopeScaling, SiteKind, EMBED_TOKENS,
@@ -28,8 +30,9 @@ crate::device_test!(
     |device| {
         for (tied, reduction) in [(true, Reduction::Mean), (false, Reduction::Sum)] {
             let model = tiny(tied, 2, 11);
-            let mut b = batch(3, 7, 23, 12);
-            b.labels[(1, 3)] = ghost_oracle_reference::IGNORE;
+            let (ids, mut labels) = batch(3, 7, 23, 12).into_parts();
+            labels[(1, 3)] = ghost_oracle_reference::IGNORE;
+            let b = Batch::new(ids, Some(labels)).unwrap();
             let r = assert_matches_reference("gpt2", &model.clone().into(), &b, reduction, device);
             // The family type on its own computes the same thing as through `CandleModel`.
             let ex = CandleGpt2::from_reference(&model, DType::F64, device)
@@ -177,9 +180,9 @@ fn tiny_llama3_rope() -> Llama {
 
 /// A batch with an ignored label in the second example.
 fn llama_batch(vocab: usize, seed: u64) -> Batch {
-    let mut b = batch(3, 9, vocab, seed);
-    b.labels[(1, 4)] = ghost_oracle_reference::IGNORE;
-    b
+    let (ids, mut labels) = batch(3, 9, vocab, seed).into_parts();
+    labels[(1, 4)] = ghost_oracle_reference::IGNORE;
+    Batch::new(ids, Some(labels)).unwrap()
 }
 
 fn count_kind(t: &ghost_oracle_reference::Trace, kind: SiteKind) -> usize {
@@ -335,8 +338,9 @@ crate::device_test!(
 fn a_batch_that_does_not_fit_the_llama_is_an_error_not_a_panic() {
     let model: Model = tiny_llama_gqa().into();
     let m = CandleModel::from_reference(&model, DType::F32, &Device::Cpu).unwrap();
-    let mut b = llama_batch(19, 46);
-    b.input_ids[(2, 1)] = 19;
+    let (mut ids, labels) = llama_batch(19, 46).into_parts();
+    ids[(2, 1)] = 19;
+    let b = Batch::new(ids, Some(labels)).unwrap();
     let err = m.extract(&b, Reduction::Mean).err().unwrap().to_string();
     assert!(err.contains("input_ids[2][1] = 19"), "{err}");
     let long = batch(1, 65, 19, 47);

@@ -3,8 +3,14 @@
 //! cancellation. `PROPTEST_CASES=10000 cargo test --release --test integration false_alarm --
 //! --nocapture` runs the long sweep.
 
+use crate::common::{cn, nm};
 use candle_core::{DType, Device};
+use ghost_oracle::audit::{claim_of, median};
+use ghost_oracle::clippers::{clip_coefficients, clipped_sum, gram, Clipped};
+use ghost_oracle::judge::{Tolerance, JUDGEABLE_BOUND};
+use ghost_oracle::mutants::{Mutant, MutantClipper};
 use ghost_oracle::synthetic::{synthetic_trace, SyntheticSpec};
+use ghost_oracle::trace::SiteKind;
 use ghost_oracle::*;
 use ghost_oracle_reference::Trace as RefTrace;
 use proptest::prelude::*;
@@ -158,11 +164,11 @@ proptest! {
         let c = truth.norms.iter().cloned().fold(f64::INFINITY, f64::min) * 0.5; // every example clipped
         let claim = |scale: &dyn Fn(usize) -> f64| {
             let norms: Vec<f64> = truth.norms.iter().enumerate().map(|(i, n)| n * scale(i)).collect();
-            let coefficients = clip_coefficients(&norms, c);
+            let coefficients = clip_coefficients(&norms, cn(c));
             let clipped_sum = clipped_sum(&trace, &coefficients).unwrap();
             let report = NormReport { norms, ..Default::default() };
             let claim = claim_of(Clipped { report, coefficients, clipped_sum }).unwrap();
-            judge.evaluate("prop", &claim, c, 1.0, Precision::F64).unwrap()
+            judge.evaluate("prop", &claim, cn(c), nm(1.0), Precision::F64).unwrap()
         };
         let exact = claim(&|_| 1.0);
         prop_assert_eq!(exact.verdict, Verdict::Pass);
@@ -185,56 +191,135 @@ proptest! {
     }
 }
 
-/// Correct clippers in f32 and f64 are never flagged on random shapes, T = 1 upwards, repeated
-/// ids, scales over six decades and near-total cancellation of the tied paths; f16-gram is.
+/// What the false-alarm sweep saw, per precision.
+#[derive(Default)]
+struct SweepStats {
+    cases: usize,
+    /// Largest error in units of the bound of a correct clipper.
+    max_units: f64,
+    /// Largest relative bound on a judgeable norm.
+    max_bound: f64,
+    /// Cases a correct clipper's verdict was cannot-judge (the bound above a tenth of a norm).
+    cannot_judge: usize,
+    f16_caught: usize,
+}
+
+/// Correct clippers in f64, f32 and bf16 are never flagged on random shapes, T = 1 upwards,
+/// repeated ids, scales over six decades and near-total cancellation of the tied paths: each
+/// passes, or where the cancellation makes the bound useless the verdict is cannot-judge, never
+/// a wrong verdict; f16-gram is caught in f32. bf16 clippers read the trace rounded to bf16
+/// and are judged against the truth of exactly those factors, as `audit --dtype bf16` does. The
+/// runner is seeded, so CI never flakes; `PROPTEST_CASES=10000` runs the long sweep.
 #[test]
 fn false_alarm_sweep() {
-    let mut runner = TestRunner::new(Config::default());
-    let stats = std::cell::RefCell::new((0usize, 0.0f64, 0usize));
+    use proptest::test_runner::{RngAlgorithm, TestRng};
+    let mut runner = TestRunner::new_with_rng(
+        Config::default(),
+        TestRng::deterministic_rng(RngAlgorithm::ChaCha),
+    );
+    let precisions = [Precision::F64, Precision::F32, Precision::BF16];
+    let stats: std::cell::RefCell<Vec<SweepStats>> =
+        std::cell::RefCell::new(precisions.iter().map(|_| SweepStats::default()).collect());
     let result = runner.run(&spec_strategy(), |(spec, seed)| {
         let rt = synthetic_trace(&spec, seed);
-        let judge =
-            Judge::from_trace(rt.clone()).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let c = median(&judge.truth.norms);
-        for dtype in [DType::F32, DType::F64] {
-            let trace = to_candle(&rt, dtype);
+        let judge_of =
+            |t: RefTrace| Judge::from_trace(t).map_err(|e| TestCaseError::fail(e.to_string()));
+        let exact = judge_of(rt.clone())?;
+        let c = median(&exact.truth.norms);
+        for (k, &precision) in precisions.iter().enumerate() {
+            let dtype = ghost_oracle::trace::candle_dtype(precision);
+            let (judge, trace) = match precision {
+                Precision::BF16 | Precision::F16 => {
+                    let rounded = rt.rounded(precision);
+                    (judge_of(rounded.clone())?, to_candle(&rounded, dtype))
+                }
+                Precision::F32 | Precision::F64 => (exact.clone(), to_candle(&rt, dtype)),
+            };
+            let Some(c) = ClipNorm::new(c).ok() else {
+                continue;
+            };
             let verdict_of = |clipper: &dyn Clipper| {
                 let claim = claim_of(clipper.clip(&trace, c).unwrap()).unwrap();
                 judge
-                    .evaluate("sweep", &claim, c, 1.0, precision_of(dtype))
+                    .evaluate("sweep", &claim, c, nm(1.0), precision)
                     .unwrap()
             };
+            let mut st = stats.borrow_mut();
+            let mut unjudgeable = false;
             for clipper in [&TiedGhostClipper as &dyn Clipper, &MaterializeClipper] {
                 let m = verdict_of(clipper);
-                prop_assert_eq!(
-                    m.verdict,
-                    Verdict::Pass,
-                    "{} {:?}: {:?} {:?}",
+                let allowed = match m.verdict {
+                    Verdict::Pass => true,
+                    // Only where the bound itself is past use, and never hiding an error the
+                    // judgeable examples show.
+                    Verdict::CannotJudge => {
+                        m.max_bound > JUDGEABLE_BOUND
+                            && m.examples
+                                .iter()
+                                .all(|e| !e.judgeable || e.err_units <= 1.0)
+                    }
+                    Verdict::UtilityDistortion
+                    | Verdict::PrivacyViolation
+                    | Verdict::InvalidNorm => false,
+                };
+                prop_assert!(
+                    allowed,
+                    "{} {:?}: {:?} {:?} {:?}",
                     clipper.name(),
-                    dtype,
+                    precision,
+                    m.verdict,
                     spec,
                     m.examples[m.worst_example]
                 );
-                let mut st = stats.borrow_mut();
-                st.1 = st.1.max(m.max_err_units);
+                unjudgeable |= m.verdict == Verdict::CannotJudge;
+                for e in m.examples.iter().filter(|e| e.judgeable) {
+                    st[k].max_units = st[k].max_units.max(e.err_units);
+                    st[k].max_bound = st[k].max_bound.max(e.bound);
+                }
             }
-            if dtype == DType::F32 {
+            st[k].cannot_judge += usize::from(unjudgeable);
+            if precision == Precision::F32 {
                 let m = verdict_of(&MutantClipper(Mutant::F16Gram));
-                stats.borrow_mut().2 += (m.verdict != Verdict::Pass) as usize;
+                st[k].f16_caught += usize::from(m.verdict != Verdict::Pass);
             }
+            st[k].cases += 1;
         }
-        stats.borrow_mut().0 += 1;
         Ok(())
     });
-    let (cases, max_units, f16_caught) = *stats.borrow();
-    eprintln!(
-        "false-alarm sweep: {cases} cases, 0 false alarms, largest error {max_units:.3e} of the bound; f16-gram caught on {f16_caught}/{cases}"
-    );
+    for (p, st) in precisions.iter().zip(stats.borrow().iter()) {
+        eprintln!(
+            "false-alarm sweep, {p}: {} cases, 0 false alarms, largest error {:.3e} of the bound, largest judgeable bound {:.3e} of the norm, {} cannot-judge{}",
+            st.cases,
+            st.max_units,
+            st.max_bound,
+            st.cannot_judge,
+            if *p == Precision::F32 {
+                format!("; f16-gram caught on {}/{}", st.f16_caught, st.cases)
+            } else {
+                String::new()
+            }
+        );
+    }
     result.unwrap();
-    assert!(max_units < 1.0);
+    let stats = stats.borrow();
+    for (p, st) in precisions.iter().zip(stats.iter()) {
+        assert!(st.max_units < 1.0, "{p}");
+        assert!(st.cases > 0, "{p}");
+        // The deliberate near-total cancellation can make a bound useless; most cases must
+        // still be judged.
+        assert!(
+            st.cannot_judge * 4 < st.cases,
+            "{p}: {} of {}",
+            st.cannot_judge,
+            st.cases
+        );
+    }
+    let f32 = &stats[1];
     assert!(
-        f16_caught * 10 >= cases * 8,
-        "f16-gram caught on only {f16_caught}/{cases}"
+        f32.f16_caught * 10 >= f32.cases * 8,
+        "f16-gram caught on only {}/{}",
+        f32.f16_caught,
+        f32.cases
     );
 }
 
@@ -269,9 +354,14 @@ fn the_production_no_repeat_merge_bug_is_caught_by_the_identity_and_the_judge() 
     );
     let judge = Judge::from_trace(rt.clone()).unwrap();
     let c = median(&judge.truth.norms);
-    let claim = claim_of(MutantClipper(Mutant::NoRepeatMerge).clip(&t, c).unwrap()).unwrap();
+    let claim = claim_of(
+        MutantClipper(Mutant::NoRepeatMerge)
+            .clip(&t, cn(c))
+            .unwrap(),
+    )
+    .unwrap();
     let m = judge
-        .evaluate("repeats", &claim, c, 1.0, Precision::F64)
+        .evaluate("repeats", &claim, cn(c), nm(1.0), Precision::F64)
         .unwrap();
     assert_ne!(
         m.verdict,

@@ -3,7 +3,7 @@
 
 use crate::cli::{expect_input_error, golden, run, stderr, tmp};
 use ghost_oracle::synthetic::{synthetic_trace, SyntheticSpec};
-use ghost_oracle_reference::{read_trace, write_trace, Dtype, TraceMeta};
+use ghost_oracle_reference::{read_trace, write_trace, Precision, TraceMeta};
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -112,13 +112,22 @@ proptest! {
             clipper: Some("prop".into()),
             claimed_norms: (0..b).map(|i| 1.0 + i as f64).collect(),
             claimed_coefficients: Some(vec![0.5; b]),
-            dtype: Dtype::F64,
-            compute_dtype: Some(Dtype::F32),
+            dtype: Precision::F64,
+            compute_dtype: Some(Precision::F32),
+            // Every other site says it computed in bf16 (a matmul under autocast).
+            site_compute_dtypes: (0..t.sites.len())
+                .map(|j| (j % 2 == 1).then_some(Precision::BF16))
+                .collect(),
+            site_dtypes: vec![Precision::F64; t.sites.len()],
         };
         let path = tmp("roundtrip").join("t.safetensors");
         write_trace(&path, &t, &meta).unwrap();
         let (back, back_meta) = read_trace(&path).unwrap();
         prop_assert_eq!(&back_meta, &meta);
+        let judged: Vec<Precision> = (0..t.sites.len())
+            .map(|j| if j % 2 == 1 { Precision::BF16 } else { Precision::F32 })
+            .collect();
+        prop_assert_eq!(back_meta.site_precisions(), judged);
         prop_assert_eq!(back.sites.len(), t.sites.len());
         for (a, b) in back.sites.iter().zip(&t.sites) {
             prop_assert_eq!(&a.spec, &b.spec);
@@ -144,8 +153,10 @@ fn valid_raw() -> RawTrace {
         clipper: None,
         claimed_norms: vec![1.0, 2.0],
         claimed_coefficients: None,
-        dtype: Dtype::F32,
+        dtype: Precision::F32,
         compute_dtype: None,
+        site_compute_dtypes: Vec::new(),
+        site_dtypes: Vec::new(),
     };
     let path = tmp("valid-raw").join("t.safetensors");
     write_trace(&path, &t, &meta).unwrap();
@@ -347,7 +358,7 @@ fn a_mixed_precision_trace_is_judged_at_its_least_precise_site() {
         .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
         .collect();
     let (_, meta) = read_trace(&r.write("mixed")).unwrap();
-    assert_eq!(meta.dtype, Dtype::F16);
+    assert_eq!(meta.dtype, Precision::F16);
     let o = run(&["check", r.write("mixed2").to_str().unwrap()]);
     assert!(
         String::from_utf8_lossy(&o.stdout).contains("(f16, trace file)"),

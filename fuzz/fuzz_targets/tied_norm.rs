@@ -5,7 +5,8 @@
 
 use arbitrary::Arbitrary;
 use candle_core::{DType, Device};
-use ghost_oracle::{claim_of, Clipper, Judge, Precision, TiedGhostClipper, Trace, Verdict};
+use ghost_oracle::audit::claim_of;
+use ghost_oracle::{ClipNorm, Clipper, Judge, NoiseMultiplier, Precision, TiedGhostClipper, Trace, Verdict};
 use ghost_oracle_reference::{Site, SiteKind, SiteSpec, Trace as RefTrace};
 use libfuzzer_sys::fuzz_target;
 use ndarray::{Array2, Array3};
@@ -72,9 +73,9 @@ fuzz_target!(|inp: Input| {
     if truth.norms.iter().any(|n| *n == 0.0 || !n.is_finite()) {
         return;
     }
-    let c = truth.norms[0];
+    let c = ClipNorm::new(truth.norms[0]).expect("a positive, finite norm");
     let clipped = TiedGhostClipper.clip(&trace, c).expect("clipping a valid trace");
     let claim = claim_of(clipped).expect("f64 claim");
-    let m = judge.evaluate("fuzz", &claim, c, 1.0, Precision::F64).expect("evaluate");
+    let m = judge.evaluate("fuzz", &claim, c, NoiseMultiplier::ONE, Precision::F64).expect("evaluate");
     assert_eq!(m.verdict, Verdict::Pass, "{:?}", m.examples[m.worst_example]);
 });

@@ -1,27 +1,63 @@
 //! A batch of token sequences and the causal-LM targets derived from it.
 
-use crate::decoder::HasDims;
-use crate::error::{bail, Result};
+use crate::decoder::{Dims, HasDims};
+use crate::error::{bail, Error, Result};
 use crate::io::{write_raw, RawTensor};
 use crate::tensors;
 use ndarray::{Array2, Ix2};
+use std::ops::Range;
 use std::path::Path;
 
 /// The value HF uses for a label that takes no part in the loss.
 pub const IGNORE: i64 = -100;
 
+/// B×T token ids and labels. Every id is ≥ 0 and every label is ≥ 0 or [`IGNORE`] (checked when
+/// the batch is built, so that no id is ever cast to an index unchecked); whether they fit a
+/// model's vocabulary is checked against the model ([`Batch::validate`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
-    /// B×T token ids.
-    pub input_ids: Array2<i64>,
-    /// B×T labels (`IGNORE` = not a target); the logits at t predict `labels[t + 1]`.
-    pub labels: Array2<i64>,
+    input_ids: Array2<i64>,
+    /// `IGNORE` = not a target; the logits at t predict `labels[t + 1]`.
+    labels: Array2<i64>,
 }
 
 impl Batch {
-    pub fn new(input_ids: Array2<i64>, labels: Option<Array2<i64>>) -> Self {
+    /// A batch of `input_ids` (B×T) with `labels` of the same shape (`None`: the ids themselves,
+    /// as HF's causal-LM models take them). A negative id, a label that is neither ≥ 0 nor
+    /// [`IGNORE`], or labels of another shape are refused, naming the tensor and the entry.
+    pub fn new(input_ids: Array2<i64>, labels: Option<Array2<i64>>) -> Result<Self> {
+        if let Some(l) = &labels {
+            if l.shape() != input_ids.shape() {
+                bail!(
+                    "`labels` has shape {:?} but `input_ids` has {:?}",
+                    l.shape(),
+                    input_ids.shape()
+                );
+            }
+        }
+        if let Some(((i, j), x)) = input_ids.indexed_iter().find(|(_, &x)| x < 0) {
+            bail!("input_ids[{i}][{j}] = {x} is negative; a token id indexes the vocabulary");
+        }
         let labels = labels.unwrap_or_else(|| input_ids.clone());
-        Batch { input_ids, labels }
+        if let Some(((i, j), y)) = labels.indexed_iter().find(|(_, &y)| y < 0 && y != IGNORE) {
+            bail!("labels[{i}][{j}] = {y} is neither -100 (ignored) nor a token id (≥ 0)");
+        }
+        Ok(Batch { input_ids, labels })
+    }
+
+    /// B×T token ids, every one ≥ 0.
+    pub fn input_ids(&self) -> &Array2<i64> {
+        &self.input_ids
+    }
+
+    /// B×T labels, each ≥ 0 or [`IGNORE`]; the logits at t predict `labels[t + 1]`.
+    pub fn labels(&self) -> &Array2<i64> {
+        &self.labels
+    }
+
+    /// The ids and the labels, to be changed and checked again by [`Batch::new`].
+    pub fn into_parts(self) -> (Array2<i64>, Array2<i64>) {
+        (self.input_ids, self.labels)
     }
 
     pub fn len(&self) -> usize {
@@ -37,6 +73,7 @@ impl Batch {
     }
 
     pub fn ids(&self, example: usize) -> Vec<usize> {
+        // Non-negative by construction.
         self.input_ids
             .row(example)
             .iter()
@@ -47,6 +84,7 @@ impl Batch {
     /// `(position t, target)` for every kept target of an example: logits at t predict labels[t+1].
     pub fn targets(&self, example: usize) -> Vec<(usize, usize)> {
         let row = self.labels.row(example);
+        // Every label that is not IGNORE is non-negative by construction.
         (0..self.seq_len().saturating_sub(1))
             .filter(|&t| row[t + 1] != IGNORE)
             .map(|t| (t, row[t + 1] as usize))
@@ -84,7 +122,7 @@ impl Batch {
                 bail!("{label}: unexpected tensor `{name}`; a batch holds `input_ids` and optionally `labels`");
             }
         }
-        Ok(Batch::new(ids, labels))
+        Batch::new(ids, labels).map_err(|e| Error::new(format!("{label}: {e}")))
     }
 
     pub fn save(&self, path: &Path) -> Result<()> {
@@ -103,38 +141,80 @@ impl Batch {
 
     /// Checks the batch against a model or config; `label` names the source in messages.
     pub fn validate<C: HasDims + ?Sized>(&self, cfg: &C, label: &str) -> Result<()> {
-        let cfg = cfg.dims();
+        let dims = cfg.dims();
+        self.check_sizes(&dims, label)?;
+        let all = 0..self.len();
+        self.check_ids(&dims, all.clone(), label)?;
+        self.check_labels(&dims, all.clone(), label)?;
+        self.check_targets(all, label)
+    }
+
+    /// The checks of [`Batch::validate`] that concern one example: what running it through the
+    /// model needs.
+    pub(crate) fn check_example(&self, dims: &Dims, example: usize) -> Result<()> {
+        let label = "batch";
+        if example >= self.len() {
+            bail!(
+                "{label}: example {example} is outside the batch of {} examples",
+                self.len()
+            );
+        }
+        self.check_sizes(dims, label)?;
+        let one = example..example + 1;
+        self.check_ids(dims, one.clone(), label)?;
+        self.check_labels(dims, one.clone(), label)?;
+        self.check_targets(one, label)
+    }
+
+    fn check_sizes(&self, dims: &Dims, label: &str) -> Result<()> {
         let (b, t) = self.input_ids.dim();
         if b == 0 || t == 0 {
             bail!("{label}: `input_ids` is empty ({b}×{t})");
         }
-        if t > cfg.max_positions {
+        if t > dims.max_positions {
             bail!(
                 "{label}: sequence length {t} exceeds the model's {} = {}",
-                cfg.positions_key,
-                cfg.max_positions
+                dims.positions_key,
+                dims.max_positions
             );
         }
         if t < 2 {
             bail!("{label}: sequence length 1 has no causal-LM target (logits at t predict the token at t+1)");
         }
-        for ((i, j), &x) in self.input_ids.indexed_iter() {
-            if x < 0 || x as usize >= cfg.vocab_size {
-                bail!(
-                    "{label}: input_ids[{i}][{j}] = {x} is outside the vocabulary 0..{}",
-                    cfg.vocab_size
-                );
+        Ok(())
+    }
+
+    fn check_ids(&self, dims: &Dims, examples: Range<usize>, label: &str) -> Result<()> {
+        for i in examples {
+            for (j, &x) in self.input_ids.row(i).indexed_iter() {
+                if x < 0 || x as usize >= dims.vocab_size {
+                    bail!(
+                        "{label}: input_ids[{i}][{j}] = {x} is outside the vocabulary 0..{}",
+                        dims.vocab_size
+                    );
+                }
             }
         }
-        for ((i, j), &y) in self.labels.indexed_iter() {
-            if y != IGNORE && (y < 0 || y as usize >= cfg.vocab_size) {
-                bail!(
-                    "{label}: labels[{i}][{j}] = {y} is neither -100 (ignored) nor in the vocabulary 0..{}",
-                    cfg.vocab_size
-                );
+        Ok(())
+    }
+
+    fn check_labels(&self, dims: &Dims, examples: Range<usize>, label: &str) -> Result<()> {
+        for i in examples {
+            for (j, &y) in self.labels.row(i).indexed_iter() {
+                if y != IGNORE && (y < 0 || y as usize >= dims.vocab_size) {
+                    bail!(
+                        "{label}: labels[{i}][{j}] = {y} is neither -100 (ignored) nor in the vocabulary 0..{}",
+                        dims.vocab_size
+                    );
+                }
             }
         }
-        for i in 0..b {
+        Ok(())
+    }
+
+    fn check_targets(&self, examples: Range<usize>, label: &str) -> Result<()> {
+        let t = self.seq_len();
+        for i in examples {
             if self.targets(i).is_empty() {
                 bail!("{label}: example {i} has no target: every label at positions 1..{t} is -100, so its loss is undefined");
             }

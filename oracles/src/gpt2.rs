@@ -2,14 +2,15 @@
 //! names Hugging Face gives them, learned positions, LayerNorm, fused-QKV Conv1D attention and a
 //! `gelu_new` MLP.
 
-use crate::config::Gpt2Config;
+use crate::checkpoint::{read_checkpoint, write_checkpoint, FromCheckpoint};
 use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 use crate::error::{bail, Result};
+use crate::gpt2_config::Gpt2Config;
 use crate::layers::{gelu_new, gelu_new_grad, Attention, Conv1d, LayerNorm, NormCache, Sites};
-use crate::model::{read_checkpoint, write_checkpoint};
 use crate::rng::SplitMix64;
+use crate::site::SiteKind;
 use crate::tensors;
-use crate::trace::{SiteKind, SiteRecord};
+use crate::trace::SiteRecord;
 use ndarray::{s, Array2, ArrayView2, ArrayViewD, ArrayViewMutD};
 use std::path::Path;
 
@@ -27,7 +28,7 @@ pub struct Block {
 /// tied model `wte` holds the input-embedding path and `lm_head` the head path, which is how the
 /// reference reports the split.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Params {
+pub struct Gpt2Params {
     pub wte: Array2<f64>,
     pub wpe: Array2<f64>,
     pub blocks: Vec<Block>,
@@ -40,7 +41,7 @@ pub struct Params {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gpt2 {
     pub config: Gpt2Config,
-    pub params: Params,
+    pub params: Gpt2Params,
     /// `"transformer."` for `GPT2LMHeadModel` checkpoints, `""` for original hub files.
     pub prefix: String,
 }
@@ -63,10 +64,10 @@ const BLOCK_PARTS: [&str; 12] = [
 
 const WTE: &str = "wte.weight";
 
-impl Params {
+impl Gpt2Params {
     pub fn zeros(cfg: &Gpt2Config, with_head: bool) -> Self {
         let (d, i) = (cfg.n_embd, cfg.n_inner);
-        Params {
+        Gpt2Params {
             wte: Array2::zeros((cfg.vocab_size, d)),
             wpe: Array2::zeros((cfg.n_positions, d)),
             blocks: (0..cfg.n_layer)
@@ -184,13 +185,13 @@ impl Params {
     }
 }
 
-impl ParamSet for Params {
+impl ParamSet for Gpt2Params {
     fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
-        Params::tensors(self)
+        Gpt2Params::tensors(self)
     }
 
     fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
-        Params::tensors_mut(self)
+        Gpt2Params::tensors_mut(self)
     }
 
     fn token_embedding(&self) -> &Array2<f64> {
@@ -215,7 +216,7 @@ impl Gpt2 {
     /// and biases N(0, 0.1²) so that every parameter, LayerNorm included, has a generic gradient.
     pub fn random(config: Gpt2Config, seed: u64, init_std: f64) -> Self {
         let mut rng = SplitMix64::new(seed);
-        let mut params = Params::zeros(&config, !config.tie_word_embeddings);
+        let mut params = Gpt2Params::zeros(&config, !config.tie_word_embeddings);
         for (name, mut t) in params.tensors_mut() {
             let is_ln = name.contains("ln_");
             let is_ln_weight = is_ln && name.ends_with("weight");
@@ -255,20 +256,6 @@ impl Gpt2 {
         DecoderModel::head(self)
     }
 
-    /// Loads `config.json` and `model.safetensors` from an HF checkpoint directory.
-    pub fn load(dir: &Path) -> Result<Self> {
-        if !dir.is_dir() {
-            bail!(
-                "model directory {} does not exist or is not a directory",
-                dir.display()
-            );
-        }
-        let config = Gpt2Config::from_file(&dir.join("config.json"))?;
-        let path = dir.join("model.safetensors");
-        let bytes = tensors::read_bytes(&path, "checkpoint")?;
-        Self::from_parts(config, &bytes, &path.display().to_string())
-    }
-
     /// Builds a model from a parsed config and the contents of `model.safetensors`.
     pub fn from_parts(config: Gpt2Config, bytes: &[u8], label: &str) -> Result<Self> {
         let st = tensors::parse(bytes, label)?;
@@ -287,7 +274,7 @@ impl Gpt2 {
                 format!("{prefix}{local}")
             }
         };
-        let layout: Vec<(String, Vec<usize>)> = Params::layout(&config, untied)
+        let layout: Vec<(String, Vec<usize>)> = Gpt2Params::layout(&config, untied)
             .into_iter()
             .map(|(local, shape)| (name(&local), shape))
             .collect();
@@ -295,7 +282,7 @@ impl Gpt2 {
             &st,
             label,
             &layout,
-            || Params::zeros(&config, untied),
+            || Gpt2Params::zeros(&config, untied),
             |n| n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias"),
             config.tie_word_embeddings.then(|| name(WTE)),
             "GPT-2",
@@ -350,6 +337,18 @@ impl HasDims for Gpt2 {
     }
 }
 
+impl FromCheckpoint for Gpt2 {
+    type Config = Gpt2Config;
+
+    fn parse_config(text: &str) -> Result<Gpt2Config> {
+        Gpt2Config::from_json_str(text)
+    }
+
+    fn build(config: Gpt2Config, bytes: &[u8], label: &str) -> Result<Gpt2> {
+        Gpt2::from_parts(config, bytes, label)
+    }
+}
+
 /// What a GPT-2 block keeps from its forward pass.
 pub struct Gpt2BlockCache {
     ln1: NormCache,
@@ -364,19 +363,19 @@ pub struct Gpt2BlockCache {
 }
 
 impl DecoderModel for Gpt2 {
-    type Params = Params;
+    type Params = Gpt2Params;
     type BlockCache = Gpt2BlockCache;
 
-    fn params(&self) -> &Params {
+    fn params(&self) -> &Gpt2Params {
         &self.params
     }
 
-    fn params_mut(&mut self) -> &mut Params {
+    fn params_mut(&mut self) -> &mut Gpt2Params {
         &mut self.params
     }
 
-    fn zero_gradient(&self) -> Params {
-        Params::zeros(&self.config, false)
+    fn zero_gradient(&self) -> Gpt2Params {
+        Gpt2Params::zeros(&self.config, false)
     }
 
     fn param_name(&self, local: &str) -> String {
@@ -401,7 +400,7 @@ impl DecoderModel for Gpt2 {
         &self,
         ids: &[usize],
         dh: ArrayView2<f64>,
-        g: &mut Params,
+        g: &mut Gpt2Params,
         sites: Option<&mut Vec<SiteRecord>>,
     ) {
         for (t, &x) in ids.iter().enumerate() {
@@ -468,7 +467,7 @@ impl DecoderModel for Gpt2 {
         layer: usize,
         c: &Gpt2BlockCache,
         dh: Array2<f64>,
-        g: &mut Params,
+        g: &mut Gpt2Params,
         sites: Option<&mut Vec<SiteRecord>>,
     ) -> Array2<f64> {
         let b = &self.params.blocks[layer];
@@ -530,7 +529,7 @@ impl DecoderModel for Gpt2 {
         &self,
         dy: ArrayView2<f64>,
         cache: &NormCache,
-        g: &mut Params,
+        g: &mut Gpt2Params,
         sites: Option<&mut Vec<SiteRecord>>,
     ) -> Array2<f64> {
         Sites(sites).norm(&self.param_name("ln_f"), true, cache, dy);

@@ -5,9 +5,10 @@
 
 use crate::batch::Batch;
 use crate::decoder::{DecoderModel, ParamSet, LM_HEAD};
-use crate::gpt2::Params;
+use crate::error::Result;
 use crate::layers::NormCache;
-use crate::trace::{SiteKind, SiteRecord};
+use crate::site::SiteKind;
+use crate::trace::SiteRecord;
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2};
 use std::collections::BTreeMap;
@@ -57,9 +58,8 @@ struct Forward<C> {
     logits: Array2<f64>,
 }
 
-/// One example's materialized gradient. `P` is the family's parameter set (GPT-2's [`Params`]
-/// by default).
-pub struct ExampleGradient<P = Params> {
+/// One example's materialized gradient. `P` is the family's parameter set.
+pub struct ExampleGradient<P> {
     pub loss: f64,
     /// Materialized gradient; the token embedding holds the input path and `lm_head` the head
     /// path, also for a tied model.
@@ -99,32 +99,37 @@ fn loss_weight(targets: &[(usize, usize)], reduction: Reduction) -> f64 {
     }
 }
 
-/// The example's loss only (used by the finite-difference checks).
+/// Example `example`'s loss only (used by the finite-difference checks). A batch that does not
+/// fit the model is an error.
 pub fn example_loss<M: DecoderModel + ?Sized>(
     model: &M,
-    ids: &[usize],
-    targets: &[(usize, usize)],
+    batch: &Batch,
+    example: usize,
     reduction: Reduction,
-) -> f64 {
-    let fw = forward(model, ids);
-    let w = loss_weight(targets, reduction);
-    targets
+) -> Result<f64> {
+    batch.check_example(&model.dims(), example)?;
+    let ids = batch.ids(example);
+    let targets = batch.targets(example);
+    let fw = forward(model, &ids);
+    let w = loss_weight(&targets, reduction);
+    Ok(targets
         .iter()
         .map(|&(t, y)| log_sum_exp(fw.logits.row(t)) - fw.logits[(t, y)])
         .sum::<f64>()
-        * w
+        * w)
 }
 
 /// Example `example`'s loss, materialized gradient and (when `record_sites`) its sites: token
 /// embedding(s) first, then every block in order, the final norm, and the head last (kind
-/// `linear`, named `lm_head.weight`, writing the embedding when tied).
+/// `linear`, named `lm_head.weight`, writing the embedding when tied). A batch that does not fit
+/// the model is an error.
 pub fn example_gradient<M: DecoderModel + ?Sized>(
     model: &M,
     batch: &Batch,
     example: usize,
     reduction: Reduction,
     record_sites: bool,
-) -> ExampleGradient<M::Params> {
+) -> Result<ExampleGradient<M::Params>> {
     let mut grad = model.zero_gradient();
     let (loss, sites, _) = example_gradient_into(
         model,
@@ -134,8 +139,8 @@ pub fn example_gradient<M: DecoderModel + ?Sized>(
         record_sites,
         HeadPath::Separate,
         &mut grad,
-    );
-    ExampleGradient { loss, grad, sites }
+    )?;
+    Ok(ExampleGradient { loss, grad, sites })
 }
 
 /// [`example_gradient`] into a gradient buffer that is reused from one example to the next
@@ -143,7 +148,7 @@ pub fn example_gradient<M: DecoderModel + ?Sized>(
 /// `lm_head` (allocated when absent), or, for a tied model with [`HeadPath::Folded`], into the
 /// token embedding, whose split is then returned. A model the size of Qwen2.5-0.5B has a 4 GB
 /// gradient; reusing the buffer saves mapping fresh memory for every example. Returns the loss,
-/// the sites and the split.
+/// the sites and the split; a batch that does not fit the model is an error.
 pub fn example_gradient_into<M: DecoderModel + ?Sized>(
     model: &M,
     batch: &Batch,
@@ -152,7 +157,8 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
     record_sites: bool,
     head_path: HeadPath,
     g: &mut M::Params,
-) -> (f64, Option<Vec<SiteRecord>>, Option<SharedSplit>) {
+) -> Result<(f64, Option<Vec<SiteRecord>>, Option<SharedSplit>)> {
+    batch.check_example(&model.dims(), example)?;
     let folded = head_path == HeadPath::Folded && model.dims().tie_word_embeddings;
     let ids = batch.ids(example);
     let targets = batch.targets(example);
@@ -232,7 +238,7 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
         head.param = model.head_param_name();
         sites.push(head);
     }
-    (loss, record_sites.then_some(sites), split)
+    Ok((loss, record_sites.then_some(sites), split))
 }
 
 /// The split of a tied table whose buffer holds the head path: the input path Σ_t e_{x_t} ⊗ dh_t

@@ -1,6 +1,7 @@
 //! Writing safetensors files (checkpoints, batches, traces) from f64 and i64 arrays.
 
 use crate::error::{Error, Result};
+use crate::precision::Precision;
 use ndarray::ArrayViewD;
 use safetensors::tensor::{Dtype, View};
 use std::borrow::Cow;
@@ -30,19 +31,18 @@ impl View for &RawTensor {
 }
 
 impl RawTensor {
-    pub fn from_f64(a: &ArrayViewD<f64>, dtype: Dtype) -> Self {
+    pub fn from_f64(a: &ArrayViewD<f64>, precision: Precision) -> Self {
         let mut bytes = Vec::new();
         for &v in a.iter() {
-            match dtype {
-                Dtype::F64 => bytes.extend_from_slice(&v.to_le_bytes()),
-                Dtype::F32 => bytes.extend_from_slice(&(v as f32).to_le_bytes()),
-                Dtype::F16 => bytes.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
-                Dtype::BF16 => bytes.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
-                other => panic!("RawTensor::from_f64: {other:?} is not a float dtype"),
+            match precision {
+                Precision::F64 => bytes.extend_from_slice(&v.to_le_bytes()),
+                Precision::F32 => bytes.extend_from_slice(&(v as f32).to_le_bytes()),
+                Precision::F16 => bytes.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+                Precision::BF16 => bytes.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
             }
         }
         RawTensor {
-            dtype,
+            dtype: precision.stored(),
             shape: a.shape().to_vec(),
             bytes,
         }
@@ -76,7 +76,11 @@ pub fn write_f64_tensors(
     f32_weights: bool,
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
-    let dtype = if f32_weights { Dtype::F32 } else { Dtype::F64 };
+    let dtype = if f32_weights {
+        Precision::F32
+    } else {
+        Precision::F64
+    };
     let raw: Vec<(String, RawTensor)> = tensors
         .iter()
         .map(|(n, t)| (n.clone(), RawTensor::from_f64(t, dtype)))

@@ -2,7 +2,8 @@
 //! backward pass and the sites it records. Nothing here is clever: the backward of every block
 //! is the textbook one, so that it can be read against its definition.
 
-use crate::trace::{SiteKind, SiteRecord};
+use crate::site::SiteKind;
+use crate::trace::SiteRecord;
 use ndarray::linalg::general_mat_mul;
 use ndarray::{s, Array1, Array2, ArrayView2, Axis};
 

@@ -2,17 +2,37 @@
 //!
 //! It runs a decoder-only language model — HF GPT-2, Llama or Qwen2, tied or untied — one example
 //! at a time, in f64, with an explicit backward pass, and materializes every parameter's
-//! per-example gradient. One skeleton (`DecoderModel`) serves every family; `Model::load` picks
-//! the family from `config.json`. From those gradients it reports each example's gradient norm,
-//! per-parameter norms and, for a parameter used twice (the tied embedding / LM head), the split ‖g_in‖², ‖g_out‖², ⟨g_in, g_out⟩. It shares no code with the
-//! clippers it judges.
+//! per-example gradient. One skeleton (`DecoderModel`) serves every family; [`load`] reads a
+//! checkpoint directory, and a [`Model`] picks the family from `config.json`. From those
+//! gradients it reports each example's gradient norm, per-parameter norms and, for a parameter
+//! used twice (the tied embedding / LM head), the split ‖g_in‖², ‖g_out‖², ⟨g_in, g_out⟩. It
+//! shares no code with the clippers it judges.
+//!
+//! The concepts, and the files that hold them:
+//!
+//! ```text
+//! model          decoder.rs      the skeleton every family fills in (DecoderModel, ParamSet, Dims)
+//! ├─ gpt2        gpt2.rs, gpt2_config.rs
+//! ├─ llama       llama.rs, llama_config.rs (Llama and Qwen2)
+//! ├─ any family  model.rs        the family `model_type` names (Model)
+//! ├─ layers      layers.rs       norms, projections, attention, each with its backward
+//! └─ checkpoint  checkpoint.rs   config.json + model.safetensors (load); keys.rs reads the config
+//! batch          batch.rs        ids and labels, checked, and the causal-LM targets
+//! reference      gradient.rs     one example's loss and materialized gradient
+//!                reference.rs    a batch's norms and tied splits (compute)
+//! trace          site.rs         one use of a parameter: its kind, spec and gradient shape
+//! ├─ factors     trace.rs        a batch's factors per site, and their brute-force norms
+//! ├─ shapes      trace_shape.rs  the shapes the factors must have, on dimensions alone
+//! └─ file        trace_file.rs   the trace file (read_trace, write_trace)
+//! formats        precision.rs, tensors.rs (reading safetensors), io.rs (writing it)
+//! ```
 //!
 //! ```
 //! use ghost_oracle_reference::{compute, Batch, Gpt2, Gpt2Config, Options};
 //! use ndarray::array;
 //!
 //! let model = Gpt2::random(Gpt2Config::tiny(11, 8, 8, 1, 2), 7, 0.5);
-//! let batch = Batch::new(array![[1_i64, 4, 1, 9]], None);
+//! let batch = Batch::new(array![[1_i64, 4, 1, 9]], None).unwrap();
 //! let r = compute(&model, &batch, &Options::default(), &mut |_, _| {}).unwrap();
 //! let split = r.examples[0].shared[0].1;
 //! let wte = r.examples[0].params[0].1;
@@ -22,45 +42,43 @@
 //! ```
 
 mod batch;
-mod config;
+mod checkpoint;
 mod decoder;
 mod error;
 mod gpt2;
+mod gpt2_config;
 mod gradient;
 mod io;
+mod keys;
 mod layers;
 mod llama;
 mod llama_config;
 mod model;
+mod precision;
 mod reference;
 mod rng;
+mod site;
 mod tensors;
 mod trace;
 mod trace_file;
+mod trace_shape;
 
 pub use batch::{Batch, IGNORE};
-pub use config::Gpt2Config;
-pub use decoder::{DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
+pub use checkpoint::{load, FromCheckpoint};
+pub use decoder::{DecoderModel, Dims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
-pub use gpt2::{Block, Gpt2, Gpt2BlockCache, Params};
-pub use gradient::{
-    example_gradient, example_gradient_into, example_loss, ExampleGradient, HeadPath, Reduction,
-    SharedSplit,
-};
+pub use gpt2::Gpt2;
+pub use gpt2_config::Gpt2Config;
+pub use gradient::{example_gradient, example_gradient_into, example_loss, HeadPath, Reduction};
 pub use io::{write_f64_tensors, write_raw, RawTensor};
-pub use layers::{Conv1d, LayerNorm, Linear, NormCache, RmsNorm};
-pub use llama::{Llama, LlamaBlockCache, LlamaLayer, LlamaParams, EMBED_TOKENS};
+pub use llama::{Llama, EMBED_TOKENS};
 pub use llama_config::{LlamaConfig, LlamaFlavor, RopeScaling};
-pub use model::{Model, ModelConfig, MODEL_TYPES};
-pub use reference::{compute, ExampleReport, ExampleView, Options, Reference, ReferenceModel};
+pub use model::{Model, ModelConfig};
+pub use precision::Precision;
+pub use reference::{compute, ExampleReport, Options, Reference};
 pub use rng::SplitMix64;
 pub use safetensors::Dtype;
-pub use tensors::{
-    parse as parse_safetensors, read_bytes, to_f64 as tensor_f64, to_i64 as tensor_i64,
-    MAX_FILE_BYTES,
-};
-pub use trace::{MaterializedNorm, Site, SiteKind, SiteRecord, SiteSpec, Trace, TraceBuilder};
-pub use trace_file::{
-    gradient_shape, read_trace, read_trace_bytes, write_trace, TraceMeta, MAX_SITE_ENTRIES,
-    MAX_VOCAB, TRACE_FORMAT,
-};
+pub use site::{SiteKind, SiteSpec};
+pub use trace::{Site, Trace};
+pub use trace_file::{read_trace, read_trace_bytes, write_trace, TraceMeta};
+pub use trace_shape::{validate_shapes, IdAt, SiteShape};

@@ -3,11 +3,11 @@
 //! heads, a SwiGLU MLP, no position table. Tensors carry their full checkpoint names
 //! (`model.layers.N.self_attn.q_proj.weight`, ...).
 
+use crate::checkpoint::{read_checkpoint, write_checkpoint, FromCheckpoint};
 use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 use crate::error::{bail, Result};
 use crate::layers::{silu, silu_grad, Attention, Linear, NormCache, RmsNorm, Rope, Sites};
 use crate::llama_config::LlamaConfig;
-use crate::model::{read_checkpoint, write_checkpoint};
 use crate::rng::SplitMix64;
 use crate::tensors;
 use crate::trace::SiteRecord;
@@ -276,20 +276,6 @@ impl Llama {
         Llama { config, params }
     }
 
-    /// Loads `config.json` and `model.safetensors` from an HF checkpoint directory.
-    pub fn load(dir: &Path) -> Result<Self> {
-        if !dir.is_dir() {
-            bail!(
-                "model directory {} does not exist or is not a directory",
-                dir.display()
-            );
-        }
-        let config = LlamaConfig::from_file(&dir.join("config.json"))?;
-        let path = dir.join("model.safetensors");
-        let bytes = tensors::read_bytes(&path, "checkpoint")?;
-        Self::from_parts(config, &bytes, &path.display().to_string())
-    }
-
     /// Builds a model from a parsed config and the contents of `model.safetensors`.
     pub fn from_parts(config: LlamaConfig, bytes: &[u8], label: &str) -> Result<Self> {
         let st = tensors::parse(bytes, label)?;
@@ -347,6 +333,18 @@ impl HasDims for LlamaConfig {
 impl HasDims for Llama {
     fn dims(&self) -> Dims {
         self.config.dims()
+    }
+}
+
+impl FromCheckpoint for Llama {
+    type Config = LlamaConfig;
+
+    fn parse_config(text: &str) -> Result<LlamaConfig> {
+        LlamaConfig::from_json_str(text)
+    }
+
+    fn build(config: LlamaConfig, bytes: &[u8], label: &str) -> Result<Llama> {
+        Llama::from_parts(config, bytes, label)
     }
 }
 

@@ -3,10 +3,9 @@
 //! (`rope_parameters`) layouts alike. A value the reference does not model is an error naming the
 //! key, never ignored.
 
-use crate::config::{check_parameter_count, positive_number, Keys};
 use crate::error::{bail, Error, Result};
+use crate::keys::{check_parameter_count, positive_number, Keys, MAX_DIM};
 use serde_json::{Map, Value};
-use std::path::Path;
 
 /// Which member of the family: it fixes the biases and the keys that are read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -178,13 +177,6 @@ impl LlamaConfig {
                     .collect()
             }
         }
-    }
-
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::new(format!("cannot read config {}: {e}", path.display())))?;
-        Self::from_json_str(&text)
-            .map_err(|e| Error::new(format!("config {}: {e}", path.display())))
     }
 
     pub fn from_json_str(text: &str) -> Result<Self> {
@@ -448,8 +440,8 @@ fn rope(keys: &Keys) -> Result<(f64, RopeScaling)> {
         bail!("rope parameter `high_freq_factor` ({high_freq_factor}) must exceed `low_freq_factor` ({low_freq_factor})");
     }
     let original = num("original_max_position_embeddings")?;
-    if original.fract() != 0.0 || original > crate::config::MAX_DIM as f64 {
-        bail!("rope parameter `original_max_position_embeddings` must be an integer in 1..={}, found {original}", crate::config::MAX_DIM);
+    if original.fract() != 0.0 || original > MAX_DIM as f64 {
+        bail!("rope parameter `original_max_position_embeddings` must be an integer in 1..={}, found {original}", MAX_DIM);
     }
     Ok((
         theta,

@@ -1,15 +1,12 @@
-//! Any supported decoder model, chosen by `config.json`'s `model_type`, and the checkpoint reading
-//! and writing every family shares.
+//! Any supported decoder model, chosen by `config.json`'s `model_type`.
 
-use crate::config::Gpt2Config;
-use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
+use crate::checkpoint::FromCheckpoint;
+use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet};
 use crate::error::{bail, Error, Result};
 use crate::gpt2::Gpt2;
+use crate::gpt2_config::Gpt2Config;
 use crate::llama::Llama;
 use crate::llama_config::LlamaConfig;
-use crate::tensors;
-use ndarray::ArrayViewD;
-use safetensors::SafeTensors;
 use serde_json::Value;
 use std::path::Path;
 
@@ -22,30 +19,10 @@ pub enum Model {
     Llama(Llama),
 }
 
-/// The `model_type` values [`Model::load`] reads.
-pub const MODEL_TYPES: [&str; 3] = ["gpt2", "llama", "qwen2"];
+/// The `model_type` values a [`Model`] is loaded from.
+pub(crate) const MODEL_TYPES: [&str; 3] = ["gpt2", "llama", "qwen2"];
 
 impl Model {
-    /// Loads `config.json` and `model.safetensors` from an HF checkpoint directory, choosing the
-    /// family by `model_type` (absent: GPT-2, as `Gpt2::load` assumes).
-    pub fn load(dir: &Path) -> Result<Self> {
-        if !dir.is_dir() {
-            bail!(
-                "model directory {} does not exist or is not a directory",
-                dir.display()
-            );
-        }
-        let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path)
-            .map_err(|e| Error::new(format!("cannot read config {}: {e}", cfg_path.display())))?;
-        let path = dir.join("model.safetensors");
-        // The config is checked before the (possibly large) checkpoint is read.
-        let config = ModelConfig::from_json_str(&text)
-            .map_err(|e| Error::new(format!("config {}: {e}", cfg_path.display())))?;
-        let bytes = tensors::read_bytes(&path, "checkpoint")?;
-        config.build(&bytes, &path.display().to_string())
-    }
-
     /// The family's name as `config.json` writes it.
     pub fn model_type(&self) -> &'static str {
         match self {
@@ -158,93 +135,15 @@ impl HasDims for ModelConfig {
     }
 }
 
-/// Reads the tensors of `layout` ((checkpoint name, shape) in the `ParamSet`'s `tensors_mut`
-/// order) from a parsed checkpoint. Every tensor is checked against the header before anything
-/// is allocated: a config can claim any size, but only tensors actually present in the file (so
-/// bounded by its length) are ever built. A tensor the family does not know is an error unless
-/// `ignored` accepts it (buffers); with `tied_embedding` (the embedding's checkpoint name), a
-/// tied checkpoint may still carry `lm_head.weight`, but only as an exact copy.
-pub(crate) fn read_checkpoint<P: ParamSet>(
-    st: &SafeTensors,
-    label: &str,
-    layout: &[(String, Vec<usize>)],
-    zeros: impl FnOnce() -> P,
-    ignored: impl Fn(&str) -> bool,
-    tied_embedding: Option<String>,
-    family: &str,
-) -> Result<P> {
-    if tied_embedding.is_none() && !tensors::has(st, LM_HEAD) {
-        bail!("{label}: config says tie_word_embeddings = false but tensor `{LM_HEAD}` is missing");
-    }
-    for (name, shape) in layout {
-        let view = st
-            .tensor(name)
-            .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
-        if view.shape() != shape.as_slice() {
-            bail!(
-                "{label}: tensor `{name}` has shape {:?}; config.json implies {:?}",
-                view.shape(),
-                shape
-            );
-        }
-    }
-    let mut params = zeros();
-    {
-        let slots = params.tensors_mut();
-        if slots.len() != layout.len() {
-            bail!(
-                "{label}: internal error: {} tensors laid out, {} allocated",
-                layout.len(),
-                slots.len()
-            );
-        }
-        for ((name, _), (_, mut slot)) in layout.iter().zip(slots) {
-            let t = tensors::to_f64(st, name, label)?;
-            if t.shape() != slot.shape() {
-                bail!(
-                    "{label}: tensor `{name}` has shape {:?}; config.json implies {:?}",
-                    t.shape(),
-                    slot.shape()
-                );
-            }
-            slot.assign(&t);
-        }
-    }
-    for name in st.names() {
-        if layout.iter().any(|(n, _)| n == name) || ignored(name) {
-            continue;
-        }
-        if let (true, Some(emb)) = (name == LM_HEAD, &tied_embedding) {
-            let head = tensors::to_f64(st, LM_HEAD, label)?;
-            if head.view() != params.token_embedding().view().into_dyn() {
-                bail!("{label}: tie_word_embeddings is true but `{LM_HEAD}` differs from `{emb}`");
-            }
-            continue;
-        }
-        bail!("{label}: unexpected tensor `{name}` (not a {family} parameter of this config)");
-    }
-    Ok(params)
-}
+impl FromCheckpoint for Model {
+    type Config = ModelConfig;
 
-/// Writes `config.json` and `model.safetensors` (f64 or f32) the way `save_pretrained` lays them
-/// out.
-pub(crate) fn write_checkpoint<M: DecoderModel>(
-    model: &M,
-    config: &Value,
-    dir: &Path,
-    f32_weights: bool,
-) -> Result<()> {
-    std::fs::create_dir_all(dir)
-        .map_err(|e| Error::new(format!("cannot create {}: {e}", dir.display())))?;
-    let cfg = serde_json::to_string_pretty(config).expect("config serializes");
-    let cfg_path = dir.join("config.json");
-    std::fs::write(&cfg_path, cfg)
-        .map_err(|e| Error::new(format!("cannot write {}: {e}", cfg_path.display())))?;
-    let named: Vec<(String, ArrayViewD<f64>)> = model
-        .params()
-        .tensors()
-        .into_iter()
-        .map(|(local, t)| (model.param_name(&local), t))
-        .collect();
-    crate::io::write_f64_tensors(&dir.join("model.safetensors"), &named, f32_weights, None)
+    /// Chooses the family by `model_type` (absent: GPT-2, as HF's GPT-2 configs leave it).
+    fn parse_config(text: &str) -> Result<ModelConfig> {
+        ModelConfig::from_json_str(text)
+    }
+
+    fn build(config: ModelConfig, bytes: &[u8], label: &str) -> Result<Model> {
+        config.build(bytes, label)
+    }
 }

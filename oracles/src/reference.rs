@@ -62,14 +62,15 @@ pub struct ExampleView<'a> {
 /// What `compute` needs of a model: every [`DecoderModel`] family and the [`Model`] enum.
 pub trait ReferenceModel: HasDims {
     /// Runs the examples of a batch in order and hands each one's gradient to `visit(index,
-    /// gradient)`. One gradient buffer serves the whole batch.
+    /// gradient)`. One gradient buffer serves the whole batch. A batch that does not fit the
+    /// model is an error.
     fn for_each_example(
         &self,
         batch: &Batch,
         reduction: Reduction,
         record_sites: bool,
         visit: &mut dyn FnMut(usize, ExampleView<'_>),
-    );
+    ) -> Result<()>;
 }
 
 fn dot(a: impl Iterator<Item = f64>) -> f64 {
@@ -83,7 +84,7 @@ impl<M: DecoderModel> ReferenceModel for M {
         reduction: Reduction,
         record_sites: bool,
         visit: &mut dyn FnMut(usize, ExampleView<'_>),
-    ) {
+    ) -> Result<()> {
         let mut grad = self.zero_gradient();
         for i in 0..batch.len() {
             // A tied head's path is added into the embedding's buffer as it is formed, its split
@@ -96,7 +97,7 @@ impl<M: DecoderModel> ReferenceModel for M {
                 record_sites,
                 HeadPath::Folded,
                 &mut grad,
-            );
+            )?;
             let shared = split
                 .map(|s| vec![(self.param_name(self.embedding_local_name()), s)])
                 .unwrap_or_default();
@@ -110,6 +111,7 @@ impl<M: DecoderModel> ReferenceModel for M {
                 },
             );
         }
+        Ok(())
     }
 }
 
@@ -130,7 +132,7 @@ impl ReferenceModel for Model {
         reduction: Reduction,
         record_sites: bool,
         visit: &mut dyn FnMut(usize, ExampleView<'_>),
-    ) {
+    ) -> Result<()> {
         match self {
             Model::Gpt2(m) => m.for_each_example(batch, reduction, record_sites, visit),
             Model::Llama(m) => m.for_each_example(batch, reduction, record_sites, visit),
@@ -179,7 +181,7 @@ pub fn compute<M: ReferenceModel + ?Sized>(
             shared: eg.shared,
         });
         progress(i + 1, batch.len());
-    });
+    })?;
     Ok(Reference {
         reduction: opts.reduction,
         examples,

@@ -8,9 +8,9 @@ use safetensors::{Dtype, SafeTensors};
 use std::path::Path;
 
 /// Refuse files larger than this before reading them (the largest GPT-2 is about 6.5 GB in f32).
-pub const MAX_FILE_BYTES: u64 = 64 << 30;
+pub(crate) const MAX_FILE_BYTES: u64 = 64 << 30;
 
-pub fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
+pub(crate) fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
     let meta = std::fs::metadata(path)
         .map_err(|e| Error::new(format!("cannot open {what} {}: {e}", path.display())))?;
     if !meta.is_file() {
@@ -27,7 +27,7 @@ pub fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
         .map_err(|e| Error::new(format!("cannot read {what} {}: {e}", path.display())))
 }
 
-pub fn parse<'a>(bytes: &'a [u8], label: &str) -> Result<SafeTensors<'a>> {
+pub(crate) fn parse<'a>(bytes: &'a [u8], label: &str) -> Result<SafeTensors<'a>> {
     SafeTensors::deserialize(bytes).map_err(|e| {
         Error::new(format!(
             "{label} is not a valid safetensors file ({e}); a header whose offsets run past the end of the file, \
@@ -37,7 +37,7 @@ pub fn parse<'a>(bytes: &'a [u8], label: &str) -> Result<SafeTensors<'a>> {
 }
 
 /// Any floating tensor as f64, with NaN/Inf rejected (a non-finite weight makes every norm NaN).
-pub fn to_f64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f64>> {
+pub(crate) fn to_f64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f64>> {
     let values = to_f64_unchecked(st, name, label)?;
     if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
         bail!("{label}: tensor `{name}` holds a non-finite value ({v}) at flat index {i}");
@@ -47,7 +47,7 @@ pub fn to_f64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f64>> 
 
 /// A float tensor as f64 with NaN and ±∞ kept: for values that are a verdict when non-finite
 /// (a clipper's claimed norms), not an input error.
-pub fn to_f64_unchecked(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f64>> {
+pub(crate) fn to_f64_unchecked(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f64>> {
     let view = st
         .tensor(name)
         .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
@@ -78,7 +78,7 @@ pub fn to_f64_unchecked(st: &SafeTensors, name: &str, label: &str) -> Result<Arr
 }
 
 /// An integer tensor (ids, labels) as i64; I32 is accepted too since some exporters write it.
-pub fn to_i64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<i64>> {
+pub(crate) fn to_i64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<i64>> {
     let view = st
         .tensor(name)
         .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
@@ -98,6 +98,6 @@ pub fn to_i64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<i64>> 
         .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
 }
 
-pub fn has(st: &SafeTensors, name: &str) -> bool {
+pub(crate) fn has(st: &SafeTensors, name: &str) -> bool {
     st.tensor(name).is_ok()
 }

@@ -3,86 +3,13 @@
 //! rebuilds every per-example gradient from them by brute force.
 
 use crate::error::{bail, Result};
+use crate::precision::Precision;
+use crate::site::{SiteKind, SiteSpec};
+use crate::trace_shape::{validate_shapes, IdAt, SiteShape};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{s, Array2, Array3, Axis};
 use std::collections::BTreeMap;
 use std::ops::Range;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum SiteKind {
-    /// `y = W a`, W out×in (nn.Linear).
-    Linear,
-    /// `y = a W`, W in×out (HF Conv1D).
-    Conv1d,
-    /// `y_t = E[x_t]`.
-    Embedding,
-    /// `y = x + b`.
-    Bias,
-    /// The weight of a LayerNorm: `y = x̂ ⊙ w`.
-    LayerNorm,
-}
-
-impl SiteKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            SiteKind::Linear => "linear",
-            SiteKind::Conv1d => "conv1d",
-            SiteKind::Embedding => "embedding",
-            SiteKind::Bias => "bias",
-            SiteKind::LayerNorm => "layernorm",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        [
-            SiteKind::Linear,
-            SiteKind::Conv1d,
-            SiteKind::Embedding,
-            SiteKind::Bias,
-            SiteKind::LayerNorm,
-        ]
-        .into_iter()
-        .find(|k| k.name() == s)
-    }
-
-    /// Whether the site's factors include its input (`<name>.activations`; for a layernorm the
-    /// normalized input x̂).
-    pub fn needs_activations(self) -> bool {
-        match self {
-            SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm => true,
-            SiteKind::Embedding | SiteKind::Bias => false,
-        }
-    }
-
-    /// Whether the site reads token ids (`<name>.ids`) and has a `vocab`.
-    pub fn needs_ids(self) -> bool {
-        match self {
-            SiteKind::Embedding => true,
-            SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm | SiteKind::Bias => false,
-        }
-    }
-
-    /// (rows, cols) of the gradient the site writes, in the parameter's layout, from the width
-    /// of its backprops (`out`), of its activations (`input`, 0 when it has none) and its vocab.
-    pub fn gradient_shape(self, out: usize, input: usize, vocab: Option<usize>) -> (usize, usize) {
-        match self {
-            SiteKind::Linear => (out, input),
-            SiteKind::Conv1d => (input, out),
-            SiteKind::Embedding => (vocab.unwrap_or(0), out),
-            SiteKind::Bias | SiteKind::LayerNorm => (out, 1),
-        }
-    }
-}
-
-/// How a site is described in a trace header.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SiteSpec {
-    pub name: String,
-    pub param: String,
-    pub kind: SiteKind,
-    /// Rows of the table, for embeddings.
-    pub vocab: Option<usize>,
-}
 
 /// One example's factors at one site (T rows).
 #[derive(Clone, Debug)]
@@ -174,13 +101,13 @@ pub struct Trace {
 /// Stacks a batch's site records into a [`Trace`] as they arrive, one example at a time, so a
 /// large model's factors are held once (never as records and as stacked arrays together).
 #[derive(Debug)]
-pub struct TraceBuilder {
+pub(crate) struct TraceBuilder {
     batch: usize,
     sites: Vec<Site>,
 }
 
 impl TraceBuilder {
-    pub fn new(batch: usize) -> Self {
+    pub(crate) fn new(batch: usize) -> Self {
         TraceBuilder {
             batch,
             sites: Vec::new(),
@@ -188,7 +115,7 @@ impl TraceBuilder {
     }
 
     /// Example `i`'s records; every example lists the same sites in the same order and shapes.
-    pub fn push(&mut self, i: usize, records: Vec<SiteRecord>) {
+    pub(crate) fn push(&mut self, i: usize, records: Vec<SiteRecord>) {
         if self.sites.is_empty() {
             let b = self.batch;
             self.sites = records
@@ -222,12 +149,30 @@ impl TraceBuilder {
         }
     }
 
-    pub fn finish(self) -> Trace {
+    pub(crate) fn finish(self) -> Trace {
         Trace { sites: self.sites }
     }
 }
 
 impl Trace {
+    /// The trace with every factor rounded to `precision`: what a clipper in that precision
+    /// reads, exactly, as f64 values.
+    pub fn rounded(&self, precision: Precision) -> Trace {
+        let round = |a: &Array3<f64>| a.mapv(|x| precision.round(x));
+        Trace {
+            sites: self
+                .sites
+                .iter()
+                .map(|s| Site {
+                    spec: s.spec.clone(),
+                    activations: s.activations.as_ref().map(round),
+                    ids: s.ids.clone(),
+                    backprops: round(&s.backprops),
+                })
+                .collect(),
+        }
+    }
+
     pub fn batch_size(&self) -> usize {
         self.sites.first().map_or(0, |s| s.backprops.dim().0)
     }
@@ -242,6 +187,29 @@ impl Trace {
             }
         }
         order
+    }
+
+    /// Every site's factors as dimensions.
+    pub fn shapes(&self) -> Vec<SiteShape<'_>> {
+        self.sites
+            .iter()
+            .map(|s| SiteShape {
+                spec: &s.spec,
+                backprops: s.backprops.shape(),
+                activations: s.activations.as_ref().map(|a| a.shape()),
+                ids: s.ids.as_ref().map(|i| i.shape()),
+                id_range: s
+                    .ids
+                    .as_ref()
+                    .and_then(|i| IdAt::extremes(i.iter().copied(), i.ncols())),
+            })
+            .collect()
+    }
+
+    /// The factors fit together and every site of a parameter writes one gradient shape
+    /// ([`validate_shapes`]): what materializing the gradients assumes.
+    pub fn validate(&self) -> Result<()> {
+        validate_shapes(&self.shapes())
     }
 
     /// (rows, cols) of the gradient site `j` writes, in its parameter's layout.
@@ -326,6 +294,7 @@ impl Trace {
     /// share a parameter summed, then the squared Frobenius norm. Returns, per example, the total
     /// and for every parameter with more than one site the matrix of site inner products.
     pub fn materialized_norms(&self) -> Result<Vec<MaterializedNorm>> {
+        self.validate()?;
         let params = self.params();
         let mut out = Vec::with_capacity(self.batch_size());
         for i in 0..self.batch_size() {
@@ -337,17 +306,6 @@ impl Trace {
                     .iter()
                     .map(|&j| self.site_gradient(j, i))
                     .collect::<Result<_>>()?;
-                for (a, &j) in grads.iter().zip(js).skip(1) {
-                    if a.dim() != grads[0].dim() {
-                        bail!(
-                            "parameter `{param}`: site `{}` has gradient shape {:?} but site `{}` has {:?}",
-                            self.sites[j].spec.name,
-                            a.dim(),
-                            self.sites[js[0]].spec.name,
-                            grads[0].dim()
-                        );
-                    }
-                }
                 let sum = grads
                     .iter()
                     .skip(1)

@@ -5,25 +5,28 @@
 
 use crate::error::{bail, Error, Result};
 use crate::io::{write_raw, RawTensor};
+use crate::precision::Precision;
+use crate::site::{SiteKind, SiteSpec};
 use crate::tensors::{self, has};
-use crate::trace::{Site, SiteKind, SiteSpec, Trace};
-use ndarray::{Array1, Array3, Ix1, Ix2, Ix3};
-use safetensors::Dtype;
+use crate::trace::{Site, Trace};
+use crate::trace_shape::{validate_shapes, IdAt, SiteShape};
+use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3};
+use safetensors::SafeTensors;
 use serde::de::{self, DeserializeSeed, MapAccess, Visitor};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::path::Path;
 
-pub const TRACE_FORMAT: &str = "ghost-oracle-trace/1";
+pub(crate) const TRACE_FORMAT: &str = "ghost-oracle-trace/1";
 
 /// Embedding tables larger than this (rows) are refused: materializing one per example is the
 /// reference's job, and a header must not be able to ask for terabytes.
-pub const MAX_VOCAB: usize = 1 << 24;
+pub(crate) const MAX_VOCAB: usize = 1 << 24;
 /// Largest gradient (entries) the reference will materialize for one site: 2²⁷ f64 is 1 GiB,
 /// three times GPT-2 XL's embedding. Checked before any allocation, since a small file can
 /// declare a huge `vocab`.
-pub const MAX_SITE_ENTRIES: usize = 1 << 27;
+pub(crate) const MAX_SITE_ENTRIES: usize = 1 << 27;
 
 /// What a trace says besides its factors.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,31 +39,47 @@ pub struct TraceMeta {
     pub claimed_coefficients: Option<Vec<f64>>,
     /// The coarsest dtype of the factor tensors as stored (a mixed-precision trace is only as
     /// accurate as its least precise site).
-    pub dtype: Dtype,
+    pub dtype: Precision,
     /// The precision the model computed in (`__metadata__.compute_dtype`), when the exporter
     /// says. It can be coarser than `dtype`: factors of an f32 model stored as f64 are still
     /// only f32-accurate.
-    pub compute_dtype: Option<Dtype>,
+    pub compute_dtype: Option<Precision>,
+    /// Per site, the precision it computed in where the exporter says (a site's own
+    /// `compute_dtype` in `sites`: under autocast the matmuls ran in bf16, the norms in f32).
+    /// Empty, or `None` for a site, where the header's `compute_dtype` holds.
+    pub site_compute_dtypes: Vec<Option<Precision>>,
+    /// Per site, the coarsest format its factor tensors are stored in (read from the file;
+    /// `write_trace` stores every site in `dtype`).
+    pub site_dtypes: Vec<Precision>,
 }
 
-/// `compute_dtype` values, as written in a trace header.
-const COMPUTE_DTYPES: [(&str, Dtype); 4] = [
-    ("f64", Dtype::F64),
-    ("f32", Dtype::F32),
-    ("f16", Dtype::F16),
-    ("bf16", Dtype::BF16),
-];
+impl TraceMeta {
+    /// The precision each site is judged at: the coarser of how it is stored and how it was
+    /// computed (its own `compute_dtype`, else the header's).
+    pub fn site_precisions(&self) -> Vec<Precision> {
+        self.site_dtypes
+            .iter()
+            .enumerate()
+            .map(|(j, &stored)| {
+                let computed = self
+                    .site_compute_dtypes
+                    .get(j)
+                    .copied()
+                    .flatten()
+                    .or(self.compute_dtype);
+                computed.map_or(stored, |c| stored.coarser(c))
+            })
+            .collect()
+    }
+}
 
-fn parse_compute_dtype(s: &str, label: &str) -> Result<Dtype> {
-    COMPUTE_DTYPES
-        .iter()
-        .find(|(name, _)| *name == s)
-        .map(|&(_, d)| d)
-        .ok_or_else(|| {
-            Error::new(format!(
-                "{label}: `__metadata__.compute_dtype` is {s:?}; expected one of f64, f32, f16, bf16"
-            ))
-        })
+fn parse_compute_dtype(s: &str, label: &str) -> Result<Precision> {
+    Precision::parse(s).ok_or_else(|| {
+        Error::new(format!(
+            "{label}: `__metadata__.compute_dtype` is {s:?}; expected one of {}",
+            Precision::names()
+        ))
+    })
 }
 
 /// Reads the `parameters` manifest (a JSON object: parameter name -> number of elements) while
@@ -151,7 +170,7 @@ fn positive(s: &str, key: &str, label: &str) -> Result<f64> {
     }
 }
 
-fn parse_specs(text: &str, label: &str) -> Result<Vec<SiteSpec>> {
+fn parse_specs(text: &str, label: &str) -> Result<Vec<(SiteSpec, Option<Precision>)>> {
     let v: Value = serde_json::from_str(text).map_err(|e| {
         Error::new(format!(
             "{label}: `__metadata__.sites` is not valid JSON: {e}"
@@ -189,7 +208,16 @@ fn parse_specs(text: &str, label: &str) -> Result<Vec<SiteSpec>> {
             if kind == SiteKind::Embedding && vocab.is_none() {
                 bail!("{label}: site `{name}` (embedding) needs `vocab`, the number of rows of its table");
             }
-            Ok(SiteSpec { name, param, kind, vocab })
+            let compute = match s.get("compute_dtype") {
+                None | Some(Value::Null) => None,
+                Some(x) => Some(x.as_str().and_then(Precision::parse).ok_or_else(|| {
+                    Error::new(format!(
+                        "{label}: site `{name}`: `compute_dtype` is {x}; expected one of {}",
+                        Precision::names()
+                    ))
+                })?),
+            };
+            Ok((SiteSpec { name, param, kind, vocab }, compute))
         })
         .collect()
 }
@@ -202,16 +230,65 @@ pub fn read_trace(path: &Path) -> Result<(Trace, TraceMeta)> {
 
 /// Parses and validates a trace file's contents; `label` names it in messages.
 pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)> {
-    let (_, header) = safetensors::SafeTensors::read_metadata(bytes)
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(bytes)
         .map_err(|e| Error::new(format!("{label} is not a valid safetensors file ({e})")))?;
     let st = tensors::parse(bytes, label)?;
-    let meta = header.metadata().clone().unwrap_or_default();
-    let format = meta_str(&meta, "format", label)?;
+    let meta = metadata.metadata().clone().unwrap_or_default();
+    let header = read_header(&meta, label)?;
+    // Every tensor a site or a claim reads; any other is an error.
+    let mut expected: HashSet<String> = HashSet::new();
+    let (sites, site_dtypes) = read_sites(
+        &st,
+        header.specs,
+        header.manifest.as_ref(),
+        label,
+        &mut expected,
+    )?;
+    let trace = Trace { sites };
+    let (claimed_norms, claimed_coefficients) =
+        read_claims(&st, trace.batch_size(), label, &mut expected)?;
+    for name in st.names() {
+        if !expected.contains(name) {
+            bail!("{label}: unexpected tensor `{name}` (no site in `__metadata__.sites` reads it)");
+        }
+    }
+    let meta = TraceMeta {
+        max_grad_norm: header.max_grad_norm,
+        noise_multiplier: header.noise_multiplier,
+        clipper: header.clipper,
+        claimed_norms,
+        claimed_coefficients,
+        dtype: site_dtypes
+            .iter()
+            .copied()
+            .max()
+            .expect("at least one site"),
+        compute_dtype: header.compute_dtype,
+        site_compute_dtypes: header.site_compute_dtypes,
+        site_dtypes,
+    };
+    Ok((trace, meta))
+}
+
+/// What `__metadata__` says, checked.
+struct Header {
+    max_grad_norm: f64,
+    noise_multiplier: Option<f64>,
+    clipper: Option<String>,
+    compute_dtype: Option<Precision>,
+    site_compute_dtypes: Vec<Option<Precision>>,
+    specs: Vec<SiteSpec>,
+    /// The `parameters` manifest, when the exporter wrote one.
+    manifest: Option<BTreeMap<String, usize>>,
+}
+
+fn read_header(meta: &HashMap<String, String>, label: &str) -> Result<Header> {
+    let format = meta_str(meta, "format", label)?;
     if format != TRACE_FORMAT {
         bail!("{label}: `__metadata__.format` is {format:?}; this version reads {TRACE_FORMAT:?}");
     }
     let max_grad_norm = positive(
-        meta_str(&meta, "max_grad_norm", label)?,
+        meta_str(meta, "max_grad_norm", label)?,
         "max_grad_norm",
         label,
     )?;
@@ -222,7 +299,10 @@ pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)>
         .get("noise_multiplier")
         .map(|s| positive(s, "noise_multiplier", label))
         .transpose()?;
-    let specs = parse_specs(meta_str(&meta, "sites", label)?, label)?;
+    let (specs, site_compute_dtypes): (Vec<SiteSpec>, Vec<Option<Precision>>) =
+        parse_specs(meta_str(meta, "sites", label)?, label)?
+            .into_iter()
+            .unzip();
     let compute_dtype = meta
         .get("compute_dtype")
         .map(|s| parse_compute_dtype(s, label))
@@ -231,126 +311,146 @@ pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)>
         .get("parameters")
         .map(|text| parse_manifest(text, &specs, label))
         .transpose()?;
+    Ok(Header {
+        max_grad_norm,
+        noise_multiplier,
+        clipper: meta.get("clipper").cloned(),
+        compute_dtype,
+        site_compute_dtypes,
+        specs,
+        manifest,
+    })
+}
 
-    let mut expected: HashSet<String> = HashSet::new();
-    let mut bt: Option<(usize, usize, String)> = None;
-    let mut dtype = None;
-    let mut sites = Vec::with_capacity(specs.len());
+/// One site's tensors as the file holds them, before their shapes are checked.
+struct SiteTensors {
+    spec: SiteSpec,
+    backprops: Vec<usize>,
+    activations: Option<Vec<usize>>,
+    ids: Option<ArrayD<i64>>,
+}
+
+impl SiteTensors {
+    fn shape(&self) -> SiteShape<'_> {
+        SiteShape {
+            spec: &self.spec,
+            backprops: &self.backprops,
+            activations: self.activations.as_deref(),
+            ids: self.ids.as_ref().map(|i| i.shape()),
+            id_range: self
+                .ids
+                .as_ref()
+                .filter(|i| i.ndim() == 2)
+                .and_then(|i| IdAt::extremes(i.iter().copied(), i.shape()[1])),
+        }
+    }
+}
+
+/// Reads every site's factors: their shapes are checked from the header (and the ids) before
+/// any float tensor is converted, then each site's gradient against the size limit and the
+/// manifest. Returns the sites and the coarsest format each is stored in.
+fn read_sites(
+    st: &SafeTensors,
+    specs: Vec<SiteSpec>,
+    manifest: Option<&BTreeMap<String, usize>>,
+    label: &str,
+    expected: &mut HashSet<String>,
+) -> Result<(Vec<Site>, Vec<Precision>)> {
+    let mut found = Vec::with_capacity(specs.len());
     for spec in specs {
         let n = spec.name.clone();
-        let tensor3 = |what: &str, expected: &mut HashSet<String>| -> Result<Array3<f64>> {
+        let dims = |what: &str, expected: &mut HashSet<String>| -> Option<Vec<usize>> {
             let tname = format!("{n}.{what}");
-            if !has(&st, &tname) {
-                bail!(
-                    "{label}: site `{n}` ({}): tensor `{tname}` is missing",
-                    spec.kind.name()
-                );
-            }
-            expected.insert(tname.clone());
-            let a = tensors::to_f64(&st, &tname, label)?;
-            let shape = a.shape().to_vec();
-            a.into_dimensionality::<Ix3>()
-                .map_err(|_| Error::new(format!("{label}: tensor `{tname}` has shape {shape:?}; expected 3-D (batch × sequence × features)")))
+            let view = st.tensor(&tname).ok()?;
+            expected.insert(tname);
+            Some(view.shape().to_vec())
         };
-        let backprops = tensor3("backprops", &mut expected)?;
-        let bp_name = format!("{n}.backprops");
-        let stored = |tname: &str| st.tensor(tname).expect("checked").dtype();
-        dtype = Some(coarser(dtype, stored(&bp_name)));
-        let (b, t, out) = backprops.dim();
-        match &bt {
-            None => bt = Some((b, t, n.clone())),
-            Some((b0, t0, first)) if (*b0, *t0) != (b, t) => bail!(
-                "{label}: site `{n}`: `{bp_name}` is {b}×{t} in batch × sequence but site `{first}` is {b0}×{t0}"
-            ),
-            _ => {}
-        }
+        let Some(backprops) = dims("backprops", expected) else {
+            bail!(
+                "{label}: site `{n}` ({}): tensor `{n}.backprops` is missing",
+                spec.kind.name()
+            );
+        };
         let activations = if spec.kind.needs_activations() {
-            let a = tensor3("activations", &mut expected)?;
-            if (a.dim().0, a.dim().1) != (b, t) {
-                bail!("{label}: site `{n}`: `{n}.activations` is {}×{} in batch × sequence but `{bp_name}` is {b}×{t}", a.dim().0, a.dim().1);
-            }
-            dtype = Some(coarser(dtype, stored(&format!("{n}.activations"))));
-            if spec.kind == SiteKind::LayerNorm && a.dim().2 != out {
-                bail!("{label}: site `{n}` (layernorm): `{n}.activations` has width {} but `{bp_name}` {out}", a.dim().2);
-            }
-            Some(a)
+            dims("activations", expected)
         } else {
             None
         };
-        let ids = if spec.kind.needs_ids() {
+        let ids = if spec.kind.needs_ids() && has(st, &format!("{n}.ids")) {
             let tname = format!("{n}.ids");
-            if !has(&st, &tname) {
-                bail!("{label}: site `{n}` (embedding): tensor `{tname}` is missing");
-            }
             expected.insert(tname.clone());
-            let ids = tensors::to_i64(&st, &tname, label)?;
-            let shape = ids.shape().to_vec();
-            let ids = ids.into_dimensionality::<Ix2>().map_err(|_| {
-                Error::new(format!(
-                    "{label}: `{tname}` has shape {shape:?}; expected batch × sequence"
-                ))
-            })?;
-            if ids.dim() != (b, t) {
-                bail!(
-                    "{label}: site `{n}`: `{tname}` is {:?} but `{bp_name}` is {b}×{t}",
-                    ids.dim()
-                );
-            }
-            let vocab = spec.vocab.expect("checked");
-            if let Some(((i, tt), x)) = ids
-                .indexed_iter()
-                .find(|(_, &x)| x < 0 || x as usize >= vocab)
-            {
-                bail!("{label}: site `{n}`: `{tname}`[{i}][{tt}] = {x} is outside the table's vocab 0..{vocab}");
-            }
-            Some(ids)
+            Some(tensors::to_i64(st, &tname, label)?)
         } else {
             None
         };
-        let site = Site {
+        found.push(SiteTensors {
             spec,
+            backprops,
             activations,
             ids,
-            backprops,
-        };
-        let (rows, cols) = gradient_shape(&site);
+        });
+    }
+    let shapes: Vec<SiteShape> = found.iter().map(SiteTensors::shape).collect();
+    validate_shapes(&shapes).map_err(|e| Error::new(format!("{label}: {e}")))?;
+    for s in &shapes {
+        let (n, param) = (&s.spec.name, &s.spec.param);
+        let (rows, cols) = s.gradient_shape();
         if rows.saturating_mul(cols) > MAX_SITE_ENTRIES {
             bail!("{label}: site `{n}` writes a {rows}×{cols} gradient; at most {MAX_SITE_ENTRIES} entries are materialized");
         }
-        if let Some(&count) = manifest.as_ref().and_then(|m| m.get(&site.spec.param)) {
+        if let Some(&count) = manifest.and_then(|m| m.get(param)) {
             if rows * cols != count {
                 bail!(
-                    "{label}: site `{n}` writes a {rows}×{cols} gradient ({} entries) but `__metadata__.parameters` lists parameter `{}` with {count} elements",
-                    rows * cols,
-                    site.spec.param
+                    "{label}: site `{n}` writes a {rows}×{cols} gradient ({} entries) but `__metadata__.parameters` lists parameter `{param}` with {count} elements",
+                    rows * cols
                 );
             }
         }
-        sites.push(site);
     }
-    let (b, _, _) = bt.expect("at least one site");
-    let trace = Trace { sites };
-    for (param, js) in trace.params() {
-        let shapes: Vec<(usize, usize)> = js
-            .iter()
-            .map(|&j| gradient_shape(&trace.sites[j]))
-            .collect();
-        if let Some(k) = shapes.iter().position(|s| *s != shapes[0]) {
-            bail!(
-                "{label}: parameter `{param}`: site `{}` writes a {}×{} gradient but site `{}` writes {}×{}",
-                trace.sites[js[k]].spec.name,
-                shapes[k].0,
-                shapes[k].1,
-                trace.sites[js[0]].spec.name,
-                shapes[0].0,
-                shapes[0].1
-            );
-        }
+
+    let mut sites = Vec::with_capacity(found.len());
+    let mut dtypes = Vec::with_capacity(found.len());
+    for f in found {
+        let n = &f.spec.name;
+        let mut dtype = None;
+        // Checked 3-D above; `tensors::to_f64` refuses every dtype that is not a float format.
+        let mut factor = |what: &str| -> Result<Array3<f64>> {
+            let tname = format!("{n}.{what}");
+            let a = tensors::to_f64(st, &tname, label)?;
+            let stored = Precision::of_stored(st.tensor(&tname).expect("checked").dtype())
+                .expect("a float tensor");
+            dtype = Some(coarser(dtype, stored));
+            Ok(a.into_dimensionality::<Ix3>().expect("checked 3-D"))
+        };
+        let backprops = factor("backprops")?;
+        let activations = match f.activations {
+            Some(_) => Some(factor("activations")?),
+            None => None,
+        };
+        dtypes.push(dtype.expect("a site has backprops"));
+        sites.push(Site {
+            activations,
+            ids: f
+                .ids
+                .map(|i| i.into_dimensionality::<Ix2>().expect("checked 2-D")),
+            backprops,
+            spec: f.spec,
+        });
     }
-    // Claims may be NaN or infinite: that is the clipper's defect, judged as a verdict.
-    let vector = |name: &str, expected: &mut HashSet<String>| -> Result<Vec<f64>> {
+    Ok((sites, dtypes))
+}
+
+/// The clipper's claims: one norm (and optionally one coefficient) per example of a batch of
+/// `b`. Claims may be NaN or infinite: that is the clipper's defect, judged as a verdict.
+fn read_claims(
+    st: &SafeTensors,
+    b: usize,
+    label: &str,
+    expected: &mut HashSet<String>,
+) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
+    let mut vector = |name: &str| -> Result<Vec<f64>> {
         expected.insert(name.to_string());
-        let a = tensors::to_f64_unchecked(&st, name, label)?;
+        let a = tensors::to_f64_unchecked(st, name, label)?;
         let shape = a.shape().to_vec();
         let a = a.into_dimensionality::<Ix1>().map_err(|_| {
             Error::new(format!(
@@ -365,55 +465,24 @@ pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)>
         }
         Ok(a.to_vec())
     };
-    if !has(&st, "claimed.norms") {
+    if !has(st, "claimed.norms") {
         bail!(
             "{label}: tensor `claimed.norms` is missing (the per-example norms the clipper used)"
         );
     }
-    let claimed_norms = vector("claimed.norms", &mut expected)?;
-    let claimed_coefficients = if has(&st, "claimed.coefficients") {
-        Some(vector("claimed.coefficients", &mut expected)?)
+    let norms = vector("claimed.norms")?;
+    let coefficients = if has(st, "claimed.coefficients") {
+        Some(vector("claimed.coefficients")?)
     } else {
         None
     };
-    for name in st.names() {
-        if !expected.contains(name) {
-            bail!("{label}: unexpected tensor `{name}` (no site in `__metadata__.sites` reads it)");
-        }
-    }
-    let meta = TraceMeta {
-        max_grad_norm,
-        noise_multiplier,
-        clipper: meta.get("clipper").cloned(),
-        claimed_norms,
-        claimed_coefficients,
-        dtype: dtype.expect("at least one site"),
-        compute_dtype,
-    };
-    Ok((trace, meta))
+    Ok((norms, coefficients))
 }
 
-/// (rows, cols) of the gradient a site writes, in the parameter's layout.
-pub fn gradient_shape(site: &Site) -> (usize, usize) {
-    let inp = site.activations.as_ref().map_or(0, |a| a.dim().2);
-    site.spec
-        .kind
-        .gradient_shape(site.backprops.dim().2, inp, site.spec.vocab)
-}
-
-/// The less precise of two stored float dtypes (a trace is only as accurate as its coarsest
-/// factor): f64 < f32 < f16 < bf16 by unit roundoff.
-fn coarser(a: Option<Dtype>, b: Dtype) -> Dtype {
-    let rank = |d: Dtype| match d {
-        Dtype::F64 => 0,
-        Dtype::F32 => 1,
-        Dtype::F16 => 2,
-        _ => 3,
-    };
-    match a {
-        Some(a) if rank(a) >= rank(b) => a,
-        _ => b,
-    }
+/// The less precise of the formats seen so far and another (a trace is only as accurate as its
+/// coarsest factor).
+fn coarser(a: Option<Precision>, b: Precision) -> Precision {
+    a.map_or(b, |a| a.coarser(b))
 }
 
 /// Writes a trace file; factor tensors in `dtype`, claims in f64.
@@ -421,11 +490,15 @@ pub fn write_trace(path: &Path, trace: &Trace, meta: &TraceMeta) -> Result<()> {
     let specs: Vec<Value> = trace
         .sites
         .iter()
-        .map(|s| {
+        .enumerate()
+        .map(|(j, s)| {
             let mut v =
                 json!({"name": s.spec.name, "param": s.spec.param, "kind": s.spec.kind.name()});
             if let Some(vocab) = s.spec.vocab {
                 v["vocab"] = json!(vocab);
+            }
+            if let Some(Some(d)) = meta.site_compute_dtypes.get(j) {
+                v["compute_dtype"] = json!(d.name());
             }
             v
         })
@@ -443,13 +516,7 @@ pub fn write_trace(path: &Path, trace: &Trace, meta: &TraceMeta) -> Result<()> {
         m.insert("clipper".to_string(), c.clone());
     }
     if let Some(d) = meta.compute_dtype {
-        let Some((name, _)) = COMPUTE_DTYPES.iter().find(|(_, x)| *x == d) else {
-            bail!(
-                "cannot write {}: compute_dtype {d:?} is not one of f64, f32, f16, bf16",
-                path.display()
-            );
-        };
-        m.insert("compute_dtype".to_string(), name.to_string());
+        m.insert("compute_dtype".to_string(), d.name().to_string());
     }
     m.insert(
         "sites".to_string(),
@@ -478,13 +545,13 @@ pub fn write_trace(path: &Path, trace: &Trace, meta: &TraceMeta) -> Result<()> {
     let norms = Array1::from(meta.claimed_norms.clone()).into_dyn();
     raw.push((
         "claimed.norms".to_string(),
-        RawTensor::from_f64(&norms.view(), Dtype::F64),
+        RawTensor::from_f64(&norms.view(), Precision::F64),
     ));
     if let Some(c) = &meta.claimed_coefficients {
         let c = Array1::from(c.clone()).into_dyn();
         raw.push((
             "claimed.coefficients".to_string(),
-            RawTensor::from_f64(&c.view(), Dtype::F64),
+            RawTensor::from_f64(&c.view(), Precision::F64),
         ));
     }
     write_raw(path, &raw, Some(m))

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 fn fd_batch() -> Batch {
     // Repeated tokens (3 and 5) and a target (5) that is also an input.
-    Batch::new(array![[3_i64, 5, 7, 3, 5, 1, 9, 2]], None)
+    Batch::new(array![[3_i64, 5, 7, 3, 5, 1, 9, 2]], None).unwrap()
 }
 
 /// Tied, grouped-query (4 query heads sharing 2 key/value heads), two layers, no biases.
@@ -79,11 +79,11 @@ fn finite_differences_with_ignored_labels_and_sum_reduction() {
     let model = tied_gqa();
     let ids = array![[3_i64, 5, 7, 3, 5, 1, 9]];
     let labels = array![[3_i64, -100, 7, -100, 5, 1, -100]];
-    let batch = Batch::new(ids, Some(labels));
+    let batch = Batch::new(ids, Some(labels)).unwrap();
     check_finite_differences(&model, &batch);
     // Sum reduction is the mean times the number of kept targets (here 3).
-    let mean = example_gradient(&model, &batch, 0, Reduction::Mean, false);
-    let sum = example_gradient(&model, &batch, 0, Reduction::Sum, false);
+    let mean = example_gradient(&model, &batch, 0, Reduction::Mean, false).unwrap();
+    let sum = example_gradient(&model, &batch, 0, Reduction::Sum, false).unwrap();
     assert!(close(sum.loss, 3.0 * mean.loss, 1e-13));
     let (a, b) = (
         &mean.grad.layers[1].down_proj.weight,
@@ -172,8 +172,8 @@ fn grouped_query_attention_is_repeated_key_value_heads() {
         p
     };
     let batch = fd_batch();
-    let a = example_gradient(&gqa, &batch, 0, Reduction::Mean, false);
-    let b = example_gradient(&mha, &batch, 0, Reduction::Mean, false);
+    let a = example_gradient(&gqa, &batch, 0, Reduction::Mean, false).unwrap();
+    let b = example_gradient(&mha, &batch, 0, Reduction::Mean, false).unwrap();
     assert!(close(a.loss, b.loss, 1e-13), "{} vs {}", a.loss, b.loss);
     for l in 0..cfg.num_hidden_layers {
         for (ga, gb) in [
@@ -209,7 +209,7 @@ fn trace_rebuilds_the_materialized_gradients() {
     // The recorded factors, materialized site by site and summed per parameter, must give the
     // very norms of the explicit backward pass: a wrong activation or backprop would not.
     for model in [tied_gqa(), qwen2_biases(), llama3_scaled()] {
-        let batch = Batch::new(array![[1_i64, 2, 1, 3, 2, 1], [4, 4, 4, 0, 10, 9]], None);
+        let batch = Batch::new(array![[1_i64, 2, 1, 3, 2, 1], [4, 4, 4, 0, 10, 9]], None).unwrap();
         let opts = Options {
             record_trace: true,
             ..Options::default()
@@ -272,13 +272,13 @@ fn checkpoint_round_trip_and_model_dispatch() {
     ] {
         let dir = temp_dir(tag);
         model.save(&dir, false).unwrap();
-        assert_eq!(Llama::load(&dir).unwrap(), model);
-        match Model::load(&dir).unwrap() {
+        assert_eq!(load::<Llama>(&dir).unwrap(), model);
+        match load::<Model>(&dir).unwrap() {
             Model::Llama(m) => assert_eq!(m, model),
             Model::Gpt2(_) => panic!("{tag}: loaded as GPT-2"),
         }
         model.save(&dir, true).unwrap();
-        let back = Llama::load(&dir).unwrap();
+        let back = load::<Llama>(&dir).unwrap();
         let err = (&back.params.embed_tokens - &model.params.embed_tokens)
             .iter()
             .fold(0.0_f64, |a, v| a.max(v.abs()));
@@ -288,14 +288,14 @@ fn checkpoint_round_trip_and_model_dispatch() {
     let dir = temp_dir("gpt2");
     let gpt2 = Gpt2::random(Gpt2Config::tiny(9, 6, 4, 1, 2), 8, 0.3);
     gpt2.save(&dir, false).unwrap();
-    assert_eq!(Model::load(&dir).unwrap(), Model::Gpt2(gpt2));
+    assert_eq!(load::<Model>(&dir).unwrap(), Model::Gpt2(gpt2));
     std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
 fn model_enum_reference_equals_the_family_reference() {
     let model = qwen2_biases();
-    let batch = Batch::new(array![[1_i64, 2, 1, 3], [4, 4, 0, 10]], None);
+    let batch = Batch::new(array![[1_i64, 2, 1, 3], [4, 4, 0, 10]], None).unwrap();
     let direct = compute(&model, &batch, &Options::default(), &mut |_, _| {}).unwrap();
     let any = Model::from(model.clone());
     let via = compute(&any, &batch, &Options::default(), &mut |_, _| {}).unwrap();
@@ -431,7 +431,7 @@ fn checkpoint_errors_name_the_file_and_tensor() {
         let views: Vec<(String, ndarray::ArrayViewD<f64>)> =
             t.iter().map(|(n, v)| (n.clone(), v.view())).collect();
         write_f64_tensors(&path, &views, false, None).unwrap();
-        Model::load(&dir)
+        load::<Model>(&dir)
     };
     let err = |edit: &Edit<'_>| {
         let msg = rewrite(edit).unwrap_err().to_string();
@@ -492,7 +492,7 @@ fn batch_longer_than_the_context_is_an_error() {
     let ids = Array2::from_shape_fn((1, 65), |(_, t)| (t % 11) as i64);
     let err = compute(
         &model,
-        &Batch::new(ids, None),
+        &Batch::new(ids, None).unwrap(),
         &Options::default(),
         &mut |_, _| {},
     )

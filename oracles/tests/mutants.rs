@@ -21,8 +21,8 @@ fn a_head_buffer_of_another_shape_is_replaced_not_written_into() {
     // The buffer a caller reuses may hold a head of another model's shape (V×d here is 11×8);
     // the head gradient must come out as if the buffer were fresh.
     let model = tiny(false);
-    let batch = Batch::new(array![[1_i64, 4, 1, 9]], None);
-    let fresh = example_gradient(&model, &batch, 0, Reduction::Mean, false);
+    let batch = Batch::new(array![[1_i64, 4, 1, 9]], None).unwrap();
+    let fresh = example_gradient(&model, &batch, 0, Reduction::Mean, false).unwrap();
     let want = fresh.grad.lm_head.as_ref().expect("a head gradient");
     assert_eq!(want.dim(), (11, 8));
     let mut g = model.zero_gradient();
@@ -35,7 +35,8 @@ fn a_head_buffer_of_another_shape_is_replaced_not_written_into() {
         false,
         HeadPath::Separate,
         &mut g,
-    );
+    )
+    .unwrap();
     assert_eq!(loss, fresh.loss);
     assert_eq!(g.lm_head.as_ref(), Some(want));
     assert_eq!(split, None);
@@ -47,8 +48,8 @@ fn a_folded_head_path_is_the_sum_of_the_separate_paths_and_its_split_their_produ
     // must equal input + head path, and its split the two paths' own squared norms and inner
     // product, computed here over the whole separate tables.
     let model = tiny(true);
-    let batch = Batch::new(array![[1_i64, 4, 1, 9, 2]], None);
-    let sep = example_gradient(&model, &batch, 0, Reduction::Mean, false);
+    let batch = Batch::new(array![[1_i64, 4, 1, 9, 2]], None).unwrap();
+    let sep = example_gradient(&model, &batch, 0, Reduction::Mean, false).unwrap();
     let input = &sep.grad.wte;
     let head = sep.grad.lm_head.as_ref().expect("a separate head path");
     let mut g = model.zero_gradient();
@@ -62,7 +63,8 @@ fn a_folded_head_path_is_the_sum_of_the_separate_paths_and_its_split_their_produ
         false,
         HeadPath::Folded,
         &mut g,
-    );
+    )
+    .unwrap();
     assert_eq!(loss, sep.loss);
     assert!(g.lm_head.is_none());
     let sum = input + head;
@@ -104,9 +106,10 @@ fn a_folded_head_path_is_the_sum_of_the_separate_paths_and_its_split_their_produ
         false,
         HeadPath::Folded,
         &mut g,
-    );
+    )
+    .unwrap();
     assert_eq!(split, None);
-    let sep = example_gradient(&untied, &batch, 0, Reduction::Mean, false);
+    let sep = example_gradient(&untied, &batch, 0, Reduction::Mean, false).unwrap();
     assert_eq!(g.lm_head, sep.grad.lm_head);
     assert_eq!(g.wte, sep.grad.wte);
 }
@@ -117,7 +120,13 @@ fn run(model: &Gpt2, ids: Array2<i64>, reduction: Reduction) -> Reference {
         record_trace: false,
         keep_gradients: true,
     };
-    compute(model, &Batch::new(ids, None), &opts, &mut |_, _| {}).unwrap()
+    compute(
+        model,
+        &Batch::new(ids, None).unwrap(),
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap()
 }
 
 #[test]
@@ -194,7 +203,7 @@ fn the_json_report_carries_every_number_of_the_reference() {
 #[test]
 fn progress_counts_the_examples_done() {
     let model = tiny(false);
-    let batch = Batch::new(array![[1_i64, 4, 1, 9], [2, 2, 3, 0], [5, 6, 7, 8]], None);
+    let batch = Batch::new(array![[1_i64, 4, 1, 9], [2, 2, 3, 0], [5, 6, 7, 8]], None).unwrap();
     let mut calls = Vec::new();
     compute(&model, &batch, &Options::default(), &mut |done, total| {
         calls.push((done, total))

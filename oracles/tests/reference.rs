@@ -14,7 +14,7 @@ fn golden_dir() -> PathBuf {
 
 fn fd_batch() -> Batch {
     // Repeated tokens (3 and 5) and a target (5) that is also an input.
-    Batch::new(array![[3_i64, 5, 7, 3, 5, 1, 9]], None)
+    Batch::new(array![[3_i64, 5, 7, 3, 5, 1, 9]], None).unwrap()
 }
 
 #[test]
@@ -34,7 +34,7 @@ fn finite_differences_with_ignored_labels() {
     let model = Gpt2::random(Gpt2Config::tiny(11, 8, 6, 1, 3), 3, 0.5);
     let ids = array![[3_i64, 5, 7, 3, 5, 1, 9]];
     let labels = array![[3_i64, -100, 7, -100, 5, 1, -100]];
-    check_finite_differences(&model, &Batch::new(ids, Some(labels)));
+    check_finite_differences(&model, &Batch::new(ids, Some(labels)).unwrap());
 }
 
 #[test]
@@ -55,7 +55,7 @@ fn matches_pytorch_golden_files() {
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
                 .unwrap();
         // Every case loads through the family dispatch, and the family is the one its name says.
-        let model = Model::load(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let model = load::<Model>(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let family = if name.starts_with("llama") {
             "llama"
@@ -145,7 +145,7 @@ fn matches_pytorch_golden_files() {
 #[test]
 fn tied_split_adds_up_and_cross_term_is_not_negligible() {
     let model = Gpt2::random(Gpt2Config::tiny(13, 16, 8, 1, 2), 5, 0.5);
-    let batch = Batch::new(array![[1_i64, 2, 1, 3, 2, 1, 4, 5, 6, 2]], None);
+    let batch = Batch::new(array![[1_i64, 2, 1, 3, 2, 1, 4, 5, 6, 2]], None).unwrap();
     let r = compute(&model, &batch, &Options::default(), &mut |_, _| {}).unwrap();
     let e = &r.examples[0];
     let (_, s) = e.shared[0];
@@ -174,7 +174,7 @@ fn trace_rebuilds_the_materialized_gradients() {
         Gpt2::random(Gpt2Config::tiny(13, 16, 8, 2, 2), 6, 0.5),
         Gpt2::random(Gpt2Config::tiny(13, 16, 8, 1, 4).untied(), 7, 0.5),
     ] {
-        let batch = Batch::new(array![[1_i64, 2, 1, 3, 2, 1], [4, 4, 4, 0, 12, 11]], None);
+        let batch = Batch::new(array![[1_i64, 2, 1, 3, 2, 1], [4, 4, 4, 0, 12, 11]], None).unwrap();
         let opts = Options {
             record_trace: true,
             ..Options::default()
@@ -206,9 +206,9 @@ fn checkpoint_round_trip_in_both_precisions() {
     let dir = std::env::temp_dir().join(format!("go-ref-rt-{}", std::process::id()));
     let model = Gpt2::random(Gpt2Config::tiny(9, 6, 4, 1, 2).untied(), 8, 0.3);
     model.save(&dir, false).unwrap();
-    assert_eq!(Gpt2::load(&dir).unwrap(), model);
+    assert_eq!(load::<Gpt2>(&dir).unwrap(), model);
     model.save(&dir, true).unwrap();
-    let back = Gpt2::load(&dir).unwrap();
+    let back = load::<Gpt2>(&dir).unwrap();
     let err = (&back.params.wte - &model.params.wte)
         .iter()
         .fold(0.0_f64, |a, v| a.max(v.abs()));
@@ -219,7 +219,7 @@ fn checkpoint_round_trip_in_both_precisions() {
 #[test]
 fn kept_gradients_have_the_reported_norms_and_the_model_layout() {
     let model = Gpt2::random(Gpt2Config::tiny(9, 6, 4, 1, 2), 9, 0.3);
-    let batch = Batch::new(array![[1_i64, 2, 3], [3, 2, 1]], None);
+    let batch = Batch::new(array![[1_i64, 2, 3], [3, 2, 1]], None).unwrap();
     let opts = Options {
         keep_gradients: true,
         ..Options::default()
@@ -247,7 +247,7 @@ fn gradient_rows_of_every_site_kind_add_up_to_the_weighted_whole_in_any_partitio
     // must rebuild Σ_i w_i · site_gradient(j, i), each row block in its place; an example of
     // weight 0 contributes nothing.
     let model = Gpt2::random(Gpt2Config::tiny(9, 6, 4, 1, 2), 5, 0.4);
-    let batch = Batch::new(array![[1_i64, 2, 1, 8], [3, 3, 0, 8], [8, 7, 6, 5]], None);
+    let batch = Batch::new(array![[1_i64, 2, 1, 8], [3, 3, 0, 8], [8, 7, 6, 5]], None).unwrap();
     let opts = Options {
         record_trace: true,
         ..Options::default()
@@ -292,4 +292,53 @@ fn gradient_rows_of_every_site_kind_add_up_to_the_weighted_whole_in_any_partitio
             }
         }
     }
+}
+
+#[test]
+fn a_batch_is_checked_when_built_and_against_the_model_it_runs_on() {
+    let err = |r: Result<Batch>| r.unwrap_err().to_string();
+    let msg = err(Batch::new(array![[1_i64, -3, 2]], None));
+    assert!(msg.contains("input_ids[0][1] = -3"), "{msg}");
+    let msg = err(Batch::new(
+        array![[1_i64, 2, 3]],
+        Some(array![[1_i64, -7, 3]]),
+    ));
+    assert!(
+        msg.contains("labels[0][1] = -7") && msg.contains("-100"),
+        "{msg}"
+    );
+    let msg = err(Batch::new(array![[1_i64, 2, 3]], Some(array![[1_i64, 2]])));
+    assert!(msg.contains("`labels` has shape [1, 2]"), "{msg}");
+    // Ignored labels are kept; a batch is changed through its parts and checked again.
+    let b = Batch::new(array![[1_i64, 2, 3]], Some(array![[1_i64, IGNORE, 3]])).unwrap();
+    assert_eq!(b.targets(0), vec![(1, 3)]);
+    let (mut ids, labels) = b.into_parts();
+    ids[(0, 2)] = 11;
+    let b = Batch::new(ids, Some(labels)).unwrap();
+    assert_eq!(b.input_ids()[(0, 2)], 11);
+
+    // Id 11 is outside the 11-row table: every public entry point refuses it, none panics.
+    let model = Gpt2::random(Gpt2Config::tiny(11, 8, 8, 1, 2), 1, 0.4);
+    let msg = err(example_gradient(&model, &b, 0, Reduction::Mean, true).map(|_| b.clone()));
+    assert!(msg.contains("input_ids[0][2] = 11"), "{msg}");
+    let mut g = model.zero_gradient();
+    let r = example_gradient_into(
+        &model,
+        &b,
+        0,
+        Reduction::Sum,
+        false,
+        HeadPath::Folded,
+        &mut g,
+    );
+    assert!(r.is_err());
+    assert!(example_loss(&model, &b, 0, Reduction::Mean).is_err());
+    let msg =
+        err(example_gradient(&model, &fd_batch(), 1, Reduction::Mean, false).map(|_| b.clone()));
+    assert!(msg.contains("example 1 is outside the batch"), "{msg}");
+    let long = Batch::new(Array2::from_elem((1, 9), 1_i64), None).unwrap();
+    let msg = err(example_gradient(&model, &long, 0, Reduction::Mean, false).map(|_| b.clone()));
+    assert!(msg.contains("n_positions = 8"), "{msg}");
+    let opts = Options::default();
+    assert!(compute(&model, &b, &opts, &mut |_, _| {}).is_err());
 }

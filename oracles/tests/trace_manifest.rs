@@ -1,10 +1,11 @@
 //! The optional trace header keys `parameters` (the manifest of every trainable parameter) and
 //! `compute_dtype` (the precision the model computed in): what they accept, and that every way a
-//! manifest can disagree with the sites is an error naming the parameter.
+//! manifest can disagree with the sites is an error naming the parameter; and the shape rule
+//! every trace is held to, in memory and in a file alike.
 
 use ghost_oracle_reference::{
-    read_trace, read_trace_bytes, write_raw, write_trace, Dtype, RawTensor, Site, SiteKind,
-    SiteSpec, Trace, TraceMeta,
+    read_trace, read_trace_bytes, validate_shapes, write_raw, write_trace, Precision, RawTensor,
+    Site, SiteKind, SiteSpec, Trace, TraceMeta,
 };
 use ndarray::{Array2, Array3};
 use serde_json::{json, Value};
@@ -77,15 +78,17 @@ fn manifest() -> Value {
     json!({"wte.weight": V * D, "norm.weight": D, "fc.weight": 3 * D, "fc.bias": 3})
 }
 
-fn meta(compute_dtype: Option<Dtype>) -> TraceMeta {
+fn meta(compute_dtype: Option<Precision>) -> TraceMeta {
     TraceMeta {
         max_grad_norm: 1.0,
         noise_multiplier: None,
         clipper: Some("manifest-test".into()),
         claimed_norms: vec![1.0, 2.0],
         claimed_coefficients: None,
-        dtype: Dtype::F64,
+        dtype: Precision::F64,
         compute_dtype,
+        site_compute_dtypes: Vec::new(),
+        site_dtypes: Vec::new(),
     }
 }
 
@@ -159,16 +162,26 @@ fn a_complete_manifest_is_accepted_and_both_keys_are_optional() {
 
 #[test]
 fn compute_dtype_round_trips_and_unknown_values_are_refused() {
-    for d in [Dtype::F64, Dtype::F32, Dtype::F16, Dtype::BF16] {
+    for d in Precision::ALL {
         let path = tmp(&format!("rt-{d:?}"));
         write_trace(&path, &trace(), &meta(Some(d))).unwrap();
         let (_, back) = read_trace(&path).unwrap();
         assert_eq!(back.compute_dtype, Some(d));
-        assert_eq!(back, meta(Some(d)));
+        let sites = trace().sites.len();
+        assert_eq!(back.site_dtypes, vec![Precision::F64; sites]);
+        assert_eq!(back.site_compute_dtypes, vec![None; sites]);
+        assert_eq!(
+            TraceMeta {
+                site_dtypes: Vec::new(),
+                site_compute_dtypes: Vec::new(),
+                ..back
+            },
+            meta(Some(d))
+        );
         // Stored as f64 whatever the compute precision.
-        assert_eq!(back.dtype, Dtype::F64);
+        assert_eq!(back.dtype, Precision::F64);
     }
-    for (text, want) in [("f32", Dtype::F32), ("bf16", Dtype::BF16)] {
+    for (text, want) in [("f32", Precision::F32), ("bf16", Precision::BF16)] {
         let bytes = with_header(|m| {
             m.insert("compute_dtype".into(), text.into());
         });
@@ -190,9 +203,6 @@ fn compute_dtype_round_trips_and_unknown_values_are_refused() {
             ],
         );
     }
-    // A non-float compute dtype cannot be written either.
-    let err = write_trace(&tmp("w-i64"), &trace(), &meta(Some(Dtype::I64))).unwrap_err();
-    assert!(err.message().contains("compute_dtype"), "{err}");
 }
 
 #[test]
@@ -351,5 +361,48 @@ fn family_traces_carry_a_manifest_and_a_compute_dtype() {
         n >= 8,
         "{} holds {n} traces; expected 8 families",
         dir.display()
+    );
+}
+
+#[test]
+fn the_shape_rule_names_the_site_and_the_tensor_at_fault_in_memory_and_in_a_file() {
+    trace().validate().unwrap();
+    let check = |edit: &dyn Fn(&mut Trace), want: &str| {
+        let mut t = trace();
+        edit(&mut t);
+        let err = t.validate().unwrap_err().to_string();
+        assert!(err.contains(want), "{err:?} lacks {want:?}");
+        let path = tmp("shape");
+        write_trace(&path, &t, &meta(None)).unwrap();
+        let in_file = read_trace(&path).unwrap_err().to_string();
+        assert_eq!(in_file, format!("{}: {err}", path.display()));
+    };
+    check(
+        &|t| t.sites[1].activations = None,
+        "site `norm.weight` (layernorm): tensor `norm.weight.activations` is missing",
+    );
+    check(
+        &|t| t.sites[1].activations = Some(filled((B, T, D + 1), 0.5)),
+        "`norm.weight.activations` has width 5 but `norm.weight.backprops` 4",
+    );
+    check(
+        &|t| t.sites[3].backprops = filled((B, T + 1, 3), 0.5),
+        "site `fc.bias`: `fc.bias.backprops` is 2×4 in batch × sequence but site `wte` is 2×3",
+    );
+    check(
+        &|t| t.sites[0].ids.as_mut().unwrap()[(1, 2)] = V as i64,
+        "site `wte`: `wte.ids`[1][2] = 5 is outside the table's vocab 0..5",
+    );
+    check(
+        &|t| t.sites[0].ids.as_mut().unwrap()[(0, 1)] = -1,
+        "`wte.ids`[0][1] = -1 is outside",
+    );
+    check(
+        &|t| t.sites[4].backprops = filled((B, T, V + 1), 0.5),
+        "parameter `wte.weight`: site `lm_head.weight` writes a 6×4 gradient but site `wte` writes 5×4",
+    );
+    assert_eq!(
+        validate_shapes(&[]).unwrap_err().to_string(),
+        "trace has no sites"
     );
 }

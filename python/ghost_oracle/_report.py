@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 #: Verdicts from the least to the most severe.
-VERDICTS = ("pass", "utility-distortion", "privacy-violation", "invalid-norm")
+VERDICTS = ("pass", "utility-distortion", "cannot-judge", "privacy-violation", "invalid-norm")
 _SEVERITY = {v: k for k, v in enumerate(VERDICTS)}
 
 
@@ -70,7 +70,8 @@ class Privacy:
             default_setting=bool(d["default_setting"]),
             noise_multiplier=float(d["noise_multiplier"]),
             stated_epsilon=float(d["stated_epsilon"]),
-            actual_epsilon=float(d["actual_epsilon"]),
+            # No ε holds after an invalid norm: +∞.
+            actual_epsilon=math.inf if d["actual_epsilon"] is None else float(d["actual_epsilon"]),
             worst_contribution=_f(d["worst_contribution"]),
             effective_noise_multiplier=_f(d["effective_noise_multiplier"]),
             sigma_needed=_f(d["sigma_needed"]),
@@ -138,6 +139,13 @@ class CaseResult:
 
     @classmethod
     def _from_native(cls, d: dict) -> CaseResult:
+        examples = d["examples"]
+
+        def column(key: str, dtype: Any = np.float64) -> np.ndarray:
+            # An undefined per-example metric (None) is NaN.
+            values = [e[key] for e in examples]
+            return _array([_f(v) for v in values] if dtype is np.float64 else values, dtype)
+
         return cls(
             name=d["case"],
             verdict=d["verdict"],
@@ -156,17 +164,17 @@ class CaseResult:
             max_cross_share=_f(d["max_cross_share"]),
             invalid_examples=tuple(int(i) for i in d["invalid_examples"]),
             worst_contribution=_f(d["worst_contribution"]),
-            true_norms=_array(d["true_norm"]),
-            claimed_norms=_array(d["norm"]),
-            coefficients=_array(d["coefficient"]),
-            true_coefficients=_array(d["true_coefficient"]),
-            sensitivity=_array(d["sensitivity"]),
-            norm_rel_err=_array(d["norm_rel_err"]),
-            bound=_array(d["bound"]),
-            err_units=_array(d["err_units"]),
-            cross_share=_array(d["cross_share"]),
-            flipped=_array(d["flipped"], bool),
-            invalid=_array(d["invalid"], bool),
+            true_norms=column("true_norm"),
+            claimed_norms=column("norm"),
+            coefficients=column("coefficient"),
+            true_coefficients=column("true_coefficient"),
+            sensitivity=column("sensitivity"),
+            norm_rel_err=column("norm_rel_err"),
+            bound=column("bound"),
+            err_units=column("err_units"),
+            cross_share=column("cross_share"),
+            flipped=column("flipped", bool),
+            invalid=column("invalid", bool),
         )
 
 

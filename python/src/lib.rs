@@ -10,16 +10,16 @@
 //! - anything the library cannot blame on its input, and any Rust panic: `RuntimeError`. A panic
 //!   is caught at the boundary and never unwinds into the interpreter.
 
-use ghost_oracle::accountant::AccountingError;
-use ghost_oracle::{
-    account, audit_json, audit_tables, builtin_suite, check_trace, clippers_by_name, kill_matrix,
-    kill_matrix_json, kill_matrix_table, run_audit, Accounting, AuditOptions, Case, CaseMetrics,
-    ClipperAudit, Error, ExampleMetrics, Mutant, Precision, PrivacyReport, BUILTIN_CLIPPERS,
-};
+use ghost_oracle::audit::{builtin_suite, check_trace, kill_matrix};
+use ghost_oracle::mutants::Mutant;
+use ghost_oracle::options::{Field, OptionError};
+use ghost_oracle::report::{audit_json, audit_tables, kill_matrix_json, kill_matrix_table};
+use ghost_oracle::{registry, AccountingRequest, AuditOptions, Case, CheckOptions};
+use ghost_oracle::{ClipNorm, ClipperAudit, Error, NoiseMultiplier, Precision};
 use ghost_oracle_reference::Reduction;
 use pyo3::exceptions::{PyFileNotFoundError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBool, PyDict, PyList};
 use std::io::Read;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -105,84 +105,37 @@ where
 }
 
 // ---------------------------------------------------------------------------------------------
-// Arguments, checked before any work is done (the CLI's checks, naming the Python argument).
+// Arguments, checked before any work is done by the library's options layer; its errors name
+// the Python argument.
 
-fn check_max_grad_norm(c: Option<f64>) -> Result<(), Failure> {
-    match c {
-        Some(c) if !(c.is_finite() && c > 0.0) => Err(input(format!(
-            "max_grad_norm must be a positive number, got {c}"
-        ))),
-        _ => Ok(()),
+/// The Python argument a library option comes from.
+fn argument(field: Field) -> &'static str {
+    match field {
+        Field::MaxGradNorm => "max_grad_norm",
+        Field::NoiseMultiplier => "noise_multiplier",
+        Field::SamplingRate => "sampling_rate",
+        Field::Steps => "steps",
+        Field::Epochs => "epochs",
+        Field::DatasetSize => "dataset_size",
+        Field::Delta => "delta",
+        Field::MaxEpsilon => "max_epsilon",
     }
 }
 
-fn check_noise_multiplier(s: Option<f64>) -> Result<(), Failure> {
-    match s {
-        Some(s) if !(s.is_finite() && s >= 0.0) => Err(input(format!(
-            "noise_multiplier must be a non-negative number, got {s}"
-        ))),
-        _ => Ok(()),
+impl From<OptionError> for Failure {
+    fn from(e: OptionError) -> Self {
+        input(e.message(argument(e.field)))
     }
 }
 
-/// The run the ε speaks of: the arguments given, the typical fine-tuning run where none is.
-fn accounting(
-    sampling_rate: Option<f64>,
-    steps: Option<i64>,
-    delta: Option<f64>,
-) -> Result<Accounting, Failure> {
-    let typical = Accounting::typical();
-    let steps = match steps {
-        Some(s) if s < 1 => {
-            return Err(input(format!(
-                "steps must be a positive number of DP-SGD steps, got {s}"
-            )))
-        }
-        Some(s) => Some(s as u64),
-        None => None,
-    };
-    let given = sampling_rate.is_some() || steps.is_some() || delta.is_some();
-    let setting = Accounting {
-        sampling_rate: sampling_rate.unwrap_or(typical.sampling_rate),
-        steps: steps.unwrap_or(typical.steps),
-        delta: delta.unwrap_or(typical.delta),
-        default_setting: !given,
-    };
-    setting.validate().map_err(|e| {
-        let name = match e {
-            AccountingError::SamplingRate(_) => "sampling_rate",
-            AccountingError::Delta(_) => "delta",
-            AccountingError::NoSteps => "steps",
-            _ => "accounting",
-        };
-        input(format!("{name}: {e}"))
-    })?;
-    Ok(setting)
-}
-
-fn parse_precision(p: Option<&str>) -> Result<Option<Precision>, Failure> {
-    Ok(match p {
-        None => None,
-        Some("f64") => Some(Precision::F64),
-        Some("f32") => Some(Precision::F32),
-        Some("f16") => Some(Precision::F16),
-        Some("bf16") => Some(Precision::BF16),
-        Some(other) => {
-            return Err(input(format!(
-                "precision must be one of f64, f32, f16, bf16, got {other:?}"
-            )))
-        }
+/// A precision by its name, for the `precision` and `dtype` arguments.
+fn parse_precision(what: &str, p: &str) -> Result<Precision, Failure> {
+    Precision::parse(p).ok_or_else(|| {
+        input(format!(
+            "{what} must be one of {}, got {p:?}",
+            Precision::names()
+        ))
     })
-}
-
-fn parse_dtype(d: &str) -> Result<candle_core::DType, Failure> {
-    match d {
-        "f32" => Ok(candle_core::DType::F32),
-        "f64" => Ok(candle_core::DType::F64),
-        other => Err(input(format!(
-            "dtype must be \"f32\" or \"f64\" (the precision the clippers compute in), got {other:?}"
-        ))),
-    }
 }
 
 fn parse_reduction(r: &str) -> Result<Reduction, Failure> {
@@ -236,95 +189,44 @@ fn tied_parameters(path: &Path) -> Vec<(String, Vec<(String, String)>)> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Results as Python data.
+// Results as Python data, from the library's own serde documents.
 
-fn nan_if_none(v: Option<f64>) -> f64 {
-    v.unwrap_or(f64::NAN)
+/// A JSON value as Python data (dicts, lists, floats, ints, strings, None).
+fn to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    use serde_json::Value;
+    Ok(match v {
+        Value::Null => py.None().into_bound(py),
+        Value::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
+        Value::Number(n) => match (n.as_i64(), n.as_f64()) {
+            (Some(i), _) => i.into_pyobject(py)?.into_any(),
+            (None, Some(f)) => f.into_pyobject(py)?.into_any(),
+            (None, None) => py.None().into_bound(py),
+        },
+        Value::String(s) => s.into_pyobject(py)?.into_any(),
+        Value::Array(xs) => PyList::new(
+            py,
+            xs.iter()
+                .map(|x| to_py(py, x))
+                .collect::<PyResult<Vec<_>>>()?,
+        )?
+        .into_any(),
+        Value::Object(m) => {
+            let d = PyDict::new(py);
+            for (k, x) in m {
+                d.set_item(k, to_py(py, x)?)?;
+            }
+            d.into_any()
+        }
+    })
 }
 
-fn column<'py>(
-    py: Python<'py>,
-    examples: &[ExampleMetrics],
-    f: impl Fn(&ExampleMetrics) -> f64,
-) -> PyResult<Bound<'py, PyList>> {
-    PyList::new(py, examples.iter().map(f))
-}
-
-fn case_dict<'py>(py: Python<'py>, c: &CaseMetrics) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("case", &c.case)?;
-    d.set_item("max_grad_norm", c.max_grad_norm)?;
-    d.set_item("noise_multiplier", c.noise_multiplier)?;
-    d.set_item("verdict", c.verdict.name())?;
-    d.set_item("worst_example", c.worst_example)?;
-    d.set_item("max_norm_rel_err", c.max_norm_rel_err)?;
-    d.set_item("max_err_units", c.max_err_units)?;
-    d.set_item("max_coef_abs_diff", c.max_coef_abs_diff)?;
-    d.set_item("decision_flips", c.decision_flips)?;
-    d.set_item("max_sensitivity_ratio", c.max_sensitivity_ratio)?;
-    d.set_item("effective_noise_multiplier", c.effective_noise_multiplier)?;
-    d.set_item("effective_noise_ratio", c.effective_noise_ratio)?;
-    d.set_item("reference_noise_ratio", c.reference_noise_ratio)?;
-    d.set_item("clipped_sum_cosine", c.clipped_sum_cosine)?;
-    d.set_item("clipped_sum_rel_err", c.clipped_sum_rel_err)?;
-    d.set_item("clipped_sum_bound", c.clipped_sum_bound)?;
-    d.set_item("max_cross_share", c.max_cross_share)?;
-    d.set_item("invalid_examples", c.invalid_examples.clone())?;
-    d.set_item("worst_contribution", c.worst_contribution)?;
-    let e = &c.examples;
-    d.set_item("true_norm", column(py, e, |x| x.true_norm)?)?;
-    d.set_item("norm", column(py, e, |x| x.norm)?)?;
-    d.set_item("norm_rel_err", column(py, e, |x| x.norm_rel_err)?)?;
-    d.set_item("bound", column(py, e, |x| x.bound)?)?;
-    d.set_item("err_units", column(py, e, |x| x.err_units)?)?;
-    d.set_item("coefficient", column(py, e, |x| x.coefficient)?)?;
-    d.set_item("true_coefficient", column(py, e, |x| x.true_coefficient)?)?;
-    d.set_item("sensitivity", column(py, e, |x| x.sensitivity)?)?;
-    d.set_item(
-        "cross_share",
-        column(py, e, |x| nan_if_none(x.cross_share))?,
-    )?;
-    d.set_item("flipped", PyList::new(py, e.iter().map(|x| x.flipped))?)?;
-    d.set_item("invalid", PyList::new(py, e.iter().map(|x| x.invalid))?)?;
-    Ok(d)
-}
-
-fn privacy_dict<'py>(py: Python<'py>, p: &PrivacyReport) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("sampling_rate", p.sampling_rate)?;
-    d.set_item("steps", p.steps)?;
-    d.set_item("delta", p.delta)?;
-    d.set_item("default_setting", p.default_setting)?;
-    d.set_item("noise_multiplier", p.noise_multiplier)?;
-    d.set_item("stated_epsilon", p.stated_epsilon)?;
-    d.set_item("worst_contribution", p.worst_contribution)?;
-    d.set_item("effective_noise_multiplier", p.effective_noise_multiplier)?;
-    d.set_item("actual_epsilon", p.actual())?;
-    d.set_item("sigma_needed", p.sigma_needed)?;
-    d.set_item("order", p.order)?;
-    d.set_item("order_at_grid_edge", p.order_at_grid_edge)?;
-    d.set_item("sentence", p.sentence())?;
-    d.set_item("setting", p.setting())?;
-    Ok(d)
-}
-
-fn clipper_dict<'py>(py: Python<'py>, a: &ClipperAudit) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("name", &a.name)?;
-    d.set_item("verdict", a.verdict.name())?;
-    d.set_item("worst_case", a.worst_case)?;
-    d.set_item("warnings", a.warnings.clone())?;
-    let cases = a
-        .cases
-        .iter()
-        .map(|c| case_dict(py, c))
-        .collect::<PyResult<Vec<_>>>()?;
-    d.set_item("cases", cases)?;
-    match &a.privacy {
-        Some(p) => d.set_item("privacy", privacy_dict(py, p)?)?,
-        None => d.set_item("privacy", py.None())?,
-    }
-    Ok(d)
+/// A clipper's audit as Python data: its serde document, with the privacy report's sentences.
+fn clipper_dict<'py>(py: Python<'py>, a: &ClipperAudit) -> PyResult<Bound<'py, PyAny>> {
+    let mut doc = serde_json::to_value(a)
+        .map_err(|e| PyRuntimeError::new_err(format!("cannot serialize an audit: {e}")))?;
+    doc["privacy"]["sentence"] = a.privacy.sentence().into();
+    doc["privacy"]["setting"] = a.privacy.setting().into();
+    to_py(py, &doc)
 }
 
 fn pretty(v: &serde_json::Value) -> String {
@@ -356,12 +258,30 @@ fn report_dict<'py>(
 // ---------------------------------------------------------------------------------------------
 // The functions.
 
+/// The accounting arguments every function takes.
+fn accounting_request(
+    sampling_rate: Option<f64>,
+    steps: Option<i64>,
+    epochs: Option<f64>,
+    dataset_size: Option<i64>,
+    delta: Option<f64>,
+) -> AccountingRequest {
+    AccountingRequest {
+        sampling_rate,
+        steps,
+        epochs,
+        dataset_size,
+        delta,
+    }
+}
+
 /// check(trace, *, noise_multiplier=None, precision=None, sampling_rate=None, steps=None,
-/// delta=None) -> dict
+/// epochs=None, dataset_size=None, delta=None) -> dict
 ///
 /// Judges the per-example norms claimed in a trace file (`ghost-oracle check TRACE`).
 #[pyfunction]
-#[pyo3(signature = (trace, *, noise_multiplier=None, precision=None, sampling_rate=None, steps=None, delta=None))]
+#[pyo3(signature = (trace, *, noise_multiplier=None, precision=None, sampling_rate=None, steps=None, epochs=None, dataset_size=None, delta=None))]
+#[allow(clippy::too_many_arguments)]
 fn check<'py>(
     py: Python<'py>,
     trace: PathBuf,
@@ -369,22 +289,28 @@ fn check<'py>(
     precision: Option<&str>,
     sampling_rate: Option<f64>,
     steps: Option<i64>,
+    epochs: Option<f64>,
+    dataset_size: Option<i64>,
     delta: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let precision = parse_precision(precision)?;
+    let precision = precision
+        .map(|p| parse_precision("precision", p))
+        .transpose()?;
     let path = trace.clone();
-    let (audits, precision, tied) = guarded(py, move || {
-        check_noise_multiplier(noise_multiplier)?;
-        let setting = accounting(sampling_rate, steps, delta)?;
-        let (audit, precision) = check_trace(&path, precision, noise_multiplier)
+    let (checked, tied) = guarded(py, move || {
+        let opts = CheckOptions {
+            precision,
+            noise_multiplier: noise_multiplier.map(NoiseMultiplier::new).transpose()?,
+            accounting: accounting_request(sampling_rate, steps, epochs, dataset_size, delta)
+                .resolve()?,
+        };
+        let checked = check_trace(&path, &opts)
             .map_err(Failure::from)
             .map_err(on_paths(&[&path]))?;
-        let sigma = audit.cases.first().map_or(1.0, |c| c.noise_multiplier);
-        let mut audits = vec![audit];
-        account(&mut audits, &setting, sigma)?;
-        Ok((audits, precision, tied_parameters(&path)))
+        Ok((checked, tied_parameters(&path)))
     })?;
-    let d = report_dict(py, "check", &audits, precision.name(), "trace file")?;
+    let precision = checked.precision.name();
+    let d = report_dict(py, "check", &[checked], precision, "trace file")?;
     d.set_item("trace", trace)?;
     let tied = tied
         .into_iter()
@@ -400,12 +326,13 @@ fn check<'py>(
 }
 
 /// audit(*, model=None, batch=None, clippers=None, max_grad_norm=None, noise_multiplier=1.0,
-/// dtype="f32", reduction="mean", sampling_rate=None, steps=None, delta=None) -> dict
+/// dtype="f32", reduction="mean", sampling_rate=None, steps=None, epochs=None,
+/// dataset_size=None, delta=None) -> dict
 ///
 /// Audits clippers on the built-in suite, or on a checkpoint directory and a batch file
 /// (`ghost-oracle audit`).
 #[pyfunction]
-#[pyo3(signature = (*, model=None, batch=None, clippers=None, max_grad_norm=None, noise_multiplier=1.0, dtype="f32", reduction="mean", sampling_rate=None, steps=None, delta=None))]
+#[pyo3(signature = (*, model=None, batch=None, clippers=None, max_grad_norm=None, noise_multiplier=1.0, dtype="f32", reduction="mean", sampling_rate=None, steps=None, epochs=None, dataset_size=None, delta=None))]
 #[allow(clippy::too_many_arguments)]
 fn audit<'py>(
     py: Python<'py>,
@@ -418,16 +345,24 @@ fn audit<'py>(
     reduction: &str,
     sampling_rate: Option<f64>,
     steps: Option<i64>,
+    epochs: Option<f64>,
+    dataset_size: Option<i64>,
     delta: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let dtype_name = dtype.to_string();
-    let dtype = parse_dtype(dtype)?;
+    let precision = parse_precision("dtype", dtype)?;
     let reduction = parse_reduction(reduction)?;
     let audits = guarded(py, move || {
-        check_max_grad_norm(max_grad_norm)?;
-        check_noise_multiplier(Some(noise_multiplier))?;
-        let setting = accounting(sampling_rate, steps, delta)?;
-        let boxes = clippers_by_name(&clippers.unwrap_or_default(), &BUILTIN_CLIPPERS)?;
+        let opts = AuditOptions {
+            max_grad_norm: max_grad_norm.map(ClipNorm::new).transpose()?,
+            noise_multiplier: NoiseMultiplier::new(noise_multiplier)?,
+            precision,
+            device: candle_core::Device::Cpu,
+            reduction,
+            accounting: accounting_request(sampling_rate, steps, epochs, dataset_size, delta)
+                .resolve()?,
+        };
+        let boxes =
+            registry::clippers(&clippers.unwrap_or_default()).map_err(|e| e.context("clippers"))?;
         let cases = match (&model, &batch) {
             (Some(m), Some(b)) => {
                 vec![Case::load(m, b)
@@ -446,52 +381,43 @@ fn audit<'py>(
                 ))
             }
         };
-        let opts = AuditOptions {
-            max_grad_norm,
-            noise_multiplier,
-            dtype,
-            device: candle_core::Device::Cpu,
-            reduction,
-        };
-        let mut audits = run_audit(cases, &boxes, &opts, &mut |_, _, _| {})?;
-        account(&mut audits, &setting, noise_multiplier)?;
-        Ok(audits)
+        Ok(ghost_oracle::audit::run(
+            cases,
+            &boxes,
+            &opts,
+            &mut |_, _, _| {},
+        )?)
     })?;
-    report_dict(py, "audit", &audits, &dtype_name, "cpu")
+    report_dict(py, "audit", &audits, precision.name(), "cpu")
 }
 
-/// mutants(*, dtype="f32", sampling_rate=None, steps=None, delta=None) -> dict
+/// mutants(*, dtype="f32", sampling_rate=None, steps=None, epochs=None, dataset_size=None,
+/// delta=None) -> dict
 ///
 /// The kill matrix: every seeded bug of a real DP library, and the correct clippers, on the
 /// built-in suite (`ghost-oracle mutants`).
 #[pyfunction]
-#[pyo3(signature = (*, dtype="f32", sampling_rate=None, steps=None, delta=None))]
+#[pyo3(signature = (*, dtype="f32", sampling_rate=None, steps=None, epochs=None, dataset_size=None, delta=None))]
 fn mutants<'py>(
     py: Python<'py>,
     dtype: &str,
     sampling_rate: Option<f64>,
     steps: Option<i64>,
+    epochs: Option<f64>,
+    dataset_size: Option<i64>,
     delta: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let dtype_name = dtype.to_string();
-    let dtype = parse_dtype(dtype)?;
-    let (matrix, audits) = guarded(py, move || {
-        let setting = accounting(sampling_rate, steps, delta)?;
+    let precision = parse_precision("dtype", dtype)?;
+    let matrix = guarded(py, move || {
         let opts = AuditOptions {
-            max_grad_norm: None,
-            noise_multiplier: 1.0,
-            dtype,
-            device: candle_core::Device::Cpu,
-            reduction: Reduction::Mean,
+            precision,
+            accounting: accounting_request(sampling_rate, steps, epochs, dataset_size, delta)
+                .resolve()?,
+            ..AuditOptions::default()
         };
-        let cases = builtin_suite();
-        let matrix = kill_matrix(&cases, &opts, &mut |_, _, _| {})?;
-        // Every clipper's full audit, in row order, with its ε.
-        let mut audits = matrix.audits.clone();
-        account(&mut audits, &setting, 1.0)?;
-        Ok((matrix, audits))
+        Ok(kill_matrix(&builtin_suite(), &opts, &mut |_, _, _| {})?)
     })?;
-    let d = report_dict(py, "mutants", &audits, &dtype_name, "cpu")?;
+    let d = report_dict(py, "mutants", &matrix.audits, precision.name(), "cpu")?;
     let verdict_line = if matrix.ok() {
         "every mutant caught with the right verdict; no false alarm\n"
     } else {
@@ -550,7 +476,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mutants, m)?)?;
     m.add_function(wrap_pyfunction!(mutant_list, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
-    m.add("BUILTIN_CLIPPERS", BUILTIN_CLIPPERS.to_vec())?;
+    m.add("BUILTIN_CLIPPERS", registry::builtin_names())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -2,13 +2,16 @@
 //! clipper run on the same trace, and the judge's verdict on each.
 
 mod check;
+mod kill_matrix;
 
-pub use check::check_trace;
+pub use check::{check_trace, CheckOptions};
+pub use kill_matrix::{kill_matrix, KillMatrix, Row};
 
 use crate::clippers::{Clipped, Clipper};
 use crate::error::{Error, Result};
-use crate::judge::{Accounting, CaseMetrics, Claim, Judge, Precision, PrivacyReport, Verdict};
-use crate::trace::Trace;
+use crate::judge::{CaseLabel, CaseMetrics, Claim, Judge, PrivacyReport, Verdict};
+use crate::options::{Accounting, ClipNorm, NoiseMultiplier};
+use crate::trace::{candle_dtype, Precision, Trace};
 use candle_core::{DType, Device};
 use ghost_oracle_reference::{
     self as reference, Batch, Gpt2, Gpt2Config, Llama, LlamaConfig, LlamaFlavor, Model, Reduction,
@@ -32,7 +35,7 @@ impl Case {
     /// A checkpoint directory (config.json + model.safetensors, any family the reference
     /// reads) and a batch file, checked against each other, audited at one clipping norm.
     pub fn load(model: &std::path::Path, batch: &std::path::Path) -> Result<Self> {
-        let m = Model::load(model)?;
+        let m: Model = reference::load(model)?;
         let b = Batch::load(batch)?;
         b.validate(&m, &batch.display().to_string())?;
         Ok(Case {
@@ -251,23 +254,43 @@ pub fn builtin_suite() -> Vec<Case> {
             Case {
                 name: s.name.to_string(),
                 model,
-                batch: Batch::new(ids, Some(labels)),
+                batch: Batch::new(ids, Some(labels)).expect("a built-in batch is valid"),
                 c_multipliers: SUITE_C_MULTIPLIERS.to_vec(),
             }
         })
         .collect()
 }
 
+/// How an audit runs: the DP-SGD settings it judges at, and where the clippers compute.
 #[derive(Clone, Debug)]
 pub struct AuditOptions {
-    pub max_grad_norm: Option<f64>,
-    pub noise_multiplier: f64,
-    pub dtype: DType,
+    /// C; `None`: the median true norm of each case, times each of its `c_multipliers`.
+    pub max_grad_norm: Option<ClipNorm>,
+    pub noise_multiplier: NoiseMultiplier,
+    /// The precision the clippers compute in (the reference is always f64).
+    pub precision: Precision,
     pub device: Device,
     pub reduction: Reduction,
+    /// The run each clipper's ε is stated for.
+    pub accounting: Accounting,
 }
 
-/// One clipper's results over every case.
+impl Default for AuditOptions {
+    /// The built-in audit's: C from the median, σ = 1, f32 on the CPU, HF's mean loss, the
+    /// typical fine-tuning run.
+    fn default() -> Self {
+        AuditOptions {
+            max_grad_norm: None,
+            noise_multiplier: NoiseMultiplier::ONE,
+            precision: Precision::F32,
+            device: Device::Cpu,
+            reduction: Reduction::Mean,
+            accounting: Accounting::typical(),
+        }
+    }
+}
+
+/// One clipper's results over every case, with the ε its run really has.
 #[derive(Clone, Debug, Serialize)]
 pub struct ClipperAudit {
     pub name: String,
@@ -275,25 +298,47 @@ pub struct ClipperAudit {
     pub worst_case: usize,
     pub cases: Vec<CaseMetrics>,
     pub warnings: Vec<String>,
-    /// Stated and actual ε of the run, when accounted ([`account`]).
-    pub privacy: Option<PrivacyReport>,
+    /// The precision the tolerance assumed.
+    pub precision: Precision,
+    /// Stated and actual ε of the run.
+    pub privacy: PrivacyReport,
 }
 
-/// States each clipper's ε: stated at σ, actual at σ over its worst overshoot in any case.
-pub fn account(
-    audits: &mut [ClipperAudit],
-    setting: &Accounting,
-    noise_multiplier: f64,
-) -> Result<()> {
-    for a in audits {
-        let worst = a
-            .cases
+impl ClipperAudit {
+    /// The verdict, the deciding case and the ε, from the cases.
+    fn new(
+        name: String,
+        cases: Vec<CaseMetrics>,
+        warnings: Vec<String>,
+        precision: Precision,
+        accounting: &Accounting,
+        noise_multiplier: NoiseMultiplier,
+    ) -> Result<Self> {
+        let worst = worst_case(&cases);
+        let verdict = cases.get(worst).map_or(Verdict::Pass, |c| c.verdict);
+        // The run's ε is set by the worst overshoot in any case.
+        let contribution = cases
             .iter()
             .map(|c| c.worst_contribution)
             .try_fold(1.0_f64, |acc, s| s.map(|s| acc.max(s)));
-        a.privacy = Some(PrivacyReport::new(setting, noise_multiplier, worst)?);
+        // Below a privacy violation, any overshoot of C is within the rounding bound.
+        let rounding_at = (verdict != Verdict::PrivacyViolation).then_some(precision);
+        let privacy = PrivacyReport::new(
+            accounting,
+            noise_multiplier.get(),
+            contribution,
+            rounding_at,
+        )?;
+        Ok(ClipperAudit {
+            name,
+            verdict,
+            worst_case: worst,
+            cases,
+            warnings,
+            precision,
+            privacy,
+        })
     }
-    Ok(())
 }
 
 /// The median (mean of the middle two for an even count): the default clipping norm.
@@ -305,16 +350,6 @@ pub fn median(v: &[f64]) -> f64 {
         s[n / 2]
     } else {
         0.5 * (s[n / 2 - 1] + s[n / 2])
-    }
-}
-
-/// The precision a candle dtype computes in.
-pub fn precision_of(dtype: DType) -> Precision {
-    match dtype {
-        DType::F64 => Precision::F64,
-        DType::F16 => Precision::F16,
-        DType::BF16 => Precision::BF16,
-        _ => Precision::F32,
     }
 }
 
@@ -341,8 +376,8 @@ pub fn claim_of(clipped: Clipped) -> Result<Claim> {
 pub struct PreparedCase {
     pub judge: Judge,
     pub trace: Trace,
-    /// (label, C) pairs to evaluate.
-    pub clip_norms: Vec<(String, f64)>,
+    /// The clipping norms to evaluate at, each with its label.
+    pub clip_norms: Vec<(CaseLabel, ClipNorm)>,
 }
 
 /// The reference on a case, its judge and the clippers' trace. A case passed by value is
@@ -356,24 +391,58 @@ pub fn prepare(case: impl Borrow<Case>, opts: &AuditOptions) -> Result<PreparedC
     };
     let r = reference::compute(&case.model, &case.batch, &ropts, &mut |_, _| {})
         .map_err(|e| Error::from(e).context(&case.name))?;
-    let trace = Trace::from_reference(
-        r.trace.as_ref().expect("trace recorded"),
-        opts.dtype,
-        &opts.device,
-    )?;
-    let judge = Judge::from_reference(r).map_err(|e| e.context(&case.name))?;
+    let (trace, judge) = match opts.precision {
+        // f32 and f64 clippers are judged against the model's own gradients; the bound covers
+        // rounding the trace to f32.
+        Precision::F64 | Precision::F32 => (
+            Trace::from_reference(
+                r.trace.as_ref().expect("trace recorded"),
+                candle_dtype(opts.precision),
+                &opts.device,
+            )?,
+            Judge::from_reference(r).map_err(|e| e.context(&case.name))?,
+        ),
+        // Rounding the factors to bf16 moves a norm by up to a few tenths of a percent, as much
+        // as the bugs a low-precision audit looks for. The clipper's gradients are the rounded
+        // factors' (that is what it clips and sums), so the truth is taken from exactly those,
+        // as `check` takes it from a trace file's.
+        Precision::F16 | Precision::BF16 => {
+            let rounded = r
+                .trace
+                .as_ref()
+                .expect("trace recorded")
+                .rounded(opts.precision);
+            drop(r);
+            let trace =
+                Trace::from_reference(&rounded, candle_dtype(opts.precision), &opts.device)?;
+            (
+                trace,
+                Judge::from_trace(rounded).map_err(|e| e.context(&case.name))?,
+            )
+        }
+    };
     let clip_norms = match opts.max_grad_norm {
-        Some(c) => vec![(case.name.clone(), c)],
+        Some(c) => vec![(CaseLabel::from(case.name.as_str()), c)],
         None => {
             let med = median(&judge.truth.norms);
-            if case.c_multipliers.len() == 1 {
-                vec![(case.name.clone(), med * case.c_multipliers[0])]
-            } else {
-                case.c_multipliers
-                    .iter()
-                    .map(|m| (format!("{}@C={m}xmedian", case.name), med * m))
-                    .collect()
-            }
+            let several = case.c_multipliers.len() > 1;
+            case.c_multipliers
+                .iter()
+                .map(|&m| {
+                    let c = ClipNorm::new(med * m).map_err(|_| {
+                        Error::input(format!(
+                            "case {}: C = {m} × the median true norm {med:e} is not a positive \
+                             clipping norm; give one",
+                            case.name
+                        ))
+                    })?;
+                    let label = CaseLabel {
+                        base_case: case.name.clone(),
+                        c_multiplier: several.then_some(m),
+                    };
+                    Ok((label, c))
+                })
+                .collect::<Result<Vec<_>>>()?
         }
     };
     Ok(PreparedCase {
@@ -396,53 +465,52 @@ where
     I::IntoIter: ExactSizeIterator,
 {
     let cases = cases.into_iter();
-    let precision = precision_of(opts.dtype);
-    let mut out: Vec<ClipperAudit> = clippers
-        .iter()
-        .map(|c| ClipperAudit {
-            name: c.name(),
-            verdict: Verdict::Pass,
-            worst_case: 0,
-            cases: Vec::new(),
-            warnings: Vec::new(),
-            privacy: None,
-        })
-        .collect();
+    // Per clipper: its cases' metrics and its warnings.
+    let mut out: Vec<(Vec<CaseMetrics>, Vec<String>)> = vec![Default::default(); clippers.len()];
     let total = cases.len() * clippers.len();
     let mut done = 0;
     for case in cases {
         let name = case.borrow().name.clone();
         let prepared = prepare(case, opts)?;
-        for (audit, clipper) in out.iter_mut().zip(clippers) {
+        for ((metrics, warnings), clipper) in out.iter_mut().zip(clippers) {
             for (label, c) in &prepared.clip_norms {
                 let clipped = clipper.clip(&prepared.trace, *c).map_err(|e| {
-                    e.context(format!("clipper {} on case {label}", clipper.name()))
+                    e.context(format!(
+                        "clipper {} on case {}",
+                        clipper.name(),
+                        label.label()
+                    ))
                 })?;
                 for w in &clipped.report.warnings {
-                    if !audit.warnings.contains(w) {
-                        audit.warnings.push(w.clone());
+                    if !warnings.contains(w) {
+                        warnings.push(w.clone());
                     }
                 }
-                audit.cases.push(prepared.judge.evaluate(
-                    label,
+                metrics.push(prepared.judge.evaluate(
+                    label.clone(),
                     &claim_of(clipped)?,
                     *c,
                     opts.noise_multiplier,
-                    precision,
+                    opts.precision,
                 )?);
             }
             done += 1;
             progress(done, total, &name);
         }
     }
-    for a in &mut out {
-        a.worst_case = worst_case(&a.cases);
-        a.verdict = a
-            .cases
-            .get(a.worst_case)
-            .map_or(Verdict::Pass, |c| c.verdict);
-    }
-    Ok(out)
+    out.into_iter()
+        .zip(clippers)
+        .map(|((metrics, warnings), clipper)| {
+            ClipperAudit::new(
+                clipper.name(),
+                metrics,
+                warnings,
+                opts.precision,
+                &opts.accounting,
+                opts.noise_multiplier,
+            )
+        })
+        .collect()
 }
 
 /// The case that decides a clipper's verdict: the most severe verdict, then the largest error.
@@ -450,6 +518,7 @@ pub fn worst_case(cases: &[CaseMetrics]) -> usize {
     let key = |c: &CaseMetrics| match c.verdict {
         Verdict::InvalidNorm => (c.verdict, c.invalid_examples.len() as f64),
         Verdict::PrivacyViolation => (c.verdict, c.max_sensitivity_ratio),
+        Verdict::CannotJudge => (c.verdict, c.max_bound),
         Verdict::Pass | Verdict::UtilityDistortion => (c.verdict, c.max_err_units),
     };
     (0..cases.len())

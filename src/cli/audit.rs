@@ -1,10 +1,8 @@
 //! `audit`: every chosen clipper on the built-in suite or on a checkpoint and batch.
 
-use super::{check_flags, DeviceArg, DtypeArg, Progress, ReductionArg, ReportArgs};
-use ghost_oracle::BUILTIN_CLIPPERS;
-use ghost_oracle::{
-    account, builtin_suite, clippers_by_name, run_audit, AuditOptions, Case, Error,
-};
+use super::ReportArgs;
+use super::{clip_norm, noise_multiplier, DeviceArg, PrecisionArg, Progress, ReductionArg};
+use ghost_oracle::{audit, registry, AuditOptions, Case, Error, Precision};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -30,7 +28,7 @@ pub struct Args {
     noise_multiplier: f64,
     /// Precision the clippers compute in (the reference is always f64).
     #[arg(long, value_enum, default_value = "f32")]
-    dtype: DtypeArg,
+    dtype: PrecisionArg,
     /// Device the clippers run on (cuda needs a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
@@ -42,24 +40,28 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode, Error> {
-    check_flags(a.max_grad_norm, Some(a.noise_multiplier))?;
+    let max_grad_norm = clip_norm(a.max_grad_norm)?;
+    let noise_multiplier = noise_multiplier(a.noise_multiplier)?;
     let accounting = a.report.accounting()?;
-    let clippers = clippers_by_name(&a.clippers, &BUILTIN_CLIPPERS)?;
+    let clippers = registry::clippers(&a.clippers).map_err(|e| e.context("--clipper"))?;
     let cases = match (&a.model, &a.batch) {
         (Some(m), Some(b)) => vec![Case::load(m, b)?],
-        _ => builtin_suite(),
+        (None, None) => audit::builtin_suite(),
+        // clap requires each with the other.
+        (Some(_), None) | (None, Some(_)) => unreachable!("--model and --batch come together"),
     };
+    let precision = Precision::from(a.dtype);
     let opts = AuditOptions {
-        max_grad_norm: a.max_grad_norm,
-        noise_multiplier: a.noise_multiplier,
-        dtype: a.dtype.dtype(),
+        max_grad_norm,
+        noise_multiplier,
+        precision,
         device: a.device.device()?,
         reduction: a.reduction.into(),
+        accounting,
     };
     let progress = Progress::new();
-    let mut audits = run_audit(cases, &clippers, &opts, &mut |d, t, l| {
+    let audits = audit::run(cases, &clippers, &opts, &mut |d, t, l| {
         progress.update(d, t, l)
     })?;
-    account(&mut audits, &accounting, a.noise_multiplier)?;
-    a.report.emit(&audits, a.dtype.name(), a.device.name())
+    a.report.emit(&audits, precision.name(), a.device.name())
 }

@@ -1,7 +1,9 @@
 //! `bench`: clipper time and peak memory on a random tied LM head or a trace file.
 
-use super::{out, to_json, write_file, DeviceArg, DtypeArg, Progress};
-use ghost_oracle::{bench as bench_clippers, clippers_by_name, tied_head_trace, Error, Trace};
+use super::{out, to_json, write_file, DeviceArg, PrecisionArg, Progress};
+use ghost_oracle::bench::{bench as bench_clippers, tied_head_trace};
+use ghost_oracle::trace::candle_dtype;
+use ghost_oracle::{registry, Error, Precision, Trace};
 use ghost_oracle_reference as reference;
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -32,7 +34,7 @@ pub struct Args {
     runs: usize,
     /// Precision the clippers compute in.
     #[arg(long, value_enum, default_value = "f32")]
-    dtype: DtypeArg,
+    dtype: PrecisionArg,
     /// Device the clippers run on (cuda needs a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
@@ -113,9 +115,18 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
             return Err(Error::input(format!("{flag} must be at least 1")));
         }
     }
-    let clippers = clippers_by_name(&a.clippers, &["ghost", "ghost-tied", "materialize"])?;
+    // The fast clippers first: materializing is the slow baseline they are compared with.
+    let names = if a.clippers.is_empty() {
+        ["ghost", "ghost-tied", "materialize"]
+            .map(String::from)
+            .to_vec()
+    } else {
+        a.clippers.clone()
+    };
+    let clippers = registry::clippers(&names).map_err(|e| e.context("--clipper"))?;
     let device = a.device.device()?;
-    let dtype = a.dtype.dtype();
+    let precision = Precision::from(a.dtype);
+    let dtype = candle_dtype(precision);
     let (t, shape) = match &a.trace {
         Some(path) => {
             let (rt, _) = reference::read_trace(path)?;
@@ -132,7 +143,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
     };
     out(&format!(
         "{shape}, {}, {} timed runs after a warm-up\n{:<14} {:>12} {:>14}\n",
-        a.dtype.name(),
+        precision.name(),
         a.runs,
         "clipper",
         "seconds",
@@ -176,7 +187,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
     if let Some(path) = &a.json {
         let doc = serde_json::json!({
             "shape": {"vocab": a.vocab, "hidden": a.hidden, "seq": a.seq, "batch": a.batch},
-            "dtype": a.dtype.name(),
+            "dtype": precision.name(),
             "trace": a.trace,
             "results": results,
         });

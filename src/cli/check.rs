@@ -1,18 +1,9 @@
 //! `check`: the norms a clipper outside Rust claimed in a trace file.
 
-use super::{check_flags, ReportArgs};
-use clap::ValueEnum;
-use ghost_oracle::{account, check_trace, Error, Precision};
+use super::{noise_multiplier, PrecisionArg, ReportArgs};
+use ghost_oracle::{audit, CheckOptions, Error};
 use std::path::PathBuf;
 use std::process::ExitCode;
-
-#[derive(Clone, Copy, ValueEnum)]
-enum PrecisionArg {
-    F16,
-    Bf16,
-    F32,
-    F64,
-}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -30,17 +21,12 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode, Error> {
-    check_flags(None, a.noise_multiplier)?;
-    let accounting = a.report.accounting()?;
-    let precision = a.precision.map(|p| match p {
-        PrecisionArg::F16 => Precision::F16,
-        PrecisionArg::Bf16 => Precision::BF16,
-        PrecisionArg::F32 => Precision::F32,
-        PrecisionArg::F64 => Precision::F64,
-    });
-    let (audit, precision) = check_trace(&a.trace, precision, a.noise_multiplier)?;
-    let sigma = audit.cases.first().map_or(1.0, |c| c.noise_multiplier);
-    let mut audits = [audit];
-    account(&mut audits, &accounting, sigma)?;
-    a.report.emit(&audits, precision.name(), "trace file")
+    let opts = CheckOptions {
+        precision: a.precision.map(Into::into),
+        noise_multiplier: a.noise_multiplier.map(noise_multiplier).transpose()?,
+        accounting: a.report.accounting()?,
+    };
+    let checked = audit::check_trace(&a.trace, &opts)?;
+    let precision = checked.precision;
+    a.report.emit(&[checked], precision.name(), "trace file")
 }

@@ -1,9 +1,12 @@
 //! `export-trace`: a trace of a checkpoint (GPT-2, Llama or Qwen2) from the candle model, with a
 //! clipper's norms as the claim.
 
-use super::{check_flags, out, DtypeArg, ReductionArg};
-use ghost_oracle::{clip_coefficients, clipper_by_name, median, write_claimed_trace};
-use ghost_oracle::{CandleModel, Error};
+use super::{clip_norm, out, PrecisionArg, ReductionArg};
+use ghost_oracle::audit::median;
+use ghost_oracle::clippers::clip_coefficients;
+use ghost_oracle::model::CandleModel;
+use ghost_oracle::trace::{candle_dtype, write_claimed_trace};
+use ghost_oracle::{registry, ClipNorm, Error, Precision};
 use ghost_oracle_reference::{Batch, Model};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,22 +31,34 @@ pub struct Args {
     max_grad_norm: Option<f64>,
     /// Precision the candle model and the clipper compute in; the factors are stored in it.
     #[arg(long, value_enum, default_value = "f32")]
-    dtype: DtypeArg,
+    dtype: PrecisionArg,
     /// How each example's loss is reduced over its tokens: mean (HF's loss) or sum.
     #[arg(long, value_enum, default_value = "mean")]
     reduction: ReductionArg,
 }
 
 pub fn run(a: Args) -> Result<ExitCode, Error> {
-    check_flags(a.max_grad_norm, None)?;
-    let clip = clipper_by_name(&a.clipper)?;
-    let m = Model::load(&a.model)?;
+    let max_grad_norm = clip_norm(a.max_grad_norm)?;
+    let clip = registry::clipper(&a.clipper).map_err(|e| e.context("--clipper"))?;
+    let m: Model = ghost_oracle_reference::load(&a.model)?;
     let b = Batch::load(&a.batch)?;
     b.validate(&m, &a.batch.display().to_string())?;
-    let extracted = CandleModel::from_reference(&m, a.dtype.dtype(), &candle_core::Device::Cpu)?
-        .extract(&b, a.reduction.into())?;
+    let extracted = CandleModel::from_reference(
+        &m,
+        candle_dtype(Precision::from(a.dtype)),
+        &candle_core::Device::Cpu,
+    )?
+    .extract(&b, a.reduction.into())?;
     let report = clip.norms(&extracted.trace)?;
-    let c = a.max_grad_norm.unwrap_or_else(|| median(&report.norms));
+    let c = match max_grad_norm {
+        Some(c) => c,
+        None => ClipNorm::new(median(&report.norms)).map_err(|_| {
+            Error::input(format!(
+                "the median of {}'s norms is not a positive clipping norm; give --max-grad-norm",
+                clip.name()
+            ))
+        })?,
+    };
     let coefs = clip_coefficients(&report.norms, c);
     write_claimed_trace(
         &a.out,
@@ -51,7 +66,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         &clip.name(),
         &report.norms,
         &coefs,
-        c,
+        c.get(),
     )
     .map_err(|e| e.context(format!("--out {}", a.out.display())))?;
     out(&format!(
@@ -59,7 +74,8 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         a.out.display(),
         extracted.trace.sites.len(),
         b.len(),
-        clip.name()
+        clip.name(),
+        c = c.get()
     ))?;
     Ok(ExitCode::SUCCESS)
 }

@@ -8,9 +8,10 @@ mod mutants;
 mod reference;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use ghost_oracle::ClipperAudit;
-use ghost_oracle::{audit_html, audit_json, audit_junit, audit_tables};
-use ghost_oracle::{Accounting, Error, Verdict};
+use ghost_oracle::options::{EpsilonBudget, Field, OptionError};
+use ghost_oracle::report::{audit_html, audit_json, audit_junit, audit_tables};
+use ghost_oracle::{Accounting, AccountingRequest, ClipNorm, ClipperAudit, NoiseMultiplier};
+use ghost_oracle::{Error, Precision, Verdict};
 use ghost_oracle_reference::Reduction;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -63,25 +64,22 @@ impl From<ReductionArg> for Reduction {
     }
 }
 
-/// The precision a clipper computes in.
+/// A floating-point format: what clippers compute in, or what a trace's tolerance assumes.
 #[derive(Clone, Copy, ValueEnum)]
-pub enum DtypeArg {
-    F32,
+pub enum PrecisionArg {
     F64,
+    F32,
+    F16,
+    Bf16,
 }
 
-impl DtypeArg {
-    pub fn dtype(self) -> candle_core::DType {
-        match self {
-            DtypeArg::F32 => candle_core::DType::F32,
-            DtypeArg::F64 => candle_core::DType::F64,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            DtypeArg::F32 => "f32",
-            DtypeArg::F64 => "f64",
+impl From<PrecisionArg> for Precision {
+    fn from(p: PrecisionArg) -> Self {
+        match p {
+            PrecisionArg::F64 => Precision::F64,
+            PrecisionArg::F32 => Precision::F32,
+            PrecisionArg::F16 => Precision::F16,
+            PrecisionArg::Bf16 => Precision::BF16,
         }
     }
 }
@@ -136,60 +134,69 @@ pub struct ReportArgs {
     #[arg(long, allow_negative_numbers = true)]
     sampling_rate: Option<f64>,
     /// Number of DP-SGD steps (default with no accounting flag: 1000).
-    #[arg(long, conflicts_with = "epochs")]
-    steps: Option<u64>,
+    #[arg(long, conflicts_with = "epochs", allow_negative_numbers = true)]
+    steps: Option<i64>,
     /// Number of epochs instead of --steps: steps = epochs × ⌈N / round(q·N)⌉ (needs --dataset-size).
     #[arg(long, requires = "dataset_size", allow_negative_numbers = true)]
     epochs: Option<f64>,
     /// Training set size N, for --epochs.
-    #[arg(long, requires = "epochs")]
-    dataset_size: Option<u64>,
+    #[arg(long, requires = "epochs", allow_negative_numbers = true)]
+    dataset_size: Option<i64>,
     /// δ of the (ε, δ) guarantee (default with no accounting flag: 1e-5).
     #[arg(long, allow_negative_numbers = true)]
     delta: Option<f64>,
+}
+
+/// The flag a library option comes from, for its error messages.
+pub fn flag(field: Field) -> &'static str {
+    match field {
+        Field::MaxGradNorm => "--max-grad-norm",
+        Field::NoiseMultiplier => "--noise-multiplier",
+        Field::SamplingRate => "--sampling-rate",
+        Field::Steps => "--steps",
+        Field::Epochs => "--epochs",
+        Field::DatasetSize => "--dataset-size",
+        Field::Delta => "--delta",
+        Field::MaxEpsilon => "--max-epsilon",
+    }
+}
+
+/// An option error as the CLI words it, naming the flag.
+pub fn flag_error(e: OptionError) -> Error {
+    Error::input(e.message(flag(e.field)))
+}
+
+/// `--max-grad-norm`, checked.
+pub fn clip_norm(c: Option<f64>) -> Result<Option<ClipNorm>, Error> {
+    c.map(ClipNorm::new).transpose().map_err(flag_error)
+}
+
+/// `--noise-multiplier`, checked. σ = 0 is allowed, with a warning.
+pub fn noise_multiplier(sigma: f64) -> Result<NoiseMultiplier, Error> {
+    let s = NoiseMultiplier::new(sigma).map_err(flag_error)?;
+    if s.get() == 0.0 {
+        eprintln!("warning: --noise-multiplier 0: without noise DP-SGD gives no privacy (ε = ∞)");
+    }
+    Ok(s)
 }
 
 impl ReportArgs {
     /// The run the ε speaks of, checked before any work is done: the flags given, the typical
     /// fine-tuning run where none is.
     pub fn accounting(&self) -> Result<Accounting, Error> {
-        let typical = Accounting::typical();
-        if let Some(e) = self.max_epsilon.filter(|e| e.is_nan() || *e <= 0.0) {
-            return Err(Error::input(format!(
-                "--max-epsilon must be a positive number, got {e}"
-            )));
+        self.max_epsilon
+            .map(EpsilonBudget::new)
+            .transpose()
+            .map_err(flag_error)?;
+        AccountingRequest {
+            sampling_rate: self.sampling_rate,
+            steps: self.steps,
+            epochs: self.epochs,
+            dataset_size: self.dataset_size,
+            delta: self.delta,
         }
-        let steps = match (self.steps, self.epochs, self.dataset_size) {
-            (Some(s), _, _) => Some(s),
-            (None, Some(e), Some(n)) => {
-                if !(e.is_finite() && e > 0.0) || n == 0 {
-                    return Err(Error::input(format!(
-                        "--epochs must be positive and --dataset-size at least 1, got {e} and {n}"
-                    )));
-                }
-                let q = self.sampling_rate.unwrap_or(typical.sampling_rate);
-                let batch = (q * n as f64).round().max(1.0);
-                Some((e * (n as f64 / batch).ceil()).ceil() as u64)
-            }
-            _ => None,
-        };
-        let given = self.sampling_rate.is_some() || steps.is_some() || self.delta.is_some();
-        let setting = Accounting {
-            sampling_rate: self.sampling_rate.unwrap_or(typical.sampling_rate),
-            steps: steps.unwrap_or(typical.steps),
-            delta: self.delta.unwrap_or(typical.delta),
-            default_setting: !given,
-        };
-        setting.validate().map_err(|e| {
-            let flag = match e {
-                ghost_oracle::accountant::AccountingError::SamplingRate(_) => "--sampling-rate",
-                ghost_oracle::accountant::AccountingError::Delta(_) => "--delta",
-                ghost_oracle::accountant::AccountingError::NoSteps => "--steps",
-                _ => "accounting",
-            };
-            Error::input(format!("{flag}: {e}"))
-        })?;
-        Ok(setting)
+        .resolve()
+        .map_err(flag_error)
     }
 
     /// Prints the tables, writes the files, and gives the exit status.
@@ -214,7 +221,7 @@ impl ReportArgs {
         let over_budget: Vec<&str> = match self.max_epsilon {
             Some(max) => audits
                 .iter()
-                .filter(|a| a.privacy.as_ref().is_some_and(|p| p.actual() > max))
+                .filter(|a| a.privacy.actual() > max)
                 .map(|a| a.name.as_str())
                 .collect(),
             None => Vec::new(),
@@ -305,25 +312,6 @@ impl Progress {
 pub fn write_file(path: &Path, content: &str, flag: &str) -> Result<(), Error> {
     std::fs::write(path, content)
         .map_err(|e| Error::input(format!("{flag} {}: cannot write: {e}", path.display())))
-}
-
-/// C must be positive and σ non-negative, checked before any work is done. σ = 0 is allowed
-/// (a run without noise can still be audited for its norms) but it buys no privacy.
-pub fn check_flags(max_grad_norm: Option<f64>, noise_multiplier: Option<f64>) -> Result<(), Error> {
-    if let Some(c) = max_grad_norm.filter(|c| !(c.is_finite() && *c > 0.0)) {
-        return Err(Error::input(format!(
-            "--max-grad-norm must be a positive number, got {c}"
-        )));
-    }
-    if let Some(s) = noise_multiplier.filter(|s| !(s.is_finite() && *s >= 0.0)) {
-        return Err(Error::input(format!(
-            "--noise-multiplier must be a non-negative number, got {s}"
-        )));
-    }
-    if noise_multiplier == Some(0.0) {
-        eprintln!("warning: --noise-multiplier 0: without noise DP-SGD gives no privacy (ε = ∞)");
-    }
-    Ok(())
 }
 
 pub fn main() -> ExitCode {

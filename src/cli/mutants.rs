@@ -1,10 +1,10 @@
 //! `mutants`: the seeded bugs of real DP libraries, and whether the judge catches each.
 
-use super::{out, to_json, write_file, DtypeArg, Progress};
-use ghost_oracle::kill_matrix_table;
-use ghost_oracle::{builtin_suite, kill_matrix, kill_matrix_html, kill_matrix_json};
-use ghost_oracle::{AuditOptions, Error, Mutant};
-use ghost_oracle_reference::Reduction;
+use super::{out, to_json, write_file, PrecisionArg, Progress};
+use ghost_oracle::audit::{builtin_suite, kill_matrix};
+use ghost_oracle::mutants::Mutant;
+use ghost_oracle::report::{kill_matrix_html, kill_matrix_json, kill_matrix_table};
+use ghost_oracle::{AuditOptions, Error, Precision};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -15,7 +15,7 @@ pub struct Args {
     list: bool,
     /// Precision the clippers compute in.
     #[arg(long, value_enum, default_value = "f32")]
-    dtype: DtypeArg,
+    dtype: PrecisionArg,
     /// Also write the kill matrix as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -33,12 +33,10 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         out(&list)?;
         return Ok(ExitCode::SUCCESS);
     }
+    let precision = Precision::from(a.dtype);
     let opts = AuditOptions {
-        max_grad_norm: None,
-        noise_multiplier: 1.0,
-        dtype: a.dtype.dtype(),
-        device: candle_core::Device::Cpu,
-        reduction: Reduction::Mean,
+        precision,
+        ..AuditOptions::default()
     };
     let progress = Progress::new();
     let m = kill_matrix(&builtin_suite(), &opts, &mut |d, t, l| {
@@ -48,7 +46,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         write_file(path, &to_json(&kill_matrix_json(&m)), "--json")?;
     }
     if let Some(path) = &a.html {
-        write_file(path, &kill_matrix_html(&m, a.dtype.name())?, "--html")?;
+        write_file(path, &kill_matrix_html(&m, precision.name())?, "--html")?;
     }
     out(&kill_matrix_table(&m))?;
     out(if m.ok() {

@@ -1,7 +1,8 @@
 //! `reference`: per-example gradient norms of a checkpoint from the f64 reference.
 
 use super::{out, to_json, write_file, Progress, ReductionArg};
-use ghost_oracle::{reference_table, Error};
+use ghost_oracle::report::reference_table;
+use ghost_oracle::Error;
 use ghost_oracle_reference::{self as reference, Batch, Model};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,7 +26,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode, Error> {
-    let m = Model::load(&a.model)?;
+    let m: Model = reference::load(&a.model)?;
     let b = Batch::load(&a.batch)?;
     b.validate(&m, &a.batch.display().to_string())?;
     let progress = Progress::new();

@@ -10,9 +10,13 @@ use crate::trace::Trace;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GhostClipper;
 
+impl GhostClipper {
+    pub const NAME: &'static str = "ghost";
+}
+
 impl Clipper for GhostClipper {
     fn name(&self) -> String {
-        "ghost".into()
+        Self::NAME.into()
     }
 
     fn norms(&self, trace: &Trace) -> Result<NormReport> {

@@ -11,9 +11,13 @@ use candle_core::Tensor;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MaterializeClipper;
 
+impl MaterializeClipper {
+    pub const NAME: &'static str = "materialize";
+}
+
 impl Clipper for MaterializeClipper {
     fn name(&self) -> String {
-        "materialize".into()
+        Self::NAME.into()
     }
 
     fn norms(&self, trace: &Trace) -> Result<NormReport> {

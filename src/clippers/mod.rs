@@ -11,6 +11,7 @@ pub use materialize::MaterializeClipper;
 pub use tied::TiedGhostClipper;
 
 use crate::error::Result;
+use crate::options::ClipNorm;
 use crate::trace::Trace;
 use candle_core::{DType, Tensor};
 use gram::Factored;
@@ -60,7 +61,7 @@ pub trait Clipper {
     fn norms(&self, trace: &Trace) -> Result<NormReport>;
 
     /// Norms, clipping coefficients c_i = min(1, C / n_i) and Σ_i c_i g_i from the factors.
-    fn clip(&self, trace: &Trace, max_grad_norm: f64) -> Result<Clipped> {
+    fn clip(&self, trace: &Trace, max_grad_norm: ClipNorm) -> Result<Clipped> {
         let report = self.norms(trace)?;
         let coefficients = clip_coefficients(&report.norms, max_grad_norm);
         let clipped_sum = clipped_sum(trace, &coefficients)?;
@@ -73,7 +74,8 @@ pub trait Clipper {
 }
 
 /// c = min(1, C / n). A NaN norm gives a NaN coefficient rather than silently 1.
-pub fn clip_coefficients(norms: &[f64], max_grad_norm: f64) -> Vec<f64> {
+pub fn clip_coefficients(norms: &[f64], max_grad_norm: ClipNorm) -> Vec<f64> {
+    let max_grad_norm = max_grad_norm.get();
     norms
         .iter()
         .map(|&n| {
@@ -164,15 +166,3 @@ pub(crate) fn finish(
         warnings,
     }
 }
-
-/// The built-in clipper of a name (`materialize`, `ghost`, `ghost-tied`).
-pub fn builtin(name: &str) -> Option<Box<dyn Clipper>> {
-    match name {
-        "materialize" => Some(Box::new(MaterializeClipper)),
-        "ghost" => Some(Box::new(GhostClipper)),
-        "ghost-tied" => Some(Box::new(TiedGhostClipper)),
-        _ => None,
-    }
-}
-
-pub const BUILTIN_CLIPPERS: [&str; 3] = ["materialize", "ghost", "ghost-tied"];

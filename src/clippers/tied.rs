@@ -11,9 +11,13 @@ use crate::trace::Trace;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct TiedGhostClipper;
 
+impl TiedGhostClipper {
+    pub const NAME: &'static str = "ghost-tied";
+}
+
 impl Clipper for TiedGhostClipper {
     fn name(&self) -> String {
-        "ghost-tied".into()
+        Self::NAME.into()
     }
 
     fn norms(&self, trace: &Trace) -> Result<NormReport> {

@@ -1,13 +1,15 @@
-//! What a clipper's norms do to DP-SGD, measured against the truth (DESIGN.md §4).
+//! What a clipper's norms do to DP-SGD, measured against the truth (docs/tolerances.md; the
+//! metrics are listed in docs/auditing.md).
 //!
 //! Everything that decides a verdict (true norms, true coefficients min(1, C/n*), the clipped
 //! sum Σ c_i g_i* and the tolerance) comes from the reference side; the clipper contributes only
 //! its claim.
 
-use super::tolerance::Tolerance;
+use super::tolerance::{Arithmetic, Tolerance};
 use super::truth::{for_each_param_block, Block, Truth};
 use super::verdict::Verdict;
 use crate::error::{Error, Result};
+use crate::options::{ClipNorm, NoiseMultiplier};
 use ndarray::Array2;
 use serde::Serialize;
 
@@ -36,11 +38,44 @@ pub struct ExampleMetrics {
     pub cross_share: Option<f64>,
     /// The norm or coefficient is NaN, infinite, or negative beyond rounding.
     pub invalid: bool,
+    /// The bound is tight enough to judge the norm (at most the tolerance's `judgeable_bound`,
+    /// a tenth of the norm).
+    pub judgeable: bool,
+}
+
+/// Which case a metric is of: the base case and, for a suite that tries several clipping norms,
+/// C as a multiple of the case's median true norm.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CaseLabel {
+    pub base_case: String,
+    pub c_multiplier: Option<f64>,
+}
+
+impl CaseLabel {
+    /// `tied-T2@C=0.5xmedian`, or the base case alone.
+    pub fn label(&self) -> String {
+        match self.c_multiplier {
+            Some(m) => format!("{}@C={m}xmedian", self.base_case),
+            None => self.base_case.clone(),
+        }
+    }
+}
+
+impl From<&str> for CaseLabel {
+    fn from(base_case: &str) -> Self {
+        CaseLabel {
+            base_case: base_case.to_string(),
+            c_multiplier: None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub struct CaseMetrics {
+    /// The label reports show ([`CaseLabel::label`]).
     pub case: String,
+    pub base_case: String,
+    pub c_multiplier: Option<f64>,
     pub max_grad_norm: f64,
     pub noise_multiplier: f64,
     pub verdict: Verdict,
@@ -64,9 +99,17 @@ pub struct CaseMetrics {
     pub max_cross_share: Option<f64>,
     /// Examples whose norm or coefficient is invalid.
     pub invalid_examples: Vec<usize>,
-    /// The largest clipped contribution c·n*/C that rounding cannot explain, capped below at 1
-    /// (an overshoot within the bound is rounding); `null` when a norm is invalid. This is what
-    /// the run's ε is computed from.
+    /// Examples whose bound is too loose to judge their norm.
+    pub unjudgeable_examples: Vec<usize>,
+    /// The largest relative bound over the examples.
+    pub max_bound: f64,
+    /// Sequence length and widest factor of the trace: what makes a low-precision bound grow.
+    pub seq_len: usize,
+    pub widest_factor: usize,
+    /// The largest clipped contribution c·n*/C, whatever the verdict (a correct clipper's
+    /// rounding can exceed C too, and the run then spends more privacy than it states); `null`
+    /// when a norm is invalid. This is what the run's ε is computed from, and it equals
+    /// `max_sensitivity_ratio` otherwise.
     pub worst_contribution: Option<f64>,
     pub examples: Vec<ExampleMetrics>,
 }
@@ -97,15 +140,19 @@ fn ratio(x: f64, y: f64) -> Option<f64> {
 /// Compares a clipper's claim with the truth at clipping norm C and noise multiplier σ, for a
 /// clipper working in unit roundoff `u`.
 pub fn evaluate(
-    case: &str,
+    case: impl Into<CaseLabel>,
     truth: &Truth,
     tolerance: &Tolerance,
     claim: &Claim,
-    max_grad_norm: f64,
-    noise_multiplier: f64,
-    u: f64,
+    max_grad_norm: ClipNorm,
+    noise_multiplier: NoiseMultiplier,
+    arithmetic: &Arithmetic,
 ) -> Result<CaseMetrics> {
-    let c = max_grad_norm;
+    let label_parts: CaseLabel = case.into();
+    let label = label_parts.label();
+    let case = &label;
+    let c = max_grad_norm.get();
+    let noise_multiplier = noise_multiplier.get();
     let b = truth.norms.len();
     if claim.norms.len() != b || claim.coefficients.len() != b {
         return Err(Error::input(format!(
@@ -122,7 +169,7 @@ pub fn evaluate(
     let mut examples = Vec::with_capacity(b);
     for (i, &true_coef) in true_coefs.iter().enumerate() {
         let (n, nt) = (claim.norms[i], truth.norms[i]);
-        let bound = tolerance.norm_bound(i, nt, u);
+        let bound = tolerance.bound(i, nt, arithmetic);
         let rel = if nt > 0.0 {
             (n - nt).abs() / nt
         } else if n == 0.0 {
@@ -153,10 +200,13 @@ pub fn evaluate(
             flipped: (n > c) != (nt > c),
             cross_share: truth.cross_share[i],
             invalid,
+            // NaN is never within the threshold.
+            judgeable: bound <= tolerance.judgeable_bound,
         });
     }
     let fmax = |f: &dyn Fn(&ExampleMetrics) -> f64| examples.iter().map(f).fold(0.0_f64, nan_max);
     let invalid_examples: Vec<usize> = (0..b).filter(|&i| examples[i].invalid).collect();
+    let unjudgeable_examples: Vec<usize> = (0..b).filter(|&i| !examples[i].judgeable).collect();
     let privacy = examples.iter().any(|e| e.sensitivity > 1.0 + e.bound);
     let coef_off = examples.iter().any(|e| {
         let d = (e.coefficient - e.true_coefficient).abs();
@@ -182,13 +232,15 @@ pub fn evaluate(
         quad(&truth.gram, &coefs_for_sum, &true_coefs),
         sig * sig_ref,
     );
-    let sum = clipped_sum_error(truth, tolerance, claim, &coefs_for_sum, u)?;
+    let sum = clipped_sum_error(truth, tolerance, claim, &coefs_for_sum, arithmetic)?;
     let sum_off = sum.is_some_and(|s| s.err > s.bound || s.err.is_nan());
 
     let verdict = if !invalid_examples.is_empty() {
         Verdict::InvalidNorm
     } else if privacy {
         Verdict::PrivacyViolation
+    } else if !unjudgeable_examples.is_empty() {
+        Verdict::CannotJudge
     } else if norms_off || coef_off || sum_off {
         Verdict::UtilityDistortion
     } else {
@@ -197,21 +249,20 @@ pub fn evaluate(
     let worst_example = match verdict {
         Verdict::InvalidNorm => invalid_examples[0],
         Verdict::PrivacyViolation => argmax(examples.iter().map(|e| e.sensitivity - e.bound)),
+        Verdict::CannotJudge => argmax(examples.iter().map(|e| e.bound)),
         Verdict::Pass | Verdict::UtilityDistortion => argmax(examples.iter().map(|e| e.err_units)),
     };
     let max_ratio = fmax(&|e| e.sensitivity);
-    let worst_contribution = match verdict {
-        Verdict::InvalidNorm => None,
-        Verdict::PrivacyViolation => Some(max_ratio),
-        Verdict::Pass | Verdict::UtilityDistortion => Some(1.0),
-    };
+    let worst_contribution = (verdict != Verdict::InvalidNorm).then_some(max_ratio);
     let max_cross_share = examples
         .iter()
         .filter_map(|e| e.cross_share)
         .map(f64::abs)
         .reduce(nan_max);
     Ok(CaseMetrics {
-        case: case.to_string(),
+        case: label.clone(),
+        base_case: label_parts.base_case,
+        c_multiplier: label_parts.c_multiplier,
         max_grad_norm: c,
         noise_multiplier,
         verdict,
@@ -229,6 +280,10 @@ pub fn evaluate(
         clipped_sum_bound: sum.and_then(|s| ratio(s.bound, s.reference)),
         max_cross_share,
         invalid_examples,
+        unjudgeable_examples,
+        max_bound: fmax(&|e| e.bound),
+        seq_len: tolerance.seq_len,
+        widest_factor: tolerance.widest_factor,
         worst_contribution,
         examples,
     })
@@ -261,7 +316,7 @@ fn clipped_sum_error(
     tolerance: &Tolerance,
     claim: &Claim,
     coefs: &[f64],
-    u: f64,
+    arithmetic: &Arithmetic,
 ) -> Result<Option<SumError>> {
     let Some(sum) = &claim.clipped_sum else {
         return Ok(None);
@@ -309,6 +364,6 @@ fn clipped_sum_error(
     Ok(Some(SumError {
         err: err2.sqrt(),
         reference: ref2.sqrt(),
-        bound: tolerance.clipped_sum_bound(coefs, u),
+        bound: tolerance.clipped_sum_bound_at(coefs, arithmetic),
     }))
 }

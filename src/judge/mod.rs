@@ -13,13 +13,14 @@ mod truth;
 mod verdict;
 
 pub(crate) use metrics::nan_max;
-pub use metrics::{evaluate, CaseMetrics, Claim, ExampleMetrics};
-pub use privacy::{Accounting, PrivacyReport};
-pub use tolerance::{Precision, Tolerance};
+pub use metrics::{evaluate, CaseLabel, CaseMetrics, Claim, ExampleMetrics};
+pub use privacy::PrivacyReport;
+pub use tolerance::{Arithmetic, Precision, Tolerance, JUDGEABLE_BOUND};
 pub use truth::Truth;
 pub use verdict::Verdict;
 
 use crate::error::{Error, Result};
+use crate::options::{ClipNorm, NoiseMultiplier};
 use ghost_oracle_reference::{Reference, Trace as RefTrace};
 
 /// The truth and the tolerance of one batch: all a verdict needs besides the claim.
@@ -57,11 +58,24 @@ impl Judge {
     /// clipper computing in `precision`.
     pub fn evaluate(
         &self,
-        case: &str,
+        case: impl Into<CaseLabel>,
         claim: &Claim,
-        max_grad_norm: f64,
-        noise_multiplier: f64,
+        max_grad_norm: ClipNorm,
+        noise_multiplier: NoiseMultiplier,
         precision: Precision,
+    ) -> Result<CaseMetrics> {
+        let arithmetic = Arithmetic::of(precision, self.tolerance.own.len());
+        self.evaluate_at(case, claim, max_grad_norm, noise_multiplier, &arithmetic)
+    }
+
+    /// [`Judge::evaluate`] for a clipper whose arithmetic differs by site (mixed precision).
+    pub fn evaluate_at(
+        &self,
+        case: impl Into<CaseLabel>,
+        claim: &Claim,
+        max_grad_norm: ClipNorm,
+        noise_multiplier: NoiseMultiplier,
+        arithmetic: &Arithmetic,
     ) -> Result<CaseMetrics> {
         evaluate(
             case,
@@ -70,7 +84,7 @@ impl Judge {
             claim,
             max_grad_norm,
             noise_multiplier,
-            precision.unit_roundoff(),
+            arithmetic,
         )
     }
 }

@@ -5,41 +5,9 @@
 //! overshoot by s at any step makes every step's guarantee that of σ/s.
 
 use crate::accountant::{self, AccountingError};
+use crate::options::Accounting;
+use ghost_oracle_reference::Precision;
 use serde::Serialize;
-
-/// The run an ε speaks of: Poisson sampling rate q, number of steps, and δ.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Accounting {
-    pub sampling_rate: f64,
-    pub steps: u64,
-    pub delta: f64,
-    /// No accounting option was given: this is the typical fine-tuning run below.
-    pub default_setting: bool,
-}
-
-impl Accounting {
-    /// A typical fine-tuning run, shown when the user names none: q = 0.01, 1000 steps, δ = 1e-5.
-    pub fn typical() -> Self {
-        Accounting {
-            sampling_rate: 0.01,
-            steps: 1000,
-            delta: 1e-5,
-            default_setting: true,
-        }
-    }
-
-    /// Checks the setting before any work is done (the accountant names the bad value).
-    pub fn validate(&self) -> Result<(), AccountingError> {
-        accountant::epsilon(
-            self.sampling_rate,
-            1.0,
-            self.steps,
-            self.delta,
-            &accountant::default_orders(),
-        )
-        .map(|_| ())
-    }
-}
 
 /// Stated and actual ε of one clipper's run.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -52,9 +20,12 @@ pub struct PrivacyReport {
     pub noise_multiplier: f64,
     /// ε at the stated σ.
     pub stated_epsilon: f64,
-    /// The largest clipped contribution beyond rounding, in units of C (1 when none exceeds C;
-    /// `null` when a norm was invalid).
+    /// The largest clipped contribution max c·n*/C over every case, at least 1 (`null` when a
+    /// norm was invalid): what the ε is computed from, whatever the verdict.
     pub worst_contribution: Option<f64>,
+    /// Set when the overshoot above C is within the clipper's rounding bound (its verdict is no
+    /// privacy violation): the precision whose rounding spent the extra privacy.
+    pub rounding_at: Option<Precision>,
     /// σ / max(1, worst contribution).
     pub effective_noise_multiplier: Option<f64>,
     /// ε at the effective σ: the guarantee that holds when every step can meet the worst
@@ -73,6 +44,7 @@ impl PrivacyReport {
         setting: &Accounting,
         noise_multiplier: f64,
         worst_contribution: Option<f64>,
+        rounding_at: Option<Precision>,
     ) -> Result<Self, AccountingError> {
         let orders = accountant::default_orders();
         let (q, steps, delta) = (setting.sampling_rate, setting.steps, setting.delta);
@@ -99,6 +71,7 @@ impl PrivacyReport {
             noise_multiplier,
             stated_epsilon: stated.epsilon,
             worst_contribution: overshoot,
+            rounding_at,
             effective_noise_multiplier: effective,
             actual_epsilon: actual.map(|a| a.epsilon),
             sigma_needed,
@@ -123,12 +96,31 @@ impl PrivacyReport {
             (None, _) | (_, None) => {
                 format!("{stated}; with invalid norms no ε holds (the run is ε = ∞)")
             }
-            (Some(s), Some(actual)) if s > 1.0 => format!(
-                "{stated}; with clipped contributions up to {s:.4}·C the run is ε = {}; σ = {} would keep ε = {}",
-                eps(actual),
-                self.sigma_needed.map_or("∞".into(), |v| format!("{v:.4}")),
-                eps(self.stated_epsilon)
-            ),
+            (Some(s), Some(actual)) if s > 1.0 => match self.rounding_at {
+                // Too small an overshoot to show in ε's two decimals: say by how much.
+                Some(p) if eps(actual) == eps(self.stated_epsilon) => format!(
+                    "{stated}; {p} rounding lets clipped contributions reach {}·C, which raises ε by {:.1e}: the run is ε = {}",
+                    factor(s),
+                    actual - self.stated_epsilon,
+                    eps(actual)
+                ),
+                Some(p) => format!(
+                    "{stated}; {p} rounding lets clipped contributions reach {}·C: the run is ε = {}, not {}; clip at C/{} or take the norms in {} to keep ε = {}",
+                    factor(s),
+                    eps(actual),
+                    eps(self.stated_epsilon),
+                    factor(s),
+                    finer(p),
+                    eps(self.stated_epsilon)
+                ),
+                None => format!(
+                    "{stated}; with clipped contributions up to {}·C the run is ε = {}; σ = {} would keep ε = {}",
+                    factor(s),
+                    eps(actual),
+                    self.sigma_needed.map_or("∞".into(), |v| format!("{v:.4}")),
+                    eps(self.stated_epsilon)
+                ),
+            },
             (Some(_), Some(actual)) => format!(
                 "{stated}; no clipped contribution above C: the run is ε = {}",
                 eps(actual)
@@ -141,7 +133,7 @@ impl PrivacyReport {
         format!(
             "{}q = {}, {} steps, δ = {:e}, σ = {}",
             if self.default_setting {
-                "typical fine-tuning run (no --sampling-rate/--steps/--delta given): "
+                "typical fine-tuning run (no sampling rate, steps or δ given): "
             } else {
                 ""
             },
@@ -150,6 +142,23 @@ impl PrivacyReport {
             self.delta,
             self.noise_multiplier
         )
+    }
+}
+
+/// An overshoot factor s > 1: four decimals, or 1 + (s − 1) where those would read 1.0000.
+fn factor(s: f64) -> String {
+    if s - 1.0 >= 5e-5 {
+        format!("{s:.4}")
+    } else {
+        format!("(1 + {:.1e})", s - 1.0)
+    }
+}
+
+/// The precision to take norms in instead, to keep rounding from spending privacy.
+fn finer(p: Precision) -> &'static str {
+    match p {
+        Precision::BF16 | Precision::F16 => "f32",
+        Precision::F32 | Precision::F64 => "f64",
     }
 }
 

@@ -5,53 +5,96 @@
 //! clippers' kernels: a kernel bug must never move the bound together with the error it makes.
 
 use crate::error::{Error, Result};
+pub use ghost_oracle_reference::Precision;
 use ghost_oracle_reference::{Site, SiteKind, Trace as RefTrace};
 use ndarray::{s, Array2, ArrayView2};
-use serde::Serialize;
 
 /// Safety factor on the probabilistic √L growth of accumulated rounding error (Higham & Mary).
 pub const LAMBDA: f64 = 8.0;
 /// Rounding the trace itself to the clipper's precision perturbs each term by at most ~4u.
 pub const INPUT_ROUNDING: f64 = 4.0;
+/// Above this relative bound a norm cannot be judged: a claim this far off would pass.
+pub const JUDGEABLE_BOUND: f64 = 0.1;
 
-/// The arithmetic a clipper computed in, which sets its unit roundoff.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    // Ordered from the finest to the coarsest unit roundoff.
-    F64,
-    F32,
-    F16,
-    BF16,
+/// The arithmetic a clipper computed in, as the bound models it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Arithmetic {
+    /// Every product and sum rounded in one unit roundoff u (f64 or f32 clippers).
+    Uniform(f64),
+    /// bf16/f16 (or f32) values per site, their products accumulated in f32 as tensor cores,
+    /// oneDNN and gemm's half-precision paths do, and every intermediate a framework keeps (a
+    /// per-example gradient, a Gram entry, a per-site or per-parameter norm, the norm itself)
+    /// stored back in the site's precision: rounded once where it is stored.
+    Stored(Vec<Precision>),
 }
 
-impl Precision {
-    pub fn unit_roundoff(self) -> f64 {
-        match self {
-            Precision::F64 => f64::EPSILON / 2.0,
-            Precision::F32 => f64::from(f32::EPSILON) / 2.0,
-            Precision::F16 => 2f64.powi(-11),
-            Precision::BF16 => 2f64.powi(-8),
+impl Arithmetic {
+    /// One precision for every site of a trace with `sites` sites: f64 and f32 throughout, or
+    /// bf16 and f16 values with f32 accumulation.
+    pub fn of(precision: Precision, sites: usize) -> Self {
+        match precision {
+            Precision::F64 | Precision::F32 => Arithmetic::Uniform(precision.unit_roundoff()),
+            Precision::F16 | Precision::BF16 => Arithmetic::Stored(vec![precision; sites]),
         }
     }
 
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F64 => "f64",
-            Precision::F32 => "f32",
-            Precision::F16 => "f16",
-            Precision::BF16 => "bf16",
+    /// Each site computed in its own precision (mixed precision: autocast runs the matmuls in
+    /// bf16 and the norms in f32). Only f64 or only f32 sites are [`Arithmetic::Uniform`].
+    pub fn per_site(sites: &[Precision]) -> Self {
+        let coarsest = sites.iter().copied().max().unwrap_or(Precision::F64);
+        match coarsest {
+            Precision::F64 | Precision::F32 if sites.iter().all(|&p| p == coarsest) => {
+                Arithmetic::Uniform(coarsest.unit_roundoff())
+            }
+            Precision::F64 | Precision::F32 | Precision::F16 | Precision::BF16 => {
+                Arithmetic::Stored(sites.to_vec())
+            }
         }
     }
 
-    /// The less precise of the two: a result is no better than its coarsest step.
-    pub fn coarser(self, other: Precision) -> Precision {
-        self.max(other)
+    /// The unit roundoff of the coarsest step.
+    pub fn coarsest_unit_roundoff(&self) -> f64 {
+        match self {
+            Arithmetic::Uniform(u) => *u,
+            Arithmetic::Stored(sites) => sites
+                .iter()
+                .map(|p| p.unit_roundoff())
+                .fold(Precision::F32.unit_roundoff(), f64::max),
+        }
     }
+}
+
+/// The absolute rounding error of a stored value below the normal range: half the smallest
+/// subnormal step. Zero for formats whose subnormals lie far below any gradient.
+fn subnormal_step(p: Precision) -> f64 {
+    match p {
+        Precision::F16 => 2f64.powi(-25),
+        Precision::BF16 | Precision::F32 | Precision::F64 => 0.0,
+    }
+}
+
+/// Per example, the Gram-expansion statistics of one site's own norm or one pair's cross term.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TermStats {
+    /// Σ_{t,s} (l_t·l_s)(r_t·r_s): ‖G_j‖² or ⟨G_j, G_k⟩.
+    pub signed: Vec<f64>,
+    /// Σ |terms|.
+    pub abs: Vec<f64>,
+    /// Σ terms².
+    pub sq: Vec<f64>,
+    /// Σ |l_t·l_s| + Σ |r_t·r_s|: the Gram entries' mass, for absolute (subnormal) rounding.
+    pub gram_mass: Vec<f64>,
+}
+
+/// A cross term's statistics: sites j < k of one parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PairStats {
+    pub sites: (usize, usize),
+    pub stats: TermStats,
 }
 
 /// Per-example magnitudes of the terms a norm is summed from, from the reference side only.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Tolerance {
     /// `site_scale[j][i]` = Σ_t ‖l_t‖‖r_t‖ of site j, example i: bounds |terms| of anything built
     /// on it (the clipped sum).
@@ -69,6 +112,18 @@ pub struct Tolerance {
     pub seq_len: usize,
     /// Entries of the largest parameter: the reference's own f64 reduction length.
     pub largest_param: usize,
+    /// Per site, its own norm's statistics (for the low-precision bound).
+    pub own: Vec<TermStats>,
+    /// Per pair of sites of one parameter, their cross term's statistics.
+    pub cross: Vec<PairStats>,
+    /// Entries of every site's gradient.
+    pub site_entries: Vec<usize>,
+    /// The widest dense factor (features of an activation or a backprop): the d a cannot-judge
+    /// verdict names.
+    pub widest_factor: usize,
+    /// Above this relative bound a norm cannot be judged ([`JUDGEABLE_BOUND`] for every
+    /// tolerance derived from a trace).
+    pub judgeable_bound: f64,
 }
 
 /// One side of a site's per-example gradient Σ_t l_t r_tᵀ, in f64 (T rows).
@@ -150,12 +205,27 @@ fn side_gram(a: &Side, b: &Side) -> Array2<f64> {
     }
 }
 
-/// Σ_{t,s} |(l_jt·l_ks)(r_jt·r_ks)| and Σ_t (l_jt·l_kt)(r_jt·r_kt) for one example.
-fn term_magnitudes(a: &(Side, Side), b: &(Side, Side)) -> (f64, f64) {
-    let prod = side_gram(&a.0, &b.0) * side_gram(&a.1, &b.1);
-    let abs = prod.iter().map(|v| v.abs()).sum();
-    let diag = prod.diag().sum();
-    (abs, diag)
+/// One example's sums over the T×S terms (l_jt·l_ks)(r_jt·r_ks) of a site pair.
+struct TermSample {
+    abs: f64,
+    /// Σ_t of the diagonal terms.
+    diag: f64,
+    signed: f64,
+    sq: f64,
+    gram_mass: f64,
+}
+
+fn term_magnitudes(a: &(Side, Side), b: &(Side, Side)) -> TermSample {
+    let (gl, gr) = (side_gram(&a.0, &b.0), side_gram(&a.1, &b.1));
+    let gram_mass = gl.iter().chain(gr.iter()).map(|v| v.abs()).sum();
+    let prod = gl * gr;
+    TermSample {
+        abs: prod.iter().map(|v| v.abs()).sum(),
+        diag: prod.diag().sum(),
+        signed: prod.sum(),
+        sq: prod.iter().map(|v| v * v).sum(),
+        gram_mass,
+    }
 }
 
 fn row_norm(a: ndarray::ArrayView1<f64>) -> f64 {
@@ -176,6 +246,8 @@ impl Tolerance {
         let mut site_scale = Vec::with_capacity(trace.sites.len());
         let mut sqrt_width: f64 = 0.0;
         let mut largest_param = 1;
+        let mut site_entries = Vec::with_capacity(trace.sites.len());
+        let mut widest_factor = 0;
         for s in &trace.sites {
             let (_, t, q) = s.backprops.dim();
             let p = match s.spec.kind {
@@ -187,6 +259,13 @@ impl Tolerance {
             };
             sqrt_width = sqrt_width.max((p as f64).sqrt() + (q as f64).sqrt());
             largest_param = largest_param.max(p * q);
+            site_entries.push(p * q);
+            widest_factor = widest_factor.max(q).max(match s.spec.kind {
+                SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm => {
+                    s.activations.as_ref().map_or(0, |a| a.dim().2)
+                }
+                SiteKind::Embedding | SiteKind::Bias => 0,
+            });
             let scale: Vec<f64> = (0..b)
                 .map(|i| {
                     (0..t)
@@ -204,7 +283,12 @@ impl Tolerance {
                                 (SiteKind::Linear | SiteKind::Conv1d, Some(a)) => {
                                     row_norm(bp) * row_norm(a.slice(s![i, tt, ..]))
                                 }
-                                _ => row_norm(bp),
+                                // Validated traces carry the activations their kind needs.
+                                (SiteKind::Embedding | SiteKind::Bias, _)
+                                | (
+                                    SiteKind::LayerNorm | SiteKind::Linear | SiteKind::Conv1d,
+                                    None,
+                                ) => row_norm(bp),
                             }
                         })
                         .sum()
@@ -215,6 +299,25 @@ impl Tolerance {
 
         let mut abs_terms = vec![0.0; b];
         let mut sqrt_d = vec![vec![0.0; b]; params.len()];
+        let n_sites = trace.sites.len();
+        let mut own = vec![TermStats::default(); n_sites];
+        let mut cross: Vec<PairStats> = params
+            .iter()
+            .flat_map(|(_, js)| {
+                js.iter().enumerate().flat_map(move |(x, &j)| {
+                    js[x + 1..].iter().map(move |&k| PairStats {
+                        sites: (j, k),
+                        stats: TermStats::default(),
+                    })
+                })
+            })
+            .collect();
+        let push = |stats: &mut TermStats, t: &TermSample| {
+            stats.signed.push(t.signed);
+            stats.abs.push(t.abs);
+            stats.sq.push(t.sq);
+            stats.gram_mass.push(t.gram_mass);
+        };
         for (i, abs) in abs_terms.iter_mut().enumerate() {
             let factored = trace
                 .sites
@@ -222,16 +325,16 @@ impl Tolerance {
                 .map(|s| sides(s, i))
                 .collect::<Result<Vec<_>>>()?;
             for (j, f) in factored.iter().enumerate() {
-                let (a, d) = term_magnitudes(f, f);
-                *abs += a;
-                sqrt_d[site_param[j]][i] += d.max(0.0).sqrt();
+                let t = term_magnitudes(f, f);
+                *abs += t.abs;
+                sqrt_d[site_param[j]][i] += t.diag.max(0.0).sqrt();
+                push(&mut own[j], &t);
             }
-            for (_, js) in &params {
-                for (x, &j) in js.iter().enumerate() {
-                    for &k in &js[x + 1..] {
-                        *abs += 2.0 * term_magnitudes(&factored[j], &factored[k]).0;
-                    }
-                }
+            for pair in &mut cross {
+                let (j, k) = pair.sites;
+                let t = term_magnitudes(&factored[j], &factored[k]);
+                *abs += 2.0 * t.abs;
+                push(&mut pair.stats, &t);
             }
         }
         let dot_scale = (0..b)
@@ -246,6 +349,11 @@ impl Tolerance {
             sqrt_width,
             seq_len: trace.sites.first().map_or(0, |s| s.backprops.dim().1),
             largest_param,
+            own,
+            cross,
+            site_entries,
+            widest_factor,
+            judgeable_bound: JUDGEABLE_BOUND,
         })
     }
 
@@ -254,13 +362,7 @@ impl Tolerance {
     /// the terms, and the reference's own f64 rounding.
     pub fn norm_bound(&self, i: usize, true_norm: f64, u: f64) -> f64 {
         let n2 = true_norm * true_norm;
-        let t = self.seq_len as f64;
-        let dots = LAMBDA * u * (INPUT_ROUNDING + self.sqrt_width) * self.dot_scale[i];
-        let accumulation = LAMBDA * u * t * self.abs_terms[i];
-        let reference = LAMBDA * f64::EPSILON / 2.0
-            * (t + self.largest_param as f64).sqrt()
-            * self.abs_terms[i];
-        let absolute = 0.5 * (dots + accumulation + reference);
+        let absolute = 0.5 * self.uniform_absolute(i, u);
         // A zero gradient: with no terms at all there is no rounding (0); terms that cancel to
         // exactly zero allow any relative error.
         if n2 == 0.0 {
@@ -269,16 +371,137 @@ impl Tolerance {
         absolute / n2
     }
 
+    /// The absolute error on n² of [`Tolerance::norm_bound`]: dot products, the T²
+    /// accumulation and the reference's own f64 rounding.
+    fn uniform_absolute(&self, i: usize, u: f64) -> f64 {
+        let t = self.seq_len as f64;
+        let dots = LAMBDA * u * (INPUT_ROUNDING + self.sqrt_width) * self.dot_scale[i];
+        let accumulation = LAMBDA * u * t * self.abs_terms[i];
+        let reference = LAMBDA * f64::EPSILON / 2.0
+            * (t + self.largest_param as f64).sqrt()
+            * self.abs_terms[i];
+        dots + accumulation + reference
+    }
+
+    /// Relative bound on |n̂_i − n_i| / n_i for a clipper computing in `arithmetic`, given the
+    /// true norm n_i (docs/tolerances.md).
+    pub fn bound(&self, i: usize, true_norm: f64, arithmetic: &Arithmetic) -> f64 {
+        match arithmetic {
+            Arithmetic::Uniform(u) => self.norm_bound(i, true_norm, *u),
+            Arithmetic::Stored(sites) => self.stored_bound(i, true_norm, sites),
+        }
+    }
+
+    /// The bound for f32 accumulation with every intermediate stored in the sites' precisions:
+    /// the f32 terms of [`Tolerance::norm_bound`], and for each point where a value is rounded
+    /// to its site's precision, that rounding. Rounding errors are treated as independent,
+    /// mean-zero and bounded by u·|value| (plus half a subnormal step); a sum Σ a_k δ_k of them
+    /// exceeds λ·√(Σ a_k²) with probability at most 2·exp(−λ²/2) (Hoeffding), 2.5e-14 at λ = 8.
+    /// Where that is looser than the worst case Σ |a_k|, the worst case is used.
+    fn stored_bound(&self, i: usize, true_norm: f64, sites: &[Precision]) -> f64 {
+        let n2 = true_norm * true_norm;
+        let u = |j: usize| sites[j].unit_roundoff();
+        let eta = |j: usize| subnormal_step(sites[j]);
+        let pair_u = |(j, k): (usize, usize)| u(j).max(u(k));
+        let pair_eta = |(j, k): (usize, usize)| eta(j).max(eta(k));
+        // The products and sums themselves, accumulated in f32.
+        let f32_terms = self.uniform_absolute(i, Precision::F32.unit_roundoff());
+
+        // Per parameter: ‖G_p‖² and the rounding mass of materializing it (each site's
+        // gradient rounded, then, for a shared parameter, their sum).
+        let mut param_sq = vec![0.0; self.n_params];
+        let mut param_u = vec![0.0_f64; self.n_params];
+        let mut sites_of = vec![0usize; self.n_params];
+        for (j, own) in self.own.iter().enumerate() {
+            let p = self.site_param[j];
+            param_sq[p] += own.signed[i];
+            param_u[p] = param_u[p].max(u(j));
+            sites_of[p] += 1;
+        }
+        for pair in &self.cross {
+            param_sq[self.site_param[pair.sites.0]] += 2.0 * pair.stats.signed[i];
+        }
+        let param_norm: Vec<f64> = param_sq.iter().map(|v| v.max(0.0).sqrt()).collect();
+        let mut mass = vec![0.0; self.n_params];
+        let mut subnormal = 0.0;
+        for (j, own) in self.own.iter().enumerate() {
+            let p = self.site_param[j];
+            mass[p] += u(j) * own.signed[i].max(0.0).sqrt();
+            subnormal += 2.0 * eta(j) * (self.site_entries[j] as f64).sqrt() * param_norm[p];
+        }
+        let materialized: f64 = (0..self.n_params)
+            .map(|p| {
+                let sum_rounding = if sites_of[p] > 1 {
+                    param_u[p] * param_norm[p]
+                } else {
+                    0.0
+                };
+                2.0 * param_norm[p] * (mass[p] + sum_rounding)
+            })
+            .sum::<f64>()
+            + subnormal;
+
+        // The Gram route: both Gram entries and their product rounded (three roundings a term).
+        let (mut worst, mut sq, mut gram_subnormal) = (0.0, 0.0, 0.0);
+        let (mut site_sums, mut site_sq) = (0.0, 0.0);
+        for (j, own) in self.own.iter().enumerate() {
+            worst += 3.0 * u(j) * own.abs[i];
+            sq += 3.0 * u(j).powi(2) * own.sq[i];
+            gram_subnormal += eta(j) * own.gram_mass[i];
+            site_sums += u(j) * own.signed[i].abs();
+            site_sq += (u(j) * own.signed[i]).powi(2);
+        }
+        for pair in &self.cross {
+            let (uk, st) = (pair_u(pair.sites), &pair.stats);
+            worst += 2.0 * 3.0 * uk * st.abs[i];
+            sq += 4.0 * 3.0 * uk * uk * st.sq[i];
+            gram_subnormal += 2.0 * pair_eta(pair.sites) * st.gram_mass[i];
+            site_sums += 2.0 * uk * st.signed[i].abs();
+            site_sq += (2.0 * uk * st.signed[i]).powi(2);
+        }
+        let gram = worst.min(LAMBDA * sq.sqrt()) + gram_subnormal;
+
+        // Per-site (or per-parameter) norms stored, each at least relative u on its square
+        // root, and the norm itself.
+        let coarsest = sites.iter().map(|&p| p.unit_roundoff()).fold(0.0, f64::max);
+        let stored_norms = 2.0 * site_sums.min(LAMBDA * site_sq.sqrt()) + 2.0 * coarsest * n2;
+
+        let absolute = f32_terms + materialized.max(gram) + stored_norms;
+        if n2 == 0.0 {
+            return if absolute == 0.0 { 0.0 } else { f64::INFINITY };
+        }
+        0.5 * absolute / n2
+    }
+
     /// Absolute bound on ‖S − S*‖ for the clipped sum S = Σ_i c_i g_i in unit roundoff `u`: each
     /// entry accumulates B·T products of the sites' factors.
     pub fn clipped_sum_bound(&self, coefs: &[f64], u: f64) -> f64 {
+        let len = (coefs.len() * self.seq_len) as f64;
+        u * (INPUT_ROUNDING + LAMBDA * len.sqrt()) * self.clipped_sum_scale(coefs, |_| 1.0)
+    }
+
+    /// The clipped-sum bound for `arithmetic`. With stored low-precision values: the products
+    /// accumulated in f32, the factors and coefficients rounded on the way in and every entry of
+    /// the sum rounded once where it is stored.
+    pub fn clipped_sum_bound_at(&self, coefs: &[f64], arithmetic: &Arithmetic) -> f64 {
+        match arithmetic {
+            Arithmetic::Uniform(u) => self.clipped_sum_bound(coefs, *u),
+            Arithmetic::Stored(sites) => {
+                let stored = (INPUT_ROUNDING + 1.0)
+                    * self.clipped_sum_scale(coefs, |j| sites[j].unit_roundoff());
+                stored + self.clipped_sum_bound(coefs, Precision::F32.unit_roundoff())
+            }
+        }
+    }
+
+    /// ‖(Σ_{j∈p} w_j Σ_i |c_i| S_ij)_p‖, S_ij = Σ_t ‖l_t‖‖r_t‖: the magnitude of the clipped
+    /// sum's terms, site j weighted by w_j.
+    fn clipped_sum_scale(&self, coefs: &[f64], weight: impl Fn(usize) -> f64) -> f64 {
         let mut per_param = vec![0.0; self.n_params];
         for (j, s) in self.site_scale.iter().enumerate() {
             per_param[self.site_param[j]] +=
-                s.iter().zip(coefs).map(|(v, c)| v * c.abs()).sum::<f64>();
+                weight(j) * s.iter().zip(coefs).map(|(v, c)| v * c.abs()).sum::<f64>();
         }
-        let abs = per_param.iter().map(|v| v * v).sum::<f64>().sqrt();
-        let len = (coefs.len() * self.seq_len) as f64;
-        u * (INPUT_ROUNDING + LAMBDA * len.sqrt()) * abs
+        per_param.iter().map(|v| v * v).sum::<f64>().sqrt()
     }
 }

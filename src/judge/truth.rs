@@ -107,26 +107,16 @@ pub(crate) struct Block<'a> {
 }
 
 /// Visits every parameter of a trace in blocks of rows of its gradient's layout, in order, sized
-/// so that `examples_per_block` such blocks fit in [`BLOCK_BYTES`], after the parameter's sites
-/// are checked to write one shape.
+/// so that `examples_per_block` such blocks fit in [`BLOCK_BYTES`], after the trace's shapes are
+/// checked (every site of a parameter writes one shape).
 pub(crate) fn for_each_param_block(
     trace: &RefTrace,
     examples_per_block: usize,
     visit: &mut dyn FnMut(Block<'_>) -> Result<()>,
 ) -> Result<()> {
+    trace.validate()?;
     for (param, js) in trace.params() {
         let (rows, cols) = trace.site_gradient_shape(js[0]);
-        for &j in &js[1..] {
-            let shape = trace.site_gradient_shape(j);
-            if shape != (rows, cols) {
-                return Err(Error::input(format!(
-                    "parameter `{param}`: site `{}` writes a {shape:?} gradient but site `{}` writes {:?}",
-                    trace.sites[j].spec.name,
-                    trace.sites[js[0]].spec.name,
-                    (rows, cols)
-                )));
-            }
-        }
         let per_row = (cols * 8 * examples_per_block.max(1)).max(1);
         let step = (BLOCK_BYTES / per_row).max(1);
         let mut start = 0;

@@ -10,6 +10,10 @@ pub enum Verdict {
     /// Norms or coefficients off beyond rounding, but no clipped contribution above C: the run
     /// keeps its guarantee and loses signal.
     UtilityDistortion,
+    /// The rounding bound at the clipper's precision is too loose to tell a right norm from a
+    /// wrong one (over a tenth of some norm): never a pass, since a claim that far off would
+    /// pass too.
+    CannotJudge,
     /// Some example's clipped contribution exceeds C: the stated noise no longer buys the stated ε.
     PrivacyViolation,
     /// A norm or coefficient is NaN, infinite, or a negative squared norm beyond rounding: the
@@ -22,6 +26,7 @@ impl Verdict {
         match self {
             Verdict::Pass => "pass",
             Verdict::UtilityDistortion => "utility-distortion",
+            Verdict::CannotJudge => "cannot-judge",
             Verdict::PrivacyViolation => "privacy-violation",
             Verdict::InvalidNorm => "invalid-norm",
         }

@@ -3,7 +3,9 @@
 //! backprops the output's gradient) with their `bias` sites, `layernorm` weights (activations
 //! x̂) with their biases, and the position table `wpe` as a second embedding site.
 
-use super::{causal_attention, decode, Core, ExtraEmbedding, Extracted, Family, Step, Taps};
+use super::{
+    causal_attention, decode, Architecture, BatchShape, Core, ExtraEmbedding, Extracted, Taps,
+};
 use crate::error::Result;
 use crate::trace::SiteKind;
 use candle_core::{DType, Device, Tensor, D};
@@ -81,36 +83,43 @@ impl CandleGpt2 {
     }
 }
 
-impl Family for CandleGpt2 {
+impl Architecture for CandleGpt2 {
     type Context = ();
 
     fn core(&self) -> &Core {
         &self.core
     }
 
-    fn context(&self, _: &Step) -> Result<()> {
+    fn context(&self, _: &BatchShape) -> Result<()> {
         Ok(())
     }
 
     /// Token plus learned position embedding; `wpe` is a second embedding site whose ids are
     /// the positions.
-    fn embed(&self, tokens: Tensor, step: &Step) -> Result<(Tensor, Vec<ExtraEmbedding>)> {
-        let pos = Tensor::arange(0u32, step.t as u32, &self.core.device)?;
+    fn embed(&self, tokens: Tensor, shape: &BatchShape) -> Result<(Tensor, Vec<ExtraEmbedding>)> {
+        let pos = Tensor::arange(0u32, shape.t as u32, &self.core.device)?;
         let x = tokens.broadcast_add(&self.w("wpe.weight")?.index_select(&pos, 0)?)?;
         let positions = ExtraEmbedding {
             name: self.name("wpe.weight"),
             vocab: self.config.n_positions,
             ids: pos
                 .unsqueeze(0)?
-                .broadcast_as((step.b, step.t))?
+                .broadcast_as((shape.b, shape.t))?
                 .contiguous()?,
         };
         Ok((x, vec![positions]))
     }
 
-    fn block(&self, l: usize, x: Tensor, step: &Step, _: &(), taps: &mut Taps) -> Result<Tensor> {
+    fn block(
+        &self,
+        l: usize,
+        x: Tensor,
+        shape: &BatchShape,
+        _: &(),
+        taps: &mut Taps,
+    ) -> Result<Tensor> {
         let cfg = &self.config;
-        let (b, t, d, h, hd) = (step.b, step.t, cfg.n_embd, cfg.n_head, cfg.head_dim());
+        let (b, t, d, h, hd) = (shape.b, shape.t, cfg.n_embd, cfg.n_head, cfg.head_dim());
         let p = |s: &str| format!("h.{l}.{s}");
         let a1 = self.layernorm(&x, &p("ln_1"), taps)?;
         let qkv = self.conv1d(&a1, &p("attn.c_attn"), taps)?;
@@ -129,7 +138,7 @@ impl Family for CandleGpt2 {
         if cfg.scale_attn_by_inverse_layer_idx {
             scale /= (l + 1) as f64;
         }
-        let y = causal_attention(&q, &k, &v, scale, step, false)?;
+        let y = causal_attention(&q, &k, &v, scale, shape, false)?;
         let x = (x + self.conv1d(&y, &p("attn.c_proj"), taps)?)?;
         let a2 = self.layernorm(&x, &p("ln_2"), taps)?;
         let f_pre = self.conv1d(&a2, &p("mlp.c_fc"), taps)?;

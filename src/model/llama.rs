@@ -8,7 +8,8 @@
 //! `attention_bias`, `mlp_bias`), `post_attention_layernorm`, then gate/up/down.
 
 use super::{
-    causal_attention, decode, is_half, Core, ExtraEmbedding, Extracted, Family, Step, Taps,
+    causal_attention, decode, is_half, Architecture, BatchShape, Core, ExtraEmbedding, Extracted,
+    Taps,
 };
 use crate::error::Result;
 use crate::trace::SiteKind;
@@ -78,8 +79,8 @@ impl CandleLlama {
     }
 
     /// B×T×(heads·hd) → B×heads×T×hd.
-    fn heads(x: &Tensor, step: &Step, heads: usize, hd: usize) -> Result<Tensor> {
-        Ok(x.reshape((step.b, step.t, heads, hd))?
+    fn heads(x: &Tensor, shape: &BatchShape, heads: usize, hd: usize) -> Result<Tensor> {
+        Ok(x.reshape((shape.b, shape.t, heads, hd))?
             .transpose(1, 2)?
             .contiguous()?)
     }
@@ -107,7 +108,7 @@ impl CandleLlama {
     }
 }
 
-impl Family for CandleLlama {
+impl Architecture for CandleLlama {
     type Context = Rope;
 
     fn core(&self) -> &Core {
@@ -115,12 +116,12 @@ impl Family for CandleLlama {
     }
 
     /// The rotary tables in f64, rounded to the model's dtype.
-    fn context(&self, step: &Step) -> Result<Rope> {
+    fn context(&self, shape: &BatchShape) -> Result<Rope> {
         let inv = self.config.inverse_frequencies();
         let half = inv.len();
         let dim = 2 * half;
-        let (mut cos, mut sin) = (vec![0.0; step.t * dim], vec![0.0; step.t * dim]);
-        for t in 0..step.t {
+        let (mut cos, mut sin) = (vec![0.0; shape.t * dim], vec![0.0; shape.t * dim]);
+        for t in 0..shape.t {
             for (i, f) in inv.iter().enumerate() {
                 let angle = t as f64 * f;
                 for j in [i, i + half] {
@@ -129,9 +130,11 @@ impl Family for CandleLlama {
                 }
             }
         }
-        let table = |v: Vec<f64>| -> Result<Tensor> {
-            Ok(Tensor::from_vec(v, (step.t, dim), &self.core.device)?.to_dtype(self.core.dtype)?)
-        };
+        let table =
+            |v: Vec<f64>| -> Result<Tensor> {
+                Ok(Tensor::from_vec(v, (shape.t, dim), &self.core.device)?
+                    .to_dtype(self.core.dtype)?)
+            };
         Ok(Rope {
             cos: table(cos)?,
             sin: table(sin)?,
@@ -139,7 +142,7 @@ impl Family for CandleLlama {
     }
 
     /// No position table: the token embedding is the first block's input.
-    fn embed(&self, tokens: Tensor, _: &Step) -> Result<(Tensor, Vec<ExtraEmbedding>)> {
+    fn embed(&self, tokens: Tensor, _: &BatchShape) -> Result<(Tensor, Vec<ExtraEmbedding>)> {
         Ok((tokens, Vec::new()))
     }
 
@@ -147,7 +150,7 @@ impl Family for CandleLlama {
         &self,
         l: usize,
         x: Tensor,
-        step: &Step,
+        shape: &BatchShape,
         rope: &Rope,
         taps: &mut Taps,
     ) -> Result<Tensor> {
@@ -164,12 +167,12 @@ impl Family for CandleLlama {
         let q = self.linear(&a1, &p("self_attn.q_proj"), qkv_b, taps)?;
         let k = self.linear(&a1, &p("self_attn.k_proj"), qkv_b, taps)?;
         let v = self.linear(&a1, &p("self_attn.v_proj"), qkv_b, taps)?;
-        let q = Self::rotate(&Self::heads(&q, step, h, hd)?, rope)?;
-        let k = Self::rotate(&Self::heads(&k, step, kv, hd)?, rope)?;
-        let v = Self::heads(&v, step, kv, hd)?;
+        let q = Self::rotate(&Self::heads(&q, shape, h, hd)?, rope)?;
+        let k = Self::rotate(&Self::heads(&k, shape, kv, hd)?, rope)?;
+        let v = Self::heads(&v, shape, kv, hd)?;
         let group = cfg.group_size();
         let (k, v) = (Self::repeat_kv(&k, group)?, Self::repeat_kv(&v, group)?);
-        let y = causal_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), step, true)?;
+        let y = causal_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), shape, true)?;
         let x = (x + self.linear(&y, &p("self_attn.o_proj"), o_b, taps)?)?;
         // h += down(silu(gate(a2)) ⊙ up(a2)), a2 = post_attention_layernorm(h).
         let a2 = self.rms_norm(&x, &p("post_attention_layernorm"), taps)?;

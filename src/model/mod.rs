@@ -188,7 +188,7 @@ pub(crate) struct ExtraEmbedding {
 }
 
 /// The batch shape and the causal mask, shared by every block.
-pub(crate) struct Step {
+pub(crate) struct BatchShape {
     b: usize,
     t: usize,
     /// T×T: 0 on and below the diagonal, -1e30 above, in the model's dtype.
@@ -196,20 +196,20 @@ pub(crate) struct Step {
 }
 
 /// What the skeleton needs from a family.
-pub(crate) trait Family {
+pub(crate) trait Architecture {
     /// What the blocks precompute once per batch (rotary tables, ...).
     type Context;
 
     fn core(&self) -> &Core;
-    fn context(&self, step: &Step) -> Result<Self::Context>;
+    fn context(&self, shape: &BatchShape) -> Result<Self::Context>;
     /// The input of the first block from the token embeddings (B×T×d), and the embedding sites
     /// that add to them.
-    fn embed(&self, tokens: Tensor, step: &Step) -> Result<(Tensor, Vec<ExtraEmbedding>)>;
+    fn embed(&self, tokens: Tensor, shape: &BatchShape) -> Result<(Tensor, Vec<ExtraEmbedding>)>;
     fn block(
         &self,
         layer: usize,
         x: Tensor,
-        step: &Step,
+        shape: &BatchShape,
         ctx: &Self::Context,
         taps: &mut Taps,
     ) -> Result<Tensor>;
@@ -232,12 +232,12 @@ fn causal_attention(
     k: &Tensor,
     v: &Tensor,
     scale: f64,
-    step: &Step,
+    shape: &BatchShape,
     softmax_f32: bool,
 ) -> Result<Tensor> {
     let (b, h, t, hd) = q.dims4()?;
     let scores =
-        (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * scale)?.broadcast_add(&step.mask)?;
+        (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * scale)?.broadcast_add(&shape.mask)?;
     let probs = match (softmax_f32, is_half(scores.dtype())) {
         (true, true) => {
             softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(scores.dtype())?
@@ -258,13 +258,13 @@ fn is_half(dtype: DType) -> bool {
 /// Runs a family's forward over the batch, the per-example loss and one backward of the summed
 /// losses; returns the trace (sites in the reference's order), the batch gradient and the
 /// per-example losses.
-fn decode<F: Family>(family: &F, batch: &Batch, reduction: Reduction) -> Result<Extracted> {
+fn decode<F: Architecture>(family: &F, batch: &Batch, reduction: Reduction) -> Result<Extracted> {
     let core = family.core();
     batch.validate(&core.dims, "batch")?;
     let (b, t) = (batch.len(), batch.seq_len());
     let dev = &core.device;
     let ids_u32 = batch
-        .input_ids
+        .input_ids()
         .iter()
         .map(|&x| {
             u32::try_from(x)
@@ -275,12 +275,12 @@ fn decode<F: Family>(family: &F, batch: &Batch, reduction: Reduction) -> Result<
     let mask: Vec<f64> = (0..t * t)
         .map(|k| if k % t > k / t { -1e30 } else { 0.0 })
         .collect();
-    let step = Step {
+    let shape = BatchShape {
         b,
         t,
         mask: Tensor::from_vec(mask, (t, t), dev)?.to_dtype(core.dtype)?,
     };
-    let ctx = family.context(&step)?;
+    let ctx = family.context(&shape)?;
     let mut taps = Taps::default();
 
     let embedding = core.w(&core.embedding)?;
@@ -288,11 +288,11 @@ fn decode<F: Family>(family: &F, batch: &Batch, reduction: Reduction) -> Result<
         embedding
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, t, core.dims.hidden_size))?;
-    let (x, extra) = family.embed(tokens, &step)?;
+    let (x, extra) = family.embed(tokens, &shape)?;
     let emb_tap = Var::zeros(x.shape(), core.dtype, dev)?;
     let mut x = (x + emb_tap.as_tensor())?;
     for l in 0..core.dims.layers {
-        x = family.block(l, x, &step, &ctx, &mut taps)?;
+        x = family.block(l, x, &shape, &ctx, &mut taps)?;
     }
     let af = family.final_norm(&x, &mut taps)?;
     let logits = af.broadcast_matmul(&core.w(&core.head_param)?.t()?)?;
@@ -367,7 +367,7 @@ fn decode<F: Family>(family: &F, batch: &Batch, reduction: Reduction) -> Result<
     Ok(Extracted {
         trace: Trace { sites },
         batch_gradient,
-        losses: crate::clippers::gram::to_f64_vec(&losses)?,
+        losses: crate::trace::to_f64_vec(&losses)?,
     })
 }
 
@@ -395,7 +395,7 @@ fn causal_lm_losses(
                 .map_err(|_| Error::input(format!("batch: label {y} is outside 0..2³²")))?;
         }
     }
-    debug_assert!(batch.labels.iter().all(|&y| y == IGNORE || y >= 0));
+    debug_assert!(batch.labels().iter().all(|&y| y == IGNORE || y >= 0));
     let weights = Tensor::from_vec(weights, (b, t), dev)?.to_dtype(dtype)?;
     let targets = Tensor::from_vec(targets, (b, t, 1), dev)?;
     let m = logits.max_keepdim(D::Minus1)?.detach();

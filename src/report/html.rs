@@ -23,6 +23,7 @@ pub fn verdict_colour(v: Verdict) -> &'static str {
     match v {
         Verdict::Pass => "#2e7d32",
         Verdict::UtilityDistortion => "#ef6c00",
+        Verdict::CannotJudge => "#546e7a",
         Verdict::PrivacyViolation => "#c62828",
         Verdict::InvalidNorm => "#6a1b9a",
     }
@@ -255,14 +256,12 @@ pub fn audit_sections(audits: &[ClipperAudit], dtype: &str, device: &str) -> Res
             verdict_colour(a.verdict),
             a.verdict.name()
         );
-        if let Some(p) = &a.privacy {
-            let _ = write!(
-                body,
-                "<p>{}<br><span class=\"note\">{}</span></p>",
-                xml_escape(&p.sentence()),
-                xml_escape(&p.setting())
-            );
-        }
+        let _ = write!(
+            body,
+            "<p>{}<br><span class=\"note\">{}</span></p>",
+            xml_escape(&a.privacy.sentence()),
+            xml_escape(&a.privacy.setting())
+        );
         body.push_str(&clipper_plots(a, k)?);
     }
     let _ = write!(

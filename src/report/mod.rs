@@ -1,8 +1,11 @@
 //! Human-readable tables, the JSON document and JUnit XML.
 
 mod html;
+mod kill_matrix;
 
-pub use html::{audit_html, audit_sections, page, verdict_colour};
+pub use html::audit_html;
+pub(crate) use html::{audit_sections, page, verdict_colour};
+pub use kill_matrix::{kill_matrix_html, kill_matrix_json, kill_matrix_table};
 
 use crate::audit::ClipperAudit;
 use crate::judge::{nan_max, CaseMetrics, Verdict};
@@ -149,16 +152,15 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
         for w in &a.warnings {
             let _ = writeln!(s, "  warning: {w}");
         }
-        if let Some(p) = &a.privacy {
-            let _ = writeln!(s, "  privacy: {}", p.sentence());
-            let _ = writeln!(s, "    ({})", p.setting());
-            if p.order_at_grid_edge {
-                let _ = writeln!(
-                    s,
-                    "  warning: the optimal Rényi order {} is at an end of the grid; a wider grid may give a smaller ε",
-                    p.order
-                );
-            }
+        let p = &a.privacy;
+        let _ = writeln!(s, "  privacy: {}", p.sentence());
+        let _ = writeln!(s, "    ({})", p.setting());
+        if p.order_at_grid_edge {
+            let _ = writeln!(
+                s,
+                "  warning: the optimal Rényi order {} is at an end of the grid; a wider grid may give a smaller ε",
+                p.order
+            );
         }
     }
     let _ = writeln!(
@@ -177,6 +179,7 @@ fn worst_rule(v: Verdict) -> &'static str {
     match v {
         Verdict::InvalidNorm => "first invalid norm",
         Verdict::PrivacyViolation => "largest clipped contribution",
+        Verdict::CannotJudge => "loosest bound",
         Verdict::Pass | Verdict::UtilityDistortion => "largest err/bound",
     }
 }
@@ -192,7 +195,7 @@ pub fn deciding_figure(a: &ClipperAudit) -> String {
         return "no case".into();
     };
     let e = &c.examples[c.worst_example];
-    let case = c.case.split('@').next().unwrap_or(&c.case);
+    let case = &c.base_case;
     match c.verdict {
         Verdict::InvalidNorm => format!(
             "{case} example {} has norm {} (coefficient {}); {} invalid example(s)",
@@ -204,6 +207,14 @@ pub fn deciding_figure(a: &ClipperAudit) -> String {
         Verdict::PrivacyViolation => format!(
             "{} example {} contributes {:.4}·C, σ_eff {:.3}",
             c.case, c.worst_example, e.sensitivity, c.effective_noise_multiplier
+        ),
+        Verdict::CannotJudge => format!(
+            "{case} example {}: at {} the rounding bound is {:.1}% of the norm (T = {}, widest factor {}), too loose to tell a right norm from a wrong one; store the factors in f32 or accumulate in f32",
+            c.worst_example,
+            a.precision,
+            100.0 * e.bound,
+            c.seq_len,
+            c.widest_factor
         ),
         Verdict::UtilityDistortion => format!(
             "{} example {} norm off by {} = {} × the bound, no contribution above C",
@@ -235,15 +246,15 @@ pub fn summary(audits: &[ClipperAudit]) -> String {
             a.verdict.name(),
             deciding_figure(a)
         );
-        let _ = match &a.privacy {
-            Some(p) if p.actual() > p.stated_epsilon => writeln!(
-                s,
-                "; ε {} → {}",
-                fixed(Some(p.stated_epsilon), 2),
-                fixed(p.actual_epsilon.filter(|e| e.is_finite()), 2).replace("n/a", "∞")
-            ),
-            Some(p) => writeln!(s, "; ε {}", fixed(Some(p.stated_epsilon), 2)),
-            None => writeln!(s),
+        let p = &a.privacy;
+        let (stated, actual) = (
+            fixed(Some(p.stated_epsilon), 2),
+            fixed(p.actual_epsilon.filter(|e| e.is_finite()), 2).replace("n/a", "∞"),
+        );
+        let _ = if actual != stated {
+            writeln!(s, "; ε {stated} → {actual}")
+        } else {
+            writeln!(s, "; ε {stated}")
         };
     }
     let failing: Vec<&str> = audits
@@ -346,10 +357,8 @@ pub fn audit_junit(audits: &[ClipperAudit]) -> String {
                     e.bound,
                     c.max_sensitivity_ratio
                 );
-                if let Some(p) = &a.privacy {
-                    msg.push_str("; ");
-                    msg.push_str(&p.sentence());
-                }
+                msg.push_str("; ");
+                msg.push_str(&a.privacy.sentence());
                 let _ = writeln!(
                     s,
                     ">\n      <failure type=\"{}\" message=\"{}\"/>\n    </testcase>",

@@ -3,19 +3,9 @@
 use super::Trace;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
-use ghost_oracle_reference::{self as reference, Dtype, Trace as RefTrace, TraceMeta};
+use ghost_oracle_reference::{self as reference, Trace as RefTrace, TraceMeta};
 use ndarray::{Array2, Array3};
 use std::path::Path;
-
-/// The precision a trace's factors were stored in, as a candle dtype.
-pub fn stored_dtype(d: Dtype) -> DType {
-    match d {
-        Dtype::F64 => DType::F64,
-        Dtype::F16 => DType::F16,
-        Dtype::BF16 => DType::BF16,
-        _ => DType::F32,
-    }
-}
 
 fn to_array3(t: &Tensor) -> Result<Array3<f64>> {
     let (b, tt, m) = t.dims3()?;
@@ -62,12 +52,7 @@ pub fn write_claimed_trace(
     coefficients: &[f64],
     max_grad_norm: f64,
 ) -> Result<()> {
-    let dtype = match trace.dtype() {
-        DType::F64 => Dtype::F64,
-        DType::F16 => Dtype::F16,
-        DType::BF16 => Dtype::BF16,
-        _ => Dtype::F32,
-    };
+    let dtype = trace.precision()?;
     let meta = TraceMeta {
         max_grad_norm,
         noise_multiplier: None,
@@ -76,6 +61,8 @@ pub fn write_claimed_trace(
         claimed_coefficients: Some(coefficients.to_vec()),
         dtype,
         compute_dtype: Some(dtype),
+        site_compute_dtypes: Vec::new(),
+        site_dtypes: Vec::new(),
     };
     Ok(reference::write_trace(path, &trace.to_reference()?, &meta)?)
 }

@@ -3,11 +3,41 @@
 
 mod file;
 
-pub use file::{stored_dtype, write_claimed_trace};
+pub use file::write_claimed_trace;
 
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
-pub use ghost_oracle_reference::{SiteKind, SiteSpec};
+use ghost_oracle_reference::{validate_shapes, IdAt, SiteShape};
+pub use ghost_oracle_reference::{Precision, SiteKind, SiteSpec};
+
+/// The candle dtype a clipper computes in at a precision.
+pub fn candle_dtype(p: Precision) -> DType {
+    match p {
+        Precision::F64 => DType::F64,
+        Precision::F32 => DType::F32,
+        Precision::F16 => DType::F16,
+        Precision::BF16 => DType::BF16,
+    }
+}
+
+/// The precision of a candle float dtype. Any other dtype is an internal error: no trace or
+/// clipper holds factors in it, and guessing a precision would move the judge's bound.
+pub fn precision_of(d: DType) -> Result<Precision> {
+    match d {
+        DType::F64 => Ok(Precision::F64),
+        DType::F32 => Ok(Precision::F32),
+        DType::F16 => Ok(Precision::F16),
+        DType::BF16 => Ok(Precision::BF16),
+        other => Err(Error::internal(format!(
+            "candle dtype {other:?} is not a precision a trace is computed in"
+        ))),
+    }
+}
+
+/// A per-example vector as f64.
+pub fn to_f64_vec(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?)
+}
 
 #[derive(Clone, Debug)]
 pub struct Site {
@@ -104,6 +134,11 @@ impl Trace {
             .map_or(DType::F32, |s| s.backprops.dtype())
     }
 
+    /// The precision the factors are held in.
+    pub fn precision(&self) -> Result<Precision> {
+        precision_of(self.dtype())
+    }
+
     pub fn device(&self) -> Device {
         self.sites
             .first()
@@ -138,84 +173,36 @@ impl Trace {
         out
     }
 
-    /// Shapes agree within each site and across sites; every site of a parameter produces a
-    /// gradient of the same shape. Messages name the site and tensor.
+    /// Shapes agree within each site and across sites, every id is inside its table, and every
+    /// site of a parameter produces a gradient of the same shape: the reference's one rule
+    /// (`ghost_oracle_reference::validate_shapes`) on the tensors' dimensions. Messages name the
+    /// site and tensor.
     pub fn validate(&self) -> Result<()> {
-        let Some(first) = self.sites.first() else {
-            return Err(Error::input("trace has no sites"));
-        };
-        let (b, t) = dims3(&first.backprops, &first.spec.name, "backprops")?;
-        for s in &self.sites {
-            let name = &s.spec.name;
-            let (sb, st) = dims3(&s.backprops, name, "backprops")?;
-            let check_bt = |what: &str, bb: usize, tt: usize| {
-                if (bb, tt) != (b, t) {
-                    return Err(Error::input(format!(
-                        "site `{name}`: `{name}.{what}` is {bb}×{tt} in its leading (batch, sequence) dimensions but site `{}` is {b}×{t}",
-                        first.spec.name
-                    )));
+        let id_ranges = self
+            .sites
+            .iter()
+            .map(|s| match &s.ids {
+                Some(ids) if ids.rank() == 2 => {
+                    let seq = ids.dims()[1];
+                    let values = ids.flatten_all()?.to_vec1::<u32>()?;
+                    Ok(IdAt::extremes(values.into_iter().map(i64::from), seq))
                 }
-                Ok(())
-            };
-            check_bt("backprops", sb, st)?;
-            match (&s.activations, s.spec.kind.needs_activations()) {
-                (Some(a), true) => {
-                    let (ab, at) = dims3(a, name, "activations")?;
-                    check_bt("activations", ab, at)?;
-                    if s.spec.kind == SiteKind::LayerNorm && a.dims()[2] != s.backprops.dims()[2] {
-                        return Err(Error::input(format!(
-                            "site `{name}` (layernorm): activations have width {} but backprops {}",
-                            a.dims()[2],
-                            s.backprops.dims()[2]
-                        )));
-                    }
-                }
-                (None, true) => {
-                    return Err(Error::input(format!(
-                        "site `{name}` ({}): tensor `{name}.activations` is missing",
-                        s.spec.kind.name()
-                    )))
-                }
-                _ => {}
-            }
-            if s.spec.kind.needs_ids() {
-                let ids = s.ids.as_ref().ok_or_else(|| {
-                    Error::input(format!(
-                        "site `{name}` (embedding): tensor `{name}.ids` is missing"
-                    ))
-                })?;
-                let d = ids.dims();
-                if d.len() != 2 {
-                    return Err(Error::input(format!(
-                        "site `{name}`: `{name}.ids` must be 2-D (batch × sequence), found {d:?}"
-                    )));
-                }
-                check_bt("ids", d[0], d[1])?;
-                let vocab = s.spec.vocab.ok_or_else(|| {
-                    Error::input(format!("site `{name}` (embedding) has no `vocab`"))
-                })?;
-                let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
-                if max >= vocab {
-                    return Err(Error::input(format!("site `{name}`: `{name}.ids` holds id {max}, outside the table's vocab 0..{vocab}")));
-                }
-            }
-        }
-        for p in self.params() {
-            let shapes: Vec<(usize, usize)> = p
-                .sites
-                .iter()
-                .map(|&j| self.sites[j].gradient_shape())
-                .collect();
-            for (i, s) in shapes.iter().enumerate().skip(1) {
-                if *s != shapes[0] {
-                    return Err(Error::input(format!(
-                        "parameter `{}`: site `{}` writes a {}×{} gradient but site `{}` writes {}×{}",
-                        p.param, self.sites[p.sites[i]].spec.name, s.0, s.1, self.sites[p.sites[0]].spec.name, shapes[0].0, shapes[0].1
-                    )));
-                }
-            }
-        }
-        Ok(())
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let shapes: Vec<SiteShape> = self
+            .sites
+            .iter()
+            .zip(id_ranges)
+            .map(|(s, id_range)| SiteShape {
+                spec: &s.spec,
+                backprops: s.backprops.dims(),
+                activations: s.activations.as_ref().map(Tensor::dims),
+                ids: s.ids.as_ref().map(Tensor::dims),
+                id_range,
+            })
+            .collect();
+        Ok(validate_shapes(&shapes)?)
     }
 
     /// The same trace in another dtype and on another device.
@@ -234,14 +221,5 @@ impl Trace {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Trace { sites })
-    }
-}
-
-fn dims3(t: &Tensor, site: &str, what: &str) -> Result<(usize, usize)> {
-    match t.dims() {
-        [b, tt, _] => Ok((*b, *tt)),
-        d => Err(Error::input(format!(
-            "site `{site}`: `{site}.{what}` must be 3-D (batch × sequence × features), found {d:?}"
-        ))),
     }
 }

@@ -13,8 +13,6 @@ pub fn directional_fd<M: DecoderModel + Clone>(
     dir: &ArrayD<f64>,
     h: f64,
 ) -> f64 {
-    let ids = batch.ids(0);
-    let targets = batch.targets(0);
     let loss_at = |step: f64| {
         let mut m = model.clone();
         let mut found = false;
@@ -25,7 +23,7 @@ pub fn directional_fd<M: DecoderModel + Clone>(
             }
         }
         assert!(found, "no tensor {tensor}");
-        example_loss(&m, &ids, &targets, Reduction::Mean)
+        example_loss(&m, batch, 0, Reduction::Mean).unwrap()
     };
     let central = |h: f64| (loss_at(h) - loss_at(-h)) / (2.0 * h);
     (4.0 * central(h / 2.0) - central(h)) / 3.0
@@ -34,7 +32,9 @@ pub fn directional_fd<M: DecoderModel + Clone>(
 /// The analytic gradient of example 0 with a tied head's two paths added: what a finite
 /// difference sees.
 pub fn total_gradient<M: DecoderModel>(model: &M, batch: &Batch) -> M::Params {
-    let mut g = example_gradient(model, batch, 0, Reduction::Mean, false).grad;
+    let mut g = example_gradient(model, batch, 0, Reduction::Mean, false)
+        .unwrap()
+        .grad;
     let head = g.lm_head_mut().take().unwrap();
     if model.dims().tie_word_embeddings {
         *g.token_embedding_mut() += &head;

@@ -13,7 +13,7 @@
 mod cpu;
 
 use crate::error::{Error, Result};
-use crate::trace::{Site, SiteKind};
+use crate::trace::{to_f64_vec, Site, SiteKind};
 use candle_core::{DType, Tensor};
 use cpu::{cpu_gram, onehot_inner_cpu, threads_for, CpuData, GramDims, PARALLEL_FLOPS};
 
@@ -197,6 +197,17 @@ fn a_device(a: &Factor, b: &Factor) -> candle_core::Device {
     candle_core::Device::Cpu
 }
 
+/// A half-precision tensor widened to f32 for a reduction (candle's CPU sums accumulate in the
+/// tensor's own dtype; T² terms in bf16 would lose every digit). Products of bf16 or f16 values
+/// are accumulated in f32, as tensor cores and gemm's half-precision kernels do; values are
+/// rounded back to the half precision only where they are stored.
+fn widened(t: &Tensor) -> Result<Tensor> {
+    Ok(match t.dtype() {
+        DType::BF16 | DType::F16 => t.to_dtype(DType::F32)?,
+        _ => t.clone(),
+    })
+}
+
 /// ⟨G_j, G_k⟩ per example = Σ_{t,s} (l_jt·l_ks)(r_jt·r_ks): the Gram identity, used for a site's
 /// own squared norm (j = k) and for the cross term of two uses of one parameter.
 pub fn inner(a: &Factored, b: &Factored, dtype: DType) -> Result<Vec<f64>> {
@@ -238,7 +249,7 @@ fn frobenius_per_example(x: &Tensor, y: &Tensor) -> Result<Vec<f64>> {
             _ => {}
         }
     }
-    to_f64_vec(&(x * y)?.sum((1, 2))?)
+    to_f64_vec(&(widened(x)? * widened(y)?)?.sum((1, 2))?)
 }
 
 /// Example `i`'s gradient, rows × cols.
@@ -247,9 +258,15 @@ pub fn materialize(f: &Factored, i: usize, dtype: DType) -> Result<Tensor> {
     let (p, q) = f.shape();
     Ok(match (&f.left, &f.right) {
         (Factor::Dense(l), Factor::Dense(r)) => row(l)?.t()?.contiguous()?.matmul(&row(r)?)?,
-        (Factor::Dense(l), Factor::Ones { .. }) => row(l)?.sum(0)?.reshape((p, 1))?,
+        (Factor::Dense(l), Factor::Ones { .. }) => widened(&row(l)?)?
+            .sum(0)?
+            .to_dtype(dtype)?
+            .reshape((p, 1))?,
         (Factor::OneHot { ids, size }, Factor::Dense(r)) => {
-            Tensor::zeros((*size, q), dtype, r.device())?.index_add(&row(ids)?, &row(r)?, 0)?
+            let r = widened(&row(r)?)?;
+            Tensor::zeros((*size, q), r.dtype(), r.device())?
+                .index_add(&row(ids)?, &r, 0)?
+                .to_dtype(dtype)?
         }
         _ => return Err(Error::internal("materialize: unsupported factor pair")),
     })
@@ -268,15 +285,16 @@ pub fn weighted_sum(f: &Factored, weights: &Tensor) -> Result<Tensor> {
             let l = scale(l)?.reshape((b * t, p))?;
             l.t()?.contiguous()?.matmul(&r.reshape((b * t, q))?)?
         }
-        (Factor::Dense(l), Factor::Ones { .. }) => scale(l)?.sum((0, 1))?.reshape((p, 1))?,
+        (Factor::Dense(l), Factor::Ones { .. }) => widened(&scale(l)?)?
+            .sum((0, 1))?
+            .to_dtype(l.dtype())?
+            .reshape((p, 1))?,
         (Factor::OneHot { ids, size }, Factor::Dense(r)) => {
             let (b, t) = (r.dims()[0], r.dims()[1]);
-            let src = scale(r)?.reshape((b * t, q))?;
-            Tensor::zeros((*size, q), r.dtype(), r.device())?.index_add(
-                &ids.flatten_all()?,
-                &src,
-                0,
-            )?
+            let src = widened(&scale(r)?)?.reshape((b * t, q))?;
+            Tensor::zeros((*size, q), src.dtype(), r.device())?
+                .index_add(&ids.flatten_all()?, &src, 0)?
+                .to_dtype(r.dtype())?
         }
         _ => return Err(Error::internal("weighted_sum: unsupported factor pair")),
     })
@@ -296,9 +314,4 @@ pub fn dot_all(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok((a.to_dtype(DType::F64)? * b.to_dtype(DType::F64)?)?
         .sum_all()?
         .to_scalar::<f64>()?)
-}
-
-/// A per-example vector as f64.
-pub fn to_f64_vec(t: &Tensor) -> Result<Vec<f64>> {
-    Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?)
 }

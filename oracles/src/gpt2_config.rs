@@ -1,6 +1,8 @@
-use crate::error::{bail, Error, Result};
+//! GPT-2's `config.json`.
+
+use crate::error::{bail, Result};
+use crate::keys::{check_parameter_count, Keys};
 use serde_json::Value;
-use std::path::Path;
 
 /// The GPT-2 hyper-parameters the reference needs, with Hugging Face's defaults for absent keys.
 #[derive(Clone, Debug, PartialEq)]
@@ -16,84 +18,6 @@ pub struct Gpt2Config {
     pub tie_word_embeddings: bool,
     pub scale_attn_weights: bool,
     pub scale_attn_by_inverse_layer_idx: bool,
-}
-
-/// Upper limits on sizes read from a config, so that a hostile or mistyped file cannot make the
-/// reference allocate terabytes before any tensor is checked.
-pub(crate) const MAX_DIM: usize = 1 << 20;
-pub(crate) const MAX_LAYERS: usize = 1024;
-pub(crate) const MAX_PARAMS: usize = 1 << 34;
-
-pub(crate) fn check_parameter_count(count: usize) -> Result<()> {
-    if count > MAX_PARAMS {
-        bail!("the config describes {count} parameters; at most {MAX_PARAMS} are supported");
-    }
-    Ok(())
-}
-
-/// Typed access to the keys of a `config.json`, with Hugging Face's default for an absent (or
-/// `null`) key and an error naming the key for a value of the wrong type or range.
-pub(crate) struct Keys {
-    v: Value,
-}
-
-impl Keys {
-    pub(crate) fn parse(text: &str) -> Result<Self> {
-        let v: Value =
-            serde_json::from_str(text).map_err(|e| Error::new(format!("not valid JSON: {e}")))?;
-        if !v.is_object() {
-            bail!("expected a JSON object");
-        }
-        Ok(Keys { v })
-    }
-
-    /// The key's value; `None` when absent or `null`.
-    pub(crate) fn value(&self, key: &str) -> Option<&Value> {
-        self.v.get(key).filter(|x| !x.is_null())
-    }
-
-    pub(crate) fn usize(&self, key: &str, default: usize) -> Result<usize> {
-        self.opt_usize(key).map(|n| n.unwrap_or(default))
-    }
-
-    pub(crate) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
-        match self.value(key) {
-            None => Ok(None),
-            Some(x) => match x.as_u64() {
-                Some(n) if n >= 1 && n as usize <= MAX_DIM => Ok(Some(n as usize)),
-                _ => bail!("`{key}` must be an integer in 1..={MAX_DIM}, found {x}"),
-            },
-        }
-    }
-
-    pub(crate) fn layers(&self, key: &str, default: usize) -> Result<usize> {
-        let n = self.usize(key, default)?;
-        if n > MAX_LAYERS {
-            bail!("`{key}` is {n}; at most {MAX_LAYERS} are supported");
-        }
-        Ok(n)
-    }
-
-    pub(crate) fn bool(&self, key: &str, default: bool) -> Result<bool> {
-        match self.value(key) {
-            None => Ok(default),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(x) => bail!("`{key}` must be true or false, found {x}"),
-        }
-    }
-
-    /// A finite number > 0.
-    pub(crate) fn positive(&self, key: &str, default: f64) -> Result<f64> {
-        match self.value(key) {
-            None => Ok(default),
-            Some(x) => positive_number(x)
-                .ok_or_else(|| Error::new(format!("`{key}` must be a positive number, found {x}"))),
-        }
-    }
-}
-
-pub(crate) fn positive_number(x: &Value) -> Option<f64> {
-    x.as_f64().filter(|e| e.is_finite() && *e > 0.0)
 }
 
 impl Gpt2Config {
@@ -128,19 +52,12 @@ impl Gpt2Config {
         self.n_embd / self.n_head
     }
 
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::new(format!("cannot read config {}: {e}", path.display())))?;
-        Self::from_json_str(&text)
-            .map_err(|e| Error::new(format!("config {}: {e}", path.display())))
-    }
-
     pub fn from_json_str(text: &str) -> Result<Self> {
         let keys = Keys::parse(text)?;
         if let Some(model_type) = keys.value("model_type").and_then(Value::as_str) {
             if model_type != "gpt2" {
                 bail!(
-                    "`model_type` is \"{model_type}\"; this loader reads only \"gpt2\" (`Model::load` also reads \"llama\" and \"qwen2\")"
+                    "`model_type` is \"{model_type}\"; this loader reads only \"gpt2\" (loading a `Model` also reads \"llama\" and \"qwen2\")"
                 );
             }
         }

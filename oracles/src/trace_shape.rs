@@ -1,0 +1,194 @@
+//! The shapes a trace's factors must have, checked on their dimensions alone, so that the
+//! reference's arrays, a trace file's tensors and a clipper's device tensors are held to one
+//! rule with one set of messages.
+
+use crate::error::{bail, Error, Result};
+use crate::site::{SiteKind, SiteSpec};
+use std::collections::HashMap;
+
+/// An id of an `ids` tensor and where it first occurs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdAt {
+    pub id: i64,
+    pub example: usize,
+    pub position: usize,
+}
+
+impl IdAt {
+    /// The smallest and the largest of B×T ids given in row-major order (`seq` = T), each where
+    /// it first occurs; `None` when there are none.
+    pub fn extremes(ids: impl IntoIterator<Item = i64>, seq: usize) -> Option<(IdAt, IdAt)> {
+        let seq = seq.max(1);
+        let mut out: Option<(IdAt, IdAt)> = None;
+        for (k, id) in ids.into_iter().enumerate() {
+            let at = IdAt {
+                id,
+                example: k / seq,
+                position: k % seq,
+            };
+            match &mut out {
+                None => out = Some((at, at)),
+                Some((lo, hi)) => {
+                    if id < lo.id {
+                        *lo = at;
+                    }
+                    if id > hi.id {
+                        *hi = at;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One site's factors as dimensions: what [`validate_shapes`] checks.
+#[derive(Clone, Copy, Debug)]
+pub struct SiteShape<'a> {
+    pub spec: &'a SiteSpec,
+    /// B×T×out.
+    pub backprops: &'a [usize],
+    /// B×T×in, for the kinds that read their input; `None` when absent.
+    pub activations: Option<&'a [usize]>,
+    /// B×T, for embeddings; `None` when absent.
+    pub ids: Option<&'a [usize]>,
+    /// The smallest and the largest id ([`IdAt::extremes`]), when the site has ids.
+    pub id_range: Option<(IdAt, IdAt)>,
+}
+
+impl SiteShape<'_> {
+    /// (rows, cols) of the gradient the site writes, in the parameter's layout (meaningful once
+    /// the shapes are validated).
+    pub fn gradient_shape(&self) -> (usize, usize) {
+        let width = |d: Option<&[usize]>| d.and_then(|d| d.get(2)).copied().unwrap_or(0);
+        self.spec.kind.gradient_shape(
+            width(Some(self.backprops)),
+            width(self.activations),
+            self.spec.vocab,
+        )
+    }
+}
+
+/// Checks that a trace's factors fit together: every factor has the rank its kind reads, every
+/// site the same batch × sequence, a layernorm's input the width of its output, every id inside
+/// its table, and every site of a parameter a gradient of one shape. The first inconsistency is
+/// the error, naming the site and the tensor.
+pub fn validate_shapes(sites: &[SiteShape<'_>]) -> Result<()> {
+    let Some(first) = sites.first() else {
+        bail!("trace has no sites");
+    };
+    let mut bt = None;
+    for s in sites {
+        let (b, t) = check_site(s, bt.map(|(b, t)| (first.spec.name.as_str(), b, t)))?;
+        bt.get_or_insert((b, t));
+    }
+    check_parameters(sites)
+}
+
+/// One site's checks; `first` is the first site's name and batch × sequence, for every later one.
+fn check_site(s: &SiteShape<'_>, first: Option<(&str, usize, usize)>) -> Result<(usize, usize)> {
+    let n = &s.spec.name;
+    let kind = s.spec.kind;
+    let bp = format!("{n}.backprops");
+    let [b, t, out] = dims3(s.backprops, &bp)?;
+    if let Some((first, b0, t0)) = first {
+        if (b0, t0) != (b, t) {
+            bail!(
+                "site `{n}`: `{bp}` is {b}×{t} in batch × sequence but site `{first}` is {b0}×{t0}"
+            );
+        }
+    }
+    if kind.needs_activations() {
+        let an = format!("{n}.activations");
+        let Some(a) = s.activations else {
+            bail!("site `{n}` ({}): tensor `{an}` is missing", kind.name());
+        };
+        let [ab, at, width] = dims3(a, &an)?;
+        if (ab, at) != (b, t) {
+            bail!("site `{n}`: `{an}` is {ab}×{at} in batch × sequence but `{bp}` is {b}×{t}");
+        }
+        if kind == SiteKind::LayerNorm && width != out {
+            bail!("site `{n}` (layernorm): `{an}` has width {width} but `{bp}` {out}");
+        }
+    }
+    if kind.needs_ids() {
+        let idn = format!("{n}.ids");
+        let Some(d) = s.ids else {
+            bail!("site `{n}` ({}): tensor `{idn}` is missing", kind.name());
+        };
+        if d.len() != 2 {
+            bail!("`{idn}` has shape {d:?}; expected batch × sequence");
+        }
+        if (d[0], d[1]) != (b, t) {
+            bail!(
+                "site `{n}`: `{idn}` is ({}, {}) but `{bp}` is {b}×{t}",
+                d[0],
+                d[1]
+            );
+        }
+        let vocab = s.spec.vocab.ok_or_else(|| {
+            Error::new(format!(
+                "site `{n}` ({}) needs `vocab`, the number of rows of its table",
+                kind.name()
+            ))
+        })?;
+        if let Some((lo, hi)) = s.id_range {
+            let rows = i64::try_from(vocab).unwrap_or(i64::MAX);
+            let outside = if lo.id < 0 {
+                Some(lo)
+            } else {
+                (hi.id >= rows).then_some(hi)
+            };
+            if let Some(x) = outside {
+                bail!(
+                    "site `{n}`: `{idn}`[{}][{}] = {} is outside the table's vocab 0..{vocab}",
+                    x.example,
+                    x.position,
+                    x.id
+                );
+            }
+        }
+    }
+    Ok((b, t))
+}
+
+/// Every site of a parameter writes a gradient of the same shape (parameters in first-use order).
+fn check_parameters(sites: &[SiteShape<'_>]) -> Result<()> {
+    let mut order: Vec<(&str, Vec<usize>)> = Vec::new();
+    let mut index: HashMap<&str, usize> = HashMap::new();
+    for (j, s) in sites.iter().enumerate() {
+        let param = s.spec.param.as_str();
+        match index.get(param) {
+            Some(&k) => order[k].1.push(j),
+            None => {
+                index.insert(param, order.len());
+                order.push((param, vec![j]));
+            }
+        }
+    }
+    for (param, js) in order {
+        let shape0 = sites[js[0]].gradient_shape();
+        for &j in &js[1..] {
+            let shape = sites[j].gradient_shape();
+            if shape != shape0 {
+                bail!(
+                    "parameter `{param}`: site `{}` writes a {}×{} gradient but site `{}` writes {}×{}",
+                    sites[j].spec.name,
+                    shape.0,
+                    shape.1,
+                    sites[js[0]].spec.name,
+                    shape0.0,
+                    shape0.1
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn dims3(d: &[usize], tensor: &str) -> Result<[usize; 3]> {
+    match *d {
+        [b, t, w] => Ok([b, t, w]),
+        _ => bail!("tensor `{tensor}` has shape {d:?}; expected 3-D (batch × sequence × features)"),
+    }
+}
