@@ -54,7 +54,11 @@ impl From<candle_core::Error> for Error {
 
 impl From<ghost_oracle_reference::Error> for Error {
     fn from(e: ghost_oracle_reference::Error) -> Self {
-        Error::Input(e.message().to_string())
+        if e.is_internal() {
+            Error::Internal(e.message().to_string())
+        } else {
+            Error::Input(e.message().to_string())
+        }
     }
 }
 

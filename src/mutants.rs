@@ -106,7 +106,7 @@ fn per_example(t: &Tensor) -> Result<Vec<f64>> {
 fn dense(f: &Factor) -> Option<&Tensor> {
     match f {
         Factor::Dense(t) => Some(t),
-        _ => None,
+        Factor::OneHot { .. } | Factor::Ones { .. } => None,
     }
 }
 

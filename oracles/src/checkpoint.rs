@@ -74,11 +74,11 @@ pub(crate) fn read_checkpoint<P: ParamSet>(
     {
         let slots = params.tensors_mut();
         if slots.len() != layout.len() {
-            bail!(
+            return Err(Error::internal(format!(
                 "{label}: internal error: {} tensors laid out, {} allocated",
                 layout.len(),
                 slots.len()
-            );
+            )));
         }
         for ((name, _), (_, mut slot)) in layout.iter().zip(slots) {
             let t = tensors::to_f64(st, name, label)?;

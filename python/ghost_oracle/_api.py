@@ -39,10 +39,13 @@ def _warn_no_noise(sigma: float | None) -> None:
         warnings.warn("noise_multiplier 0: without noise DP-SGD gives no privacy (ε = ∞)", stacklevel=3)
 
 
-def _accounting(sampling_rate: object, steps: object, delta: object) -> dict:
+def _accounting(sampling_rate: object, steps: object, epochs: object, dataset_size: object,
+                delta: object) -> dict:
     return {
         "sampling_rate": _number("sampling_rate", sampling_rate),
         "steps": _count("steps", steps),
+        "epochs": _number("epochs", epochs),
+        "dataset_size": _count("dataset_size", dataset_size),
         "delta": _number("delta", delta),
     }
 
@@ -54,6 +57,8 @@ def check(
     precision: str | None = None,
     sampling_rate: float | None = None,
     steps: int | None = None,
+    epochs: float | None = None,
+    dataset_size: int | None = None,
     delta: float | None = None,
 ) -> Report:
     """Judges the per-example norms a clipper claimed in a trace file (`ghost-oracle check`).
@@ -66,6 +71,8 @@ def check(
             (default: the coarser of the stored factors' dtype and the trace's compute dtype).
         sampling_rate, steps, delta: the run the ε speaks of (Poisson sampling rate q, number of
             steps, δ); default: a typical fine-tuning run, q = 0.01, 1000 steps, δ = 1e-5.
+        epochs, dataset_size: the steps as epochs over a training set of N examples instead of
+            `steps` (give both, and not `steps`): steps = ⌈epochs × ⌈N / round(q·N)⌉⌉.
 
     Returns:
         a `Report` with one clipper and one case.
@@ -80,7 +87,7 @@ def check(
         raise TypeError(f"precision must be one of 'f64', 'f32', 'f16', 'bf16', got {precision!r}")
     _warn_no_noise(sigma)
     native = _native.check(os.fspath(trace), noise_multiplier=sigma, precision=precision,
-                           **_accounting(sampling_rate, steps, delta))
+                           **_accounting(sampling_rate, steps, epochs, dataset_size, delta))
     return Report(native)
 
 
@@ -95,6 +102,8 @@ def audit(
     reduction: str = "mean",
     sampling_rate: float | None = None,
     steps: int | None = None,
+    epochs: float | None = None,
+    dataset_size: int | None = None,
     delta: float | None = None,
 ) -> Report:
     """Audits clippers against the f64 reference (`ghost-oracle audit`): on the built-in suite
@@ -108,9 +117,10 @@ def audit(
         max_grad_norm: C. Default: each case's median true norm (the built-in suite also tries
             0.5× and 2× that).
         noise_multiplier: σ of the DP-SGD run.
-        dtype: the precision the clippers compute in, "f32" or "f64" (the reference is f64).
+        dtype: the precision the clippers compute in: "f64", "f32", "f16" or "bf16" (the
+            reference is f64; in f16 and bf16 the clippers accumulate in f32).
         reduction: how each example's loss is reduced over its tokens, "mean" or "sum".
-        sampling_rate, steps, delta: the run the ε speaks of (see `check`).
+        sampling_rate, steps, epochs, dataset_size, delta: the run the ε speaks of (see `check`).
 
     Raises:
         FileNotFoundError: the checkpoint or the batch does not exist.
@@ -129,7 +139,7 @@ def audit(
         noise_multiplier=1.0 if sigma is None else sigma,
         dtype=str(dtype),
         reduction=str(reduction),
-        **_accounting(sampling_rate, steps, delta),
+        **_accounting(sampling_rate, steps, epochs, dataset_size, delta),
     )
     return Report(native)
 
@@ -139,6 +149,8 @@ def mutants(
     dtype: str = "f32",
     sampling_rate: float | None = None,
     steps: int | None = None,
+    epochs: float | None = None,
+    dataset_size: int | None = None,
     delta: float | None = None,
 ) -> Report:
     """The kill matrix (`ghost-oracle mutants`): every seeded bug of a real DP library, and the
@@ -146,8 +158,11 @@ def mutants(
     matrix (its `mutant`, `reproduces`, `cells` and `problems` say how the matrix judged it);
     `passed` is true when every mutant is caught with the verdict it must get and no correct
     clipper is flagged. `to_json()` and `repr()` are the CLI's `--json` document and table.
+
+    `dtype` is the precision the clippers compute in ("f64", "f32", "f16" or "bf16"); the
+    accounting arguments are `check`'s.
     """
-    native = _native.mutants(dtype=str(dtype), **_accounting(sampling_rate, steps, delta))
+    native = _native.mutants(dtype=str(dtype), **_accounting(sampling_rate, steps, epochs, dataset_size, delta))
     return Report(native)
 
 

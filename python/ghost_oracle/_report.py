@@ -13,8 +13,13 @@ _SEVERITY = {v: k for k, v in enumerate(VERDICTS)}
 
 
 def _f(x: Any) -> float:
-    """A float; None (an undefined metric) as NaN."""
+    """A float; None (an undefined metric, or a NaN or infinite one: JSON has neither) as NaN."""
     return math.nan if x is None else float(x)
+
+
+def _epsilon(x: Any) -> float:
+    """An ε; None (no ε holds, written null in JSON) as +∞."""
+    return math.inf if x is None else float(x)
 
 
 def _array(xs: list, dtype: Any = np.float64) -> np.ndarray:
@@ -40,7 +45,7 @@ class Privacy:
     default_setting: bool
     #: The stated noise multiplier σ.
     noise_multiplier: float
-    #: ε at the stated σ.
+    #: ε at the stated σ; +inf without noise (σ = 0).
     stated_epsilon: float
     #: ε at σ_eff; +inf when a norm was invalid.
     actual_epsilon: float
@@ -58,6 +63,9 @@ class Privacy:
     sentence: str
     #: Where the numbers come from, as the CLI prints it.
     setting: str
+    #: When the overshoot above C is within the clipper's rounding bound (no privacy violation):
+    #: the precision whose rounding spent the extra privacy ("f64", "f32", "f16", "bf16").
+    rounding_at: str | None = None
 
     @classmethod
     def _from_native(cls, d: dict | None) -> Privacy | None:
@@ -69,9 +77,9 @@ class Privacy:
             delta=float(d["delta"]),
             default_setting=bool(d["default_setting"]),
             noise_multiplier=float(d["noise_multiplier"]),
-            stated_epsilon=float(d["stated_epsilon"]),
-            # No ε holds after an invalid norm: +∞.
-            actual_epsilon=math.inf if d["actual_epsilon"] is None else float(d["actual_epsilon"]),
+            # No ε holds without noise, nor after an invalid norm: +∞.
+            stated_epsilon=_epsilon(d["stated_epsilon"]),
+            actual_epsilon=_epsilon(d["actual_epsilon"]),
             worst_contribution=_f(d["worst_contribution"]),
             effective_noise_multiplier=_f(d["effective_noise_multiplier"]),
             sigma_needed=_f(d["sigma_needed"]),
@@ -79,6 +87,7 @@ class Privacy:
             order_at_grid_edge=bool(d["order_at_grid_edge"]),
             sentence=str(d["sentence"]),
             setting=str(d["setting"]),
+            rounding_at=None if d.get("rounding_at") is None else str(d["rounding_at"]),
         )
 
 
@@ -92,7 +101,8 @@ class CaseResult:
     max_grad_norm: float
     noise_multiplier: float
     #: The example that decided the verdict (largest clipped contribution for a privacy
-    #: violation, first invalid norm, else largest error in units of the bound).
+    #: violation, first invalid norm, loosest bound for cannot-judge, else largest error in
+    #: units of the bound).
     worst_example: int
     #: max over examples of c·n*/C: above 1 (beyond rounding) the DP guarantee fails at σ.
     max_sensitivity: float
@@ -108,6 +118,14 @@ class CaseResult:
     clipped_sum_cosine: float
     max_cross_share: float
     invalid_examples: tuple[int, ...]
+    #: Examples whose rounding bound is too loose to judge their norm (over a tenth of it): any
+    #: makes the verdict "cannot-judge" (unless a worse one holds).
+    unjudgeable_examples: tuple[int, ...]
+    #: The largest relative bound over the examples.
+    max_bound: float
+    #: Sequence length and widest factor of the trace: what makes a low-precision bound grow.
+    seq_len: int
+    widest_factor: int
     #: The largest clipped contribution rounding cannot explain, at least 1 (NaN: invalid norm).
     worst_contribution: float
     #: The per-example norms from the f64 reference.
@@ -128,6 +146,8 @@ class CaseResult:
     cross_share: np.ndarray = field(repr=False)
     flipped: np.ndarray = field(repr=False)
     invalid: np.ndarray = field(repr=False)
+    #: Whether each example's bound is tight enough to judge its norm.
+    judgeable: np.ndarray = field(repr=False)
 
     @property
     def passed(self) -> bool:
@@ -152,17 +172,22 @@ class CaseResult:
             max_grad_norm=float(d["max_grad_norm"]),
             noise_multiplier=float(d["noise_multiplier"]),
             worst_example=int(d["worst_example"]),
-            max_sensitivity=float(d["max_sensitivity_ratio"]),
-            effective_noise_multiplier=float(d["effective_noise_multiplier"]),
-            max_norm_rel_err=float(d["max_norm_rel_err"]),
-            max_err_units=float(d["max_err_units"]),
-            max_coef_abs_diff=float(d["max_coef_abs_diff"]),
+            # NaN after an invalid norm (null in the document).
+            max_sensitivity=_f(d["max_sensitivity_ratio"]),
+            effective_noise_multiplier=_f(d["effective_noise_multiplier"]),
+            max_norm_rel_err=_f(d["max_norm_rel_err"]),
+            max_err_units=_f(d["max_err_units"]),
+            max_coef_abs_diff=_f(d["max_coef_abs_diff"]),
             decision_flips=int(d["decision_flips"]),
             effective_noise_ratio=_f(d["effective_noise_ratio"]),
             reference_noise_ratio=_f(d["reference_noise_ratio"]),
             clipped_sum_cosine=_f(d["clipped_sum_cosine"]),
             max_cross_share=_f(d["max_cross_share"]),
             invalid_examples=tuple(int(i) for i in d["invalid_examples"]),
+            unjudgeable_examples=tuple(int(i) for i in d["unjudgeable_examples"]),
+            max_bound=_f(d["max_bound"]),
+            seq_len=int(d["seq_len"]),
+            widest_factor=int(d["widest_factor"]),
             worst_contribution=_f(d["worst_contribution"]),
             true_norms=column("true_norm"),
             claimed_norms=column("norm"),
@@ -175,6 +200,7 @@ class CaseResult:
             cross_share=column("cross_share"),
             flipped=column("flipped", bool),
             invalid=column("invalid", bool),
+            judgeable=column("judgeable", bool),
         )
 
 
@@ -234,7 +260,8 @@ class Report:
       "detection-check-failed");
     - `clippers`: a `ClipperResult` per clipper, each with its `CaseResult`s;
     - `true_norms`, `claimed_norms`, `coefficients`, `true_coefficients`, `sensitivity`,
-      `cross_share`: per-example NumPy arrays of the deciding case (the only case of a `check`);
+      `cross_share`, `judgeable`: per-example NumPy arrays of the deciding case (the only case
+      of a `check`), with its `unjudgeable_examples` and `max_bound`;
     - `privacy`: stated and actual ε of the deciding clipper;
     - `tied_parameters`: for a `check`, each parameter the trace's sites share, with its sites;
     - `to_json()`: the document the CLI writes with `--json`; `repr()`: the CLI's table;
@@ -318,6 +345,18 @@ class Report:
         return self.worst.cross_share
 
     @property
+    def judgeable(self) -> np.ndarray:
+        return self.worst.judgeable
+
+    @property
+    def unjudgeable_examples(self) -> tuple[int, ...]:
+        return self.worst.unjudgeable_examples
+
+    @property
+    def max_bound(self) -> float:
+        return self.worst.max_bound
+
+    @property
     def max_sensitivity(self) -> float:
         return self.worst.max_sensitivity
 
@@ -349,6 +388,8 @@ class Report:
             "pass": " (every claimed norm is within the rounding bound of the truth)",
             "utility-distortion": " (norms off beyond rounding, but no example's clipped contribution exceeds C: "
                                   "privacy holds, training signal is lost)",
+            "cannot-judge": " (the rounding bound at this precision is over a tenth of some norm: a claim that far "
+                            "off would pass too, so no norm of those examples can be judged right or wrong)",
             "privacy-violation": " (an example's clipped contribution exceeds C: the DP guarantee does not hold "
                                  "at the stated noise)",
             "invalid-norm": " (a NaN, infinite or negative norm or coefficient: the claim cannot be used)",
@@ -368,6 +409,10 @@ class Report:
                      f" (the largest over the batch: {k.max_sensitivity:.4f}·C; above 1·C the stated σ does not "
                      "buy the stated ε)")
         lines.append(f"  σ_eff = {k.effective_noise_multiplier:.4f} (stated σ = {k.noise_multiplier:g})")
+        if k.unjudgeable_examples:
+            lines.append(f"  cannot judge {len(k.unjudgeable_examples)} of {b} example(s) "
+                         f"({', '.join(map(str, k.unjudgeable_examples))}) at {self.dtype}: the loosest bound is "
+                         f"{_pct(k.max_bound)} of the norm (T = {k.seq_len}, widest factor {k.widest_factor})")
         p = c.privacy
         if p is not None:
             where = (f"δ = {p.delta:g}, q = {p.sampling_rate:g}, {p.steps} steps"

@@ -327,9 +327,18 @@ pub fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(Error::OutputClosed) => ExitCode::SUCCESS,
-        Err(e) => {
+        // Bad input: exit 2, the message names what to fix.
+        Err(e @ Error::Input(_)) => {
             eprintln!("error: {e}");
             ExitCode::from(2)
+        }
+        // Not the input's fault: a distinct status, so that a CI gate never reads it as a
+        // verdict or a bad flag.
+        Err(e @ Error::Internal(_)) => {
+            eprintln!(
+                "internal error: {e} (a bug in ghost-oracle: please report it with the input)"
+            );
+            ExitCode::from(3)
         }
     }
 }

@@ -224,7 +224,10 @@ pub(super) fn onehot_inner_cpu(l: &Factor, m: &Factor, w: &Tensor) -> Result<Opt
         }
         (Factor::OneHot { ids, size }, Factor::Dense(y)) => (ids_of(ids, *size)?, y, true),
         (Factor::Dense(x), Factor::OneHot { ids, size }) => (ids_of(ids, *size)?, x, false),
-        _ => return Ok(None),
+        // No one-hot side: not this kernel's product.
+        (Factor::Dense(_) | Factor::Ones { .. }, Factor::Dense(_) | Factor::Ones { .. })
+        | (Factor::OneHot { .. }, Factor::Ones { .. })
+        | (Factor::Ones { .. }, Factor::OneHot { .. }) => return Ok(None),
     };
     let (rows, n_ids) = if ids_first { (s, t) } else { (t, s) };
     let d = RowDims {

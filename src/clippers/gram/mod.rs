@@ -102,7 +102,9 @@ impl Factored {
         match (&self.left, &self.right) {
             // One-hot rows cost nothing in a Gram; a materialized table costs vocab × d memory.
             (Factor::OneHot { .. }, _) | (_, Factor::OneHot { .. }) => true,
-            _ => t * t * (p + q) < t * p * q,
+            (Factor::Dense(_) | Factor::Ones { .. }, Factor::Dense(_) | Factor::Ones { .. }) => {
+                t * t * (p + q) < t * p * q
+            }
         }
     }
 }
@@ -268,7 +270,12 @@ pub fn materialize(f: &Factored, i: usize, dtype: DType) -> Result<Tensor> {
                 .index_add(&row(ids)?, &r, 0)?
                 .to_dtype(dtype)?
         }
-        _ => return Err(Error::internal("materialize: unsupported factor pair")),
+        // No site kind writes these (kinds map to the three pairs above).
+        (Factor::Ones { .. }, Factor::Dense(_) | Factor::OneHot { .. } | Factor::Ones { .. })
+        | (Factor::OneHot { .. }, Factor::OneHot { .. } | Factor::Ones { .. })
+        | (Factor::Dense(_), Factor::OneHot { .. }) => {
+            return Err(Error::internal("materialize: unsupported factor pair"))
+        }
     })
 }
 
@@ -296,7 +303,11 @@ pub fn weighted_sum(f: &Factored, weights: &Tensor) -> Result<Tensor> {
                 .index_add(&ids.flatten_all()?, &src, 0)?
                 .to_dtype(r.dtype())?
         }
-        _ => return Err(Error::internal("weighted_sum: unsupported factor pair")),
+        (Factor::Ones { .. }, Factor::Dense(_) | Factor::OneHot { .. } | Factor::Ones { .. })
+        | (Factor::OneHot { .. }, Factor::OneHot { .. } | Factor::Ones { .. })
+        | (Factor::Dense(_), Factor::OneHot { .. }) => {
+            return Err(Error::internal("weighted_sum: unsupported factor pair"))
+        }
     })
 }
 
