@@ -12,6 +12,8 @@ def check(
     precision: str | None = None,
     sampling_rate: float | None = None,
     steps: int | None = None,
+    epochs: float | None = None,
+    dataset_size: int | None = None,
     delta: float | None = None,
 ) -> dict[str, Any]: ...
 def audit(
@@ -25,6 +27,8 @@ def audit(
     reduction: str = "mean",
     sampling_rate: float | None = None,
     steps: int | None = None,
+    epochs: float | None = None,
+    dataset_size: int | None = None,
     delta: float | None = None,
 ) -> dict[str, Any]: ...
 def mutants(
@@ -32,6 +36,8 @@ def mutants(
     dtype: str = "f32",
     sampling_rate: float | None = None,
     steps: int | None = None,
+    epochs: float | None = None,
+    dataset_size: int | None = None,
     delta: float | None = None,
 ) -> dict[str, Any]: ...
 def mutant_list() -> list[tuple[str, str]]: ...

@@ -100,6 +100,14 @@ def test_a_trace_whose_header_lies_is_refused(tmp_path):
     (dict(steps=2.5), TypeError, "steps must be an integer"),
     (dict(delta=0), ValueError, "delta: δ = 0 is outside (0, 1)"),
     (dict(delta=1.5), ValueError, "delta: δ = 1.5 is outside (0, 1)"),
+    (dict(epochs=-1, dataset_size=1000), ValueError, "epochs must be a positive number, got -1"),
+    (dict(epochs=math.nan, dataset_size=1000), ValueError, "epochs must be a positive number, got NaN"),
+    (dict(epochs="2", dataset_size=1000), TypeError, "epochs must be a number"),
+    (dict(epochs=2, dataset_size=0), ValueError, "dataset_size must be at least 1, got 0"),
+    (dict(epochs=2, dataset_size=1000.5), TypeError, "dataset_size must be an integer"),
+    (dict(epochs=2), ValueError, "dataset_size must be given with the epochs, got none"),
+    (dict(dataset_size=1000), ValueError, "epochs must be given with the dataset size, got none"),
+    (dict(steps=10, epochs=2, dataset_size=1000), ValueError, "epochs must be left out when the steps are given, got both"),
 ])
 def test_bad_check_arguments(kw, exc, text):
     with pytest.raises(exc) as e:
@@ -108,17 +116,20 @@ def test_bad_check_arguments(kw, exc, text):
 
 
 @pytest.mark.parametrize("kw, exc, text", [
-    (dict(clippers=["bogus"]), ValueError, "unknown clipper `bogus`; expected one of: materialize, ghost, ghost-tied"),
-    (dict(clippers=["mutant:bogus"]), ValueError, "unknown clipper `mutant:bogus`"),
+    (dict(clippers=["bogus"]), ValueError,
+     "clippers: unknown clipper `bogus`; expected one of: materialize, ghost, ghost-tied"),
+    (dict(clippers=["mutant:bogus"]), ValueError, "clippers: unknown clipper `mutant:bogus`"),
     (dict(max_grad_norm=0), ValueError, "max_grad_norm must be a positive number, got 0"),
     (dict(max_grad_norm=-1.5), ValueError, "max_grad_norm must be a positive number, got -1.5"),
     (dict(max_grad_norm=math.nan), ValueError, "max_grad_norm must be a positive number, got NaN"),
     (dict(noise_multiplier=-0.5), ValueError, "noise_multiplier must be a non-negative number, got -0.5"),
-    (dict(dtype="f16"), ValueError, 'dtype must be "f32" or "f64"'),
+    (dict(dtype="f8"), ValueError, 'dtype must be one of f64, f32, f16, bf16, got "f8"'),
     (dict(reduction="max"), ValueError, 'reduction must be "mean" or "sum"'),
     (dict(model=CASE), ValueError, "model needs batch"),
     (dict(batch=CASE / "batch.safetensors"), ValueError, "batch needs model"),
     (dict(steps=0), ValueError, "steps must be a positive number"),
+    (dict(epochs=0, dataset_size=1000), ValueError, "epochs must be a positive number, got 0"),
+    (dict(epochs=1, dataset_size=-3), ValueError, "dataset_size must be at least 1, got -3"),
 ])
 def test_bad_audit_arguments(kw, exc, text):
     with pytest.raises(exc) as e:
@@ -127,10 +138,14 @@ def test_bad_audit_arguments(kw, exc, text):
 
 
 def test_bad_mutants_arguments():
-    with pytest.raises(ValueError, match='dtype must be "f32" or "f64"'):
-        ghost_oracle.mutants(dtype="bf16")
+    with pytest.raises(ValueError, match='^dtype must be one of f64, f32, f16, bf16, got "f8"$'):
+        ghost_oracle.mutants(dtype="f8")
     with pytest.raises(ValueError, match="delta"):
         ghost_oracle.mutants(delta=2)
+    with pytest.raises(ValueError, match="^epochs must be a positive number, got -2$"):
+        ghost_oracle.mutants(epochs=-2, dataset_size=1000)
+    with pytest.raises(ValueError, match="^dataset_size must be given with the epochs, got none$"):
+        ghost_oracle.mutants(epochs=2)
 
 
 def test_audit_with_missing_or_bad_files(tmp_path, garbage):
