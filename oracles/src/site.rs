@@ -1,43 +1,46 @@
 //! What a site is: one use of a parameter, of one kind, whose factors a ghost clipper reads, and
 //! the shape of the gradient it writes.
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum SiteKind {
+/// The site kinds, from one table: variant, the name traces use, and what it computes. The enum,
+/// `ALL`, `name` and `parse` are generated from it, so a new kind cannot be left out of the
+/// parser.
+macro_rules! site_kinds {
+    ($($(#[$doc:meta])* $variant:ident => $name:literal,)+) => {
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum SiteKind {
+            $($(#[$doc])* $variant,)+
+        }
+
+        impl SiteKind {
+            pub const ALL: &'static [SiteKind] = &[$(SiteKind::$variant,)+];
+
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(SiteKind::$variant => $name,)+
+                }
+            }
+
+            pub fn parse(s: &str) -> Option<Self> {
+                SiteKind::ALL.iter().copied().find(|k| k.name() == s)
+            }
+        }
+    };
+}
+
+site_kinds! {
     /// `y = W a`, W out×in (nn.Linear).
-    Linear,
+    Linear => "linear",
     /// `y = a W`, W in×out (HF Conv1D).
-    Conv1d,
+    Conv1d => "conv1d",
     /// `y_t = E[x_t]`.
-    Embedding,
+    Embedding => "embedding",
     /// `y = x + b`.
-    Bias,
+    Bias => "bias",
     /// The weight of a LayerNorm: `y = x̂ ⊙ w`.
-    LayerNorm,
+    LayerNorm => "layernorm",
 }
 
 impl SiteKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            SiteKind::Linear => "linear",
-            SiteKind::Conv1d => "conv1d",
-            SiteKind::Embedding => "embedding",
-            SiteKind::Bias => "bias",
-            SiteKind::LayerNorm => "layernorm",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        [
-            SiteKind::Linear,
-            SiteKind::Conv1d,
-            SiteKind::Embedding,
-            SiteKind::Bias,
-            SiteKind::LayerNorm,
-        ]
-        .into_iter()
-        .find(|k| k.name() == s)
-    }
-
     /// Whether the site's factors include its input (`<name>.activations`; for a layernorm the
     /// normalized input x̂).
     pub fn needs_activations(self) -> bool {

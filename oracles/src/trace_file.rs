@@ -195,7 +195,8 @@ fn parse_specs(text: &str, label: &str) -> Result<Vec<(SiteSpec, Option<Precisio
             let kind_s = field("kind").ok_or_else(|| Error::new(format!("{label}: site `{name}` has no string `kind`")))?;
             let kind = SiteKind::parse(&kind_s).ok_or_else(|| {
                 Error::new(format!(
-                    "{label}: site `{name}` has unknown kind `{kind_s}`; expected linear, conv1d, embedding, bias or layernorm"
+                    "{label}: site `{name}` has unknown kind `{kind_s}`; expected one of {}",
+                    SiteKind::ALL.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
                 ))
             })?;
             let vocab = match s.get("vocab") {
