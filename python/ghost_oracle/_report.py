@@ -63,8 +63,9 @@ class Privacy:
     sentence: str
     #: Where the numbers come from, as the CLI prints it.
     setting: str
-    #: When the overshoot above C is within the clipper's rounding bound (no privacy violation):
-    #: the precision whose rounding spent the extra privacy ("f64", "f32", "f16", "bf16").
+    #: When the verdict is no privacy violation, so that any overshoot above C is within the
+    #: clipper's rounding bound: the precision whose rounding spent the extra privacy ("f64",
+    #: "f32", "f16" or "bf16"); None after a privacy violation.
     rounding_at: str | None = None
 
     @classmethod

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 from conftest import REPO, TRACES
+from safetensors.numpy import load_file, save_file
 
 import ghost_oracle
 
@@ -28,11 +29,13 @@ def test_golden_trace_verdicts(path):
         assert report.verdict == "privacy-violation"
         assert report.max_sensitivity > 1
         assert report.privacy.actual_epsilon > report.privacy.stated_epsilon
+        assert report.privacy.rounding_at is None
     else:
         assert report.passed, report.explain()
         assert report.verdict == "pass"
         assert report.max_sensitivity <= 1 + 1e-6
         assert report.privacy.actual_epsilon == pytest.approx(report.privacy.stated_epsilon)
+        assert report.privacy.rounding_at == report.dtype
 
 
 def test_the_untied_workaround_is_flagged_with_its_tied_parameter():
@@ -99,6 +102,114 @@ def test_accounting_arguments_reach_the_privacy_report():
     assert "ε" in mine.sentence
 
 
+def cli_steps(epochs, dataset_size, sampling_rate):
+    """The steps `ghost-oracle --epochs E --dataset-size N --sampling-rate q` accounts for:
+    ⌈E × ⌈N / round(q·N)⌉⌉."""
+    return math.ceil(epochs * math.ceil(dataset_size / max(1, round(sampling_rate * dataset_size))))
+
+
+def test_epochs_over_a_dataset_size_give_the_clis_steps():
+    path = TRACES / "opacus_ghost_untied.safetensors"
+    # q·N = 37.035: a batch of 37, ⌈12345 / 37⌉ = 334 steps an epoch, 2.5 epochs ⌈835⌉
+    assert cli_steps(2.5, 12345, 0.003) == 835
+    p = ghost_oracle.check(path, sampling_rate=0.003, epochs=2.5, dataset_size=12345, delta=1e-6).privacy
+    assert (p.sampling_rate, p.steps, p.delta) == (0.003, 835, 1e-6) and not p.default_setting
+    assert p == ghost_oracle.check(path, sampling_rate=0.003, steps=835, delta=1e-6).privacy
+    # epochs and dataset_size alone: the typical q = 0.01, a batch of 10 out of 1000
+    p = ghost_oracle.check(path, epochs=3, dataset_size=1000).privacy
+    assert p.steps == cli_steps(3, 1000, 0.01) == 300 and not p.default_setting
+
+
+def test_audit_and_mutants_take_epochs():
+    case = REPO / "oracles" / "golden" / "cases" / "tied_l1_h2_t2"
+    report = ghost_oracle.audit(case, case / "batch.safetensors", clippers=["ghost-tied", "ghost"],
+                                sampling_rate=0.02, epochs=3, dataset_size=777)
+    assert {c.privacy.steps for c in report.clippers} == {cli_steps(3, 777, 0.02)} == {147}
+    matrix = ghost_oracle.mutants(sampling_rate=0.01, epochs=2, dataset_size=1000)
+    assert matrix.passed
+    assert {(c.privacy.sampling_rate, c.privacy.steps) for c in matrix.clippers} == {(0.01, cli_steps(2, 1000, 0.01))}
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_audit_in_half_precision(dtype):
+    case = REPO / "oracles" / "golden" / "cases" / "tied_l1_h2_t2"
+    report = ghost_oracle.audit(case, case / "batch.safetensors", clippers=["ghost-tied", "materialize"], dtype=dtype)
+    assert report.dtype == dtype and report.passed, report.explain()
+    f32 = ghost_oracle.audit(case, case / "batch.safetensors", clippers=["ghost-tied"])
+    assert report.max_bound > 10 * f32.max_bound  # the bound of a coarser arithmetic
+    assert report.judgeable.all() and report.unjudgeable_examples == ()
+
+
+def with_tiny_example(dst, scale, example=0):
+    """opacus_per_sample.safetensors with one example's backprops (so its gradient) and its
+    claimed norm scaled by `scale`: the claim stays exact."""
+    tensors = load_file(str(TRACES / "opacus_per_sample.safetensors"))
+    with open(TRACES / "opacus_per_sample.safetensors", "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(n))["__metadata__"]
+    for k, v in tensors.items():
+        if k.endswith(".backprops"):
+            v[example] *= v.dtype.type(scale)
+    tensors["claimed.norms"] = tensors["claimed.norms"].astype(np.float64)
+    tensors["claimed.norms"][example] *= scale
+    tensors.pop("claimed.coefficients", None)
+    save_file(tensors, str(dst), metadata=meta)
+    return dst
+
+
+def test_a_bound_too_loose_to_judge_is_cannot_judge(tmp_path):
+    # An example whose gradient entries lie near f16's subnormals: at f16 its rounding bound is
+    # over a tenth of its norm, and an exact claim cannot be told from a wrong one.
+    path = with_tiny_example(tmp_path / "tiny.safetensors", 2.0 ** -8)
+    assert ghost_oracle.check(path).passed  # at the trace's f32: every example judged
+    report = ghost_oracle.check(path, precision="f16")
+    assert report.verdict == "cannot-judge" and not report.passed
+    k = report.worst
+    assert k.verdict == "cannot-judge" and k.worst_example == 0
+    assert k.unjudgeable_examples == report.unjudgeable_examples == (0,)
+    assert isinstance(k.judgeable, np.ndarray) and k.judgeable.dtype == bool and not k.judgeable.flags.writeable
+    assert k.judgeable.tolist() == [False, True, True, True]
+    assert k.max_bound == report.max_bound == k.bound.max() == k.bound[0] > 0.1
+    assert (k.bound[1:] <= 0.1).all()
+    np.testing.assert_allclose(k.claimed_norms, k.true_norms, rtol=1e-6)  # the claim is right, yet not a pass
+    assert (k.seq_len, k.widest_factor) == (12, 48)
+    text = report.explain()
+    assert text.startswith("ghost-oracle: clipper `opacus-grad-sample`: cannot-judge (")
+    assert "cannot judge 1 of 4 example(s) (0) at f16" in text
+    assert "CANNOT-JUDGE" in repr(report)
+    doc = json.loads(report.to_json())
+    assert doc["verdicts"] == {"opacus-grad-sample": "cannot-judge"}
+    assert [e["judgeable"] for e in doc["clippers"][0]["cases"][0]["examples"]] == k.judgeable.tolist()
+
+
+def test_verdicts_are_ordered_by_severity():
+    assert ghost_oracle.VERDICTS == ("pass", "utility-distortion", "cannot-judge", "privacy-violation",
+                                     "invalid-norm")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_an_invalid_claimed_norm_is_invalid_norm(tmp_path, bad):
+    tensors = load_file(str(TRACES / "opacus_per_sample.safetensors"))
+    with open(TRACES / "opacus_per_sample.safetensors", "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(n))["__metadata__"]
+    tensors["claimed.norms"] = tensors["claimed.norms"].astype(np.float64)
+    tensors["claimed.norms"][1] = bad
+    tensors.pop("claimed.coefficients", None)
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
+    report = ghost_oracle.check(tmp_path / "bad.safetensors")
+    assert report.verdict == "invalid-norm" and not report.passed
+    k = report.worst
+    assert k.invalid_examples == (1,) and k.worst_example == 1 and k.invalid.tolist() == [False, True, False, False]
+    assert math.isinf(report.privacy.actual_epsilon) and math.isfinite(report.privacy.stated_epsilon)
+    assert math.isnan(report.privacy.worst_contribution)
+    if bad == -1.0:
+        assert k.claimed_norms[1] == -1.0
+    else:  # a NaN or infinite norm: its error is undefined
+        assert not math.isfinite(k.claimed_norms[1]) and math.isnan(k.max_norm_rel_err)
+    assert "invalid-norm (a NaN, infinite or negative norm" in report.explain()
+
+
 def test_precision_override():
     path = TRACES / "families" / "gpt2.safetensors"
     assert ghost_oracle.check(path).dtype == "f64"
@@ -110,7 +221,8 @@ def test_precision_override():
 def test_noise_multiplier_zero_warns_and_reports_infinite_epsilon():
     with pytest.warns(UserWarning, match="no privacy"):
         report = ghost_oracle.check(TRACES / "opacus_per_sample.safetensors", noise_multiplier=0)
-    assert math.isinf(report.privacy.stated_epsilon)
+    assert math.isinf(report.privacy.stated_epsilon) and math.isinf(report.privacy.actual_epsilon)
+    assert report.passed
 
 
 def test_audit_builtin_suite_flags_standard_ghost_clipping():
