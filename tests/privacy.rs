@@ -215,3 +215,65 @@ fn bad_accounting_flags_are_named() {
         &["--epochs"],
     );
 }
+
+/// The privacy sentence in each situation, built from the accountant's own ε: no overshoot, an
+/// overshoot within rounding (named by precision), a real one (with the σ that would fix it),
+/// no noise at all, and an invalid norm.
+#[test]
+fn the_privacy_sentence_says_what_the_overshoot_costs() {
+    use ghost_oracle::judge::PrivacyReport;
+    use ghost_oracle::{Accounting, Precision};
+    let run = Accounting::typical();
+    let at = |sigma: f64| {
+        epsilon(0.01, sigma, 1000, 1e-5, &default_orders())
+            .unwrap()
+            .epsilon
+    };
+    let say = |sigma, s, rounding| {
+        PrivacyReport::new(&run, sigma, s, rounding)
+            .unwrap()
+            .sentence()
+    };
+
+    let none = say(1.0, Some(0.98), Some(Precision::F32));
+    assert!(none.contains("no clipped contribution above C"), "{none}");
+
+    let rounding = PrivacyReport::new(&run, 1.0, Some(1.0015), Some(Precision::BF16)).unwrap();
+    assert_eq!(rounding.actual(), at(1.0 / 1.0015));
+    let text = rounding.sentence();
+    assert!(
+        text.contains("bf16 rounding lets clipped contributions reach 1.0015·C")
+            && text.contains(&format!(
+                "the run is ε = {:.2}, not {:.2}",
+                at(1.0 / 1.0015),
+                at(1.0)
+            ))
+            && text.contains("clip at C/1.0015 or take the norms in f32"),
+        "{text}"
+    );
+
+    let tiny = say(1.0, Some(1.0 + 3e-8), Some(Precision::F32));
+    assert!(
+        tiny.contains("reach (1 + 3.0e-8)·C, which raises ε by"),
+        "{tiny}"
+    );
+
+    let real = say(1.0, Some(1.02), None);
+    assert!(
+        real.contains("with clipped contributions up to 1.0200·C")
+            && real.contains("σ = 1.0200 would keep"),
+        "{real}"
+    );
+
+    let no_noise = say(0.0, Some(1.001), Some(Precision::F32));
+    assert!(
+        no_noise.contains("without noise DP-SGD gives no privacy") && !no_noise.contains("NaN"),
+        "{no_noise}"
+    );
+
+    let invalid = say(1.0, None, None);
+    assert!(
+        invalid.contains("with invalid norms no ε holds"),
+        "{invalid}"
+    );
+}

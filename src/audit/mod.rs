@@ -322,7 +322,10 @@ impl ClipperAudit {
             .map(|c| c.worst_contribution)
             .try_fold(1.0_f64, |acc, s| s.map(|s| acc.max(s)));
         // Below a privacy violation, any overshoot of C is within the rounding bound.
-        let rounding_at = (verdict != Verdict::PrivacyViolation).then_some(precision);
+        let rounding_at = match verdict {
+            Verdict::Pass | Verdict::UtilityDistortion | Verdict::CannotJudge => Some(precision),
+            Verdict::PrivacyViolation | Verdict::InvalidNorm => None,
+        };
         let privacy = PrivacyReport::new(
             accounting,
             noise_multiplier.get(),

@@ -23,8 +23,9 @@ pub struct PrivacyReport {
     /// The largest clipped contribution max c·n*/C over every case, at least 1 (`null` when a
     /// norm was invalid): what the ε is computed from, whatever the verdict.
     pub worst_contribution: Option<f64>,
-    /// Set when the overshoot above C is within the clipper's rounding bound (its verdict is no
-    /// privacy violation): the precision whose rounding spent the extra privacy.
+    /// Set when any overshoot above C is within the clipper's rounding bound (its verdict is
+    /// neither a privacy violation nor an invalid norm): the precision whose rounding would
+    /// spend the extra privacy. Used only where the worst contribution exceeds 1.
     pub rounding_at: Option<Precision>,
     /// σ / max(1, worst contribution).
     pub effective_noise_multiplier: Option<f64>,
@@ -95,6 +96,10 @@ impl PrivacyReport {
         match (self.worst_contribution, self.actual_epsilon) {
             (None, _) | (_, None) => {
                 format!("{stated}; with invalid norms no ε holds (the run is ε = ∞)")
+            }
+            // Without noise there is no ε to spend: no overshoot changes that.
+            (Some(_), Some(_)) if !self.stated_epsilon.is_finite() => {
+                format!("{stated}; without noise DP-SGD gives no privacy (the run is ε = ∞)")
             }
             (Some(s), Some(actual)) if s > 1.0 => match self.rounding_at {
                 // Too small an overshoot to show in ε's two decimals: say by how much.
