@@ -13,4 +13,5 @@ mod precision;
 mod privacy;
 mod properties;
 mod report;
+mod step;
 mod traces;

@@ -215,6 +215,7 @@ fn the_cannot_judge_line_names_the_precision_the_shape_and_the_remedy() {
         compute_dtype: Some(Precision::BF16),
         site_compute_dtypes: Vec::new(),
         site_dtypes: Vec::new(),
+        step: None,
     };
     write_trace(&path, &rt, &meta).unwrap();
     let o = run(&["check", "--gate", path.to_str().unwrap()]);

@@ -119,6 +119,7 @@ proptest! {
                 .map(|j| (j % 2 == 1).then_some(Precision::BF16))
                 .collect(),
             site_dtypes: vec![Precision::F64; t.sites.len()],
+            step: None,
         };
         let path = tmp("roundtrip").join("t.safetensors");
         write_trace(&path, &t, &meta).unwrap();
@@ -157,6 +158,7 @@ fn valid_raw() -> RawTrace {
         compute_dtype: None,
         site_compute_dtypes: Vec::new(),
         site_dtypes: Vec::new(),
+        step: None,
     };
     let path = tmp("valid-raw").join("t.safetensors");
     write_trace(&path, &t, &meta).unwrap();

@@ -80,5 +80,7 @@ pub use rng::SplitMix64;
 pub use safetensors::Dtype;
 pub use site::{SiteKind, SiteSpec};
 pub use trace::{Site, Trace};
-pub use trace_file::{read_trace, read_trace_bytes, write_trace, TraceMeta};
+pub use trace_file::{
+    read_trace, read_trace_bytes, write_trace, Clipping, ParamValues, StepClaim, TraceMeta,
+};
 pub use trace_shape::{validate_shapes, IdAt, SiteShape};

@@ -51,6 +51,58 @@ pub struct TraceMeta {
     /// Per site, the coarsest format its factor tensors are stored in (read from the file;
     /// `write_trace` stores every site in `dtype`).
     pub site_dtypes: Vec<Precision>,
+    /// The DP-SGD step the library took, when the trace carries it.
+    pub step: Option<StepClaim>,
+}
+
+/// How a clipping coefficient is formed from a norm n: flat clipping min(1, C/(n + γ)), or
+/// automatic clipping C/(n + γ) (fastDP's default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Clipping {
+    Flat,
+    Automatic,
+}
+
+impl Clipping {
+    pub fn name(self) -> &'static str {
+        match self {
+            Clipping::Flat => "flat",
+            Clipping::Automatic => "automatic",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        [Clipping::Flat, Clipping::Automatic]
+            .into_iter()
+            .find(|c| c.name() == s)
+    }
+
+    /// The coefficient of a norm n at clipping norm C and stabilizer γ.
+    pub fn coefficient(self, norm: f64, max_grad_norm: f64, stabilizer: f64) -> f64 {
+        let c = max_grad_norm / (norm + stabilizer);
+        match self {
+            Clipping::Flat => c.min(1.0),
+            Clipping::Automatic => c,
+        }
+    }
+}
+
+/// One value per entry of each parameter, in the trace's first-use order, row-major in the
+/// parameter's layout.
+pub type ParamValues = Vec<(String, Vec<f64>)>;
+
+/// A library's DP-SGD step over the trace's (logical) batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepClaim {
+    /// `claimed.clipped_sum.<param>`: Σ_i c_i g_i before noise, as the library holds it.
+    pub clipped_sum: Option<ParamValues>,
+    /// `claimed.update.<param>`: the noisy sum divided by `batch_divisor`.
+    pub update: Option<ParamValues>,
+    /// What the library says it divides the noisy sum by (required with `update`).
+    pub batch_divisor: Option<f64>,
+    /// γ in the coefficient (`clip_stabilizer`; Opacus uses 1e-6).
+    pub clip_stabilizer: f64,
+    pub clipping: Clipping,
 }
 
 impl TraceMeta {
@@ -248,6 +300,7 @@ pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)>
     let trace = Trace { sites };
     let (claimed_norms, claimed_coefficients) =
         read_claims(&st, trace.batch_size(), label, &mut expected)?;
+    let step = read_step(&st, &meta, &trace, label, &mut expected)?;
     for name in st.names() {
         if !expected.contains(name) {
             bail!("{label}: unexpected tensor `{name}` (no site in `__metadata__.sites` reads it)");
@@ -267,6 +320,7 @@ pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)>
         compute_dtype: header.compute_dtype,
         site_compute_dtypes: header.site_compute_dtypes,
         site_dtypes,
+        step,
     };
     Ok((trace, meta))
 }
@@ -480,6 +534,84 @@ fn read_claims(
     Ok((norms, coefficients))
 }
 
+/// The step keys: `claimed.clipped_sum.<param>` and `claimed.update.<param>` for every
+/// parameter or none, each with the parameter's number of values, and the header's
+/// `batch_divisor`, `clip_stabilizer` and `clipping`. Values may be NaN or infinite: that is the
+/// library's defect, judged as a verdict.
+fn read_step(
+    st: &SafeTensors,
+    meta: &HashMap<String, String>,
+    trace: &Trace,
+    label: &str,
+    expected: &mut HashSet<String>,
+) -> Result<Option<StepClaim>> {
+    let params = trace.params();
+    let mut sums = |prefix: &str| -> Result<Option<ParamValues>> {
+        let names: Vec<&str> = st
+            .names()
+            .into_iter()
+            .filter_map(|n| n.strip_prefix(prefix))
+            .collect();
+        if names.is_empty() {
+            return Ok(None);
+        }
+        for n in &names {
+            if !params.iter().any(|(p, _)| p == n) {
+                bail!("{label}: tensor `{prefix}{n}` names no parameter of the trace's sites");
+            }
+        }
+        params
+            .iter()
+            .map(|(p, js)| {
+                let name = format!("{prefix}{p}");
+                if !has(st, &name) {
+                    bail!("{label}: tensor `{name}` is missing: `{prefix}*` must cover every parameter");
+                }
+                expected.insert(name.clone());
+                let (rows, cols) = trace.site_gradient_shape(js[0]);
+                let v = tensors::to_f64_unchecked(st, &name, label)?;
+                if v.len() != rows * cols {
+                    bail!(
+                        "{label}: `{name}` has {} values; parameter `{p}` has {rows}×{cols}",
+                        v.len()
+                    );
+                }
+                Ok((p.clone(), v.iter().copied().collect()))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    };
+    let clipped_sum = sums("claimed.clipped_sum.")?;
+    let update = sums("claimed.update.")?;
+    let number = |key: &str| meta.get(key).map(|s| positive(s, key, label)).transpose();
+    let batch_divisor = number("batch_divisor")?;
+    if batch_divisor == Some(0.0) {
+        bail!("{label}: `__metadata__.batch_divisor` must be positive");
+    }
+    if update.is_some() && batch_divisor.is_none() {
+        bail!("{label}: `claimed.update.*` needs `__metadata__.batch_divisor`, the number the library divides the noisy sum by");
+    }
+    let clip_stabilizer = number("clip_stabilizer")?.unwrap_or(0.0);
+    let clipping = match meta.get("clipping") {
+        None => Clipping::Flat,
+        Some(s) => Clipping::parse(s).ok_or_else(|| {
+            Error::new(format!(
+                "{label}: `__metadata__.clipping` is {s:?}; expected \"flat\" or \"automatic\""
+            ))
+        })?,
+    };
+    if clipped_sum.is_none() && update.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(StepClaim {
+        clipped_sum,
+        update,
+        batch_divisor,
+        clip_stabilizer,
+        clipping,
+    }))
+}
+
 /// The less precise of the formats seen so far and another (a trace is only as accurate as its
 /// coarsest factor).
 fn coarser(a: Option<Precision>, b: Precision) -> Precision {
@@ -554,6 +686,28 @@ pub fn write_trace(path: &Path, trace: &Trace, meta: &TraceMeta) -> Result<()> {
             "claimed.coefficients".to_string(),
             RawTensor::from_f64(&c.view(), Precision::F64),
         ));
+    }
+    if let Some(step) = &meta.step {
+        for (prefix, sums) in [
+            ("claimed.clipped_sum.", &step.clipped_sum),
+            ("claimed.update.", &step.update),
+        ] {
+            for (p, v) in sums.iter().flatten() {
+                let v = Array1::from(v.clone()).into_dyn();
+                raw.push((
+                    format!("{prefix}{p}"),
+                    RawTensor::from_f64(&v.view(), Precision::F64),
+                ));
+            }
+        }
+        if let Some(d) = step.batch_divisor {
+            m.insert("batch_divisor".to_string(), format!("{d:e}"));
+        }
+        m.insert(
+            "clip_stabilizer".to_string(),
+            format!("{:e}", step.clip_stabilizer),
+        );
+        m.insert("clipping".to_string(), step.clipping.name().to_string());
     }
     write_raw(path, &raw, Some(m))
 }

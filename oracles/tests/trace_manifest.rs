@@ -89,6 +89,7 @@ fn meta(compute_dtype: Option<Precision>) -> TraceMeta {
         compute_dtype,
         site_compute_dtypes: Vec::new(),
         site_dtypes: Vec::new(),
+        step: None,
     }
 }
 
@@ -173,6 +174,7 @@ fn compute_dtype_round_trips_and_unknown_values_are_refused() {
         assert_eq!(
             TraceMeta {
                 site_dtypes: Vec::new(),
+                step: None,
                 site_compute_dtypes: Vec::new(),
                 ..back
             },

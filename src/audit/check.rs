@@ -3,10 +3,11 @@
 
 use super::ClipperAudit;
 use crate::error::{Error, Result};
-use crate::judge::{Arithmetic, Claim, Judge};
+use crate::judge::{evaluate_step, Arithmetic, Claim, Judge, Verdict};
 use crate::options::{Accounting, ClipNorm, NoiseMultiplier};
 use crate::trace::Precision;
 use ghost_oracle_reference as reference;
+use ghost_oracle_reference::Clipping;
 use std::path::Path;
 
 /// How a trace is judged.
@@ -70,7 +71,35 @@ pub fn check_trace(path: &Path, opts: &CheckOptions) -> Result<ClipperAudit> {
     let case = path
         .file_name()
         .map_or("trace".into(), |n| n.to_string_lossy().into_owned());
-    let metrics = judge.evaluate_at(case.as_str(), &claim, c, sigma, &arithmetic)?;
+    let mut metrics = judge.evaluate_at(case.as_str(), &claim, c, sigma, &arithmetic)?;
+    if let Some(step) = &meta.step {
+        if step.clipping == Clipping::Automatic {
+            return Err(Error::input(format!(
+                "{}: `__metadata__.clipping` is \"automatic\": this version judges flat clipping, min(1, C/(n + γ)), only",
+                path.display()
+            )));
+        }
+        let s = evaluate_step(
+            &judge.truth,
+            &judge.tolerance,
+            &metrics,
+            step,
+            c,
+            sigma,
+            &arithmetic,
+        )?;
+        metrics.verdict = metrics.verdict.max(s.verdict);
+        // A step that is off spends privacy by the contributions it implies.
+        if s.verdict != Verdict::Pass {
+            let implied = [&s.clipped_sum, &s.update]
+                .into_iter()
+                .flatten()
+                .map(|x| x.implied_sensitivity)
+                .fold(1.0, f64::max);
+            metrics.worst_contribution = metrics.worst_contribution.map(|w| w.max(implied));
+        }
+        metrics.step = Some(s);
+    }
     ClipperAudit::new(
         meta.clipper.clone().unwrap_or_else(|| "claimed".into()),
         vec![metrics],

@@ -112,6 +112,9 @@ pub struct CaseMetrics {
     /// `max_sensitivity_ratio` otherwise.
     pub worst_contribution: Option<f64>,
     pub examples: Vec<ExampleMetrics>,
+    /// The DP-SGD step, when the trace carries one; its verdict is folded into `verdict`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<super::step::StepMetrics>,
 }
 
 fn quad(k: &[Vec<f64>], a: &[f64], b: &[f64]) -> f64 {
@@ -286,6 +289,7 @@ pub fn evaluate(
         widest_factor: tolerance.widest_factor,
         worst_contribution,
         examples,
+        step: None,
     })
 }
 

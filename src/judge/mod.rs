@@ -8,6 +8,7 @@
 
 mod metrics;
 mod privacy;
+mod step;
 mod tolerance;
 mod truth;
 mod verdict;
@@ -15,6 +16,7 @@ mod verdict;
 pub(crate) use metrics::nan_max;
 pub use metrics::{evaluate, CaseLabel, CaseMetrics, Claim, ExampleMetrics};
 pub use privacy::PrivacyReport;
+pub use step::{evaluate_step, StepMetrics, SumCheck};
 pub use tolerance::{Arithmetic, Precision, Tolerance, JUDGEABLE_BOUND};
 pub use truth::Truth;
 pub use verdict::Verdict;

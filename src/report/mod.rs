@@ -8,7 +8,7 @@ pub(crate) use html::{audit_sections, page, verdict_colour};
 pub use kill_matrix::{kill_matrix_html, kill_matrix_json, kill_matrix_table};
 
 use crate::audit::ClipperAudit;
-use crate::judge::{nan_max, CaseMetrics, Verdict};
+use crate::judge::{nan_max, CaseMetrics, StepMetrics, Verdict};
 use ghost_oracle_reference::Reference;
 use serde_json::{json, Value};
 use std::fmt::Write;
@@ -149,6 +149,11 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
                 e.sensitivity
             );
         }
+        for c in &a.cases {
+            if let Some(step) = &c.step {
+                s.push_str(&step_lines(&c.case, step));
+            }
+        }
         for w in &a.warnings {
             let _ = writeln!(s, "  warning: {w}");
         }
@@ -171,6 +176,42 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
          2x/n² = largest share of a norm² that is the tied cross term; n/a = undefined (a zero sum or norm)."
     );
     s.push_str(&summary(audits));
+    s
+}
+
+/// The step's checks of a case, a line each.
+fn step_lines(case: &str, step: &StepMetrics) -> String {
+    let mut s = String::new();
+    for check in [&step.clipped_sum, &step.update].into_iter().flatten() {
+        let dropped: Vec<usize> = (0..check.implied_coefficients.len())
+            .filter(|&i| check.implied_coefficients[i].abs() < 0.5 * step.true_coefficients[i])
+            .collect();
+        let _ = writeln!(
+            s,
+            "  step ({case}): {} {}: off by {} of S* (bound {}), worst parameter `{}` ({}); scale {}; implied contributions up to {:.4}·C; unexplained {}{}{}",
+            check.what,
+            check.verdict.name(),
+            check.rel_err.map_or("n/a".into(), sci),
+            check.bound.map_or("n/a".into(), sci),
+            check.worst_param,
+            check.worst_param_rel_err.map_or("n/a".into(), sci),
+            fixed(check.scale, 4),
+            check.implied_sensitivity,
+            check.unexplained.map_or("n/a".into(), sci),
+            if dropped.is_empty() || check.verdict == Verdict::Pass {
+                String::new()
+            } else {
+                format!("; examples {dropped:?} are missing from it (their implied coefficients are under half the true ones)")
+            },
+            if check.singular { "; the batch's Gram is singular (minimum-norm coefficients)" } else { "" }
+        );
+    }
+    if step.update_not_judged {
+        let _ = writeln!(
+            s,
+            "  step ({case}): the update is under noise (σ > 0): its noise is not judged by this version; the clipped sum is"
+        );
+    }
     s
 }
 

@@ -63,6 +63,7 @@ pub fn write_claimed_trace(
         compute_dtype: Some(dtype),
         site_compute_dtypes: Vec::new(),
         site_dtypes: Vec::new(),
+        step: None,
     };
     Ok(reference::write_trace(path, &trace.to_reference()?, &meta)?)
 }

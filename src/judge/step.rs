@@ -1,0 +1,345 @@
+//! The DP-SGD step a library applies, judged against the true per-example gradients
+//! (docs/tolerances.md, "The step"): its clipped sum before noise, and, without noise, its update
+//! times the divisor it states. Both are compared with S* = Σ_i c*_i g_i*, the exact clipped sum,
+//! rebuilt from the reference's f64 factors a block of rows at a time; neither is ever
+//! materialized per example in full.
+//!
+//! Where a sum is off, it is decomposed against the batch's own gradients: ĉ = G⁺b with
+//! G_ik = ⟨g_i*, g_k*⟩ and b_i = ⟨g_i*, X⟩ are the coefficients the sum implies. That says which
+//! examples it dropped or over-weighted (a lost micro-batch: ĉ_i = 0 for its examples), whether
+//! any example's contribution exceeds C (ĉ_i n*_i / C > 1), what scale a wrong divisor applied,
+//! and how much of X no combination of this batch's gradients explains (another batch's update).
+
+use super::metrics::CaseMetrics;
+use super::tolerance::{Arithmetic, Tolerance};
+use super::truth::{for_each_param_block, Block, Truth};
+use super::verdict::Verdict;
+use crate::error::{Error, Result};
+use crate::options::{ClipNorm, NoiseMultiplier};
+use ghost_oracle_reference::StepClaim;
+use ndarray::Array2;
+use serde::Serialize;
+
+/// One claimed sum (the clipped sum, or the update times its divisor) against S*.
+#[derive(Clone, Debug, Serialize)]
+pub struct SumCheck {
+    /// `clipped sum` or `update × divisor`.
+    pub what: &'static str,
+    /// ‖X − S*‖ / ‖S*‖ and the rounding bound on it (`null` where S* = 0).
+    pub rel_err: Option<f64>,
+    pub bound: Option<f64>,
+    /// The parameter whose sum is furthest off, relative to its own ‖S*_p‖.
+    pub worst_param: String,
+    pub worst_param_rel_err: Option<f64>,
+    /// ⟨X, S*⟩ / ‖S*‖²: a wrong divisor scales the whole sum by this.
+    pub scale: Option<f64>,
+    /// ĉ = G⁺b, the coefficients X implies, and the largest ĉ_i n*_i / C.
+    pub implied_coefficients: Vec<f64>,
+    pub implied_sensitivity: f64,
+    /// ‖X − Σ_i ĉ_i g_i*‖ / ‖X‖: the part of X outside the span of the batch's gradients.
+    pub unexplained: Option<f64>,
+    /// G was singular (e.g. two identical examples): ĉ is the minimum-norm solution.
+    pub singular: bool,
+    /// Some value of X is NaN or infinite.
+    pub invalid: bool,
+    pub verdict: Verdict,
+}
+
+/// The step's figures and verdict.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepMetrics {
+    /// c*_i from the true norms with the library's clipping rule and stabilizer.
+    pub true_coefficients: Vec<f64>,
+    pub clipped_sum: Option<SumCheck>,
+    /// Judged only without noise (σ = 0).
+    pub update: Option<SumCheck>,
+    /// An update under noise is not judged here: its noise needs a test of its own.
+    pub update_not_judged: bool,
+    pub verdict: Verdict,
+}
+
+/// Σ_i c_i g_i* rebuilt block by block against a claimed X, with everything the decomposition
+/// needs: ‖X − S*‖², ‖S*‖², ⟨X, S*⟩, ‖X‖², b_i = ⟨g_i*, X⟩, and the same per parameter.
+struct Sums {
+    err2: f64,
+    ref2: f64,
+    cross: f64,
+    x2: f64,
+    b: Vec<f64>,
+    /// (parameter, ‖X_p − S*_p‖², ‖S*_p‖²).
+    per_param: Vec<(String, f64, f64)>,
+}
+
+fn sums(truth: &Truth, coefs: &[f64], claimed: &[(String, Vec<f64>)]) -> Result<Sums> {
+    let factors = truth
+        .factors
+        .as_ref()
+        .ok_or_else(|| Error::internal("the step is judged from the reference's factors"))?;
+    let n = coefs.len();
+    let mut s = Sums {
+        err2: 0.0,
+        ref2: 0.0,
+        cross: 0.0,
+        x2: 0.0,
+        b: vec![0.0; n],
+        per_param: Vec::new(),
+    };
+    for_each_param_block(factors, n, &mut |block| {
+        let Block {
+            param,
+            sites,
+            size,
+            rows,
+            cols,
+        } = block;
+        let x = &claimed
+            .iter()
+            .find(|(p, _)| p == param)
+            .ok_or_else(|| Error::input(format!("the step has no sum for parameter `{param}`")))?
+            .1;
+        if x.len() != size {
+            return Err(Error::input(format!(
+                "the step's sum of `{param}` has {} values; expected {size}",
+                x.len()
+            )));
+        }
+        let x = &x[rows.start * cols..rows.end * cols];
+        let mut want = Array2::<f64>::zeros((rows.len(), cols));
+        for i in 0..n {
+            let mut unit = vec![0.0; n];
+            unit[i] = 1.0;
+            let mut g = Array2::<f64>::zeros((rows.len(), cols));
+            for &j in sites {
+                factors.add_site_gradient_rows(j, &unit, rows.clone(), &mut g)?;
+            }
+            s.b[i] += g.iter().zip(x).map(|(a, v)| a * v).sum::<f64>();
+            want.scaled_add(coefs[i], &g);
+        }
+        let (mut e2, mut r2) = (0.0, 0.0);
+        for (w, v) in want.iter().zip(x) {
+            e2 += (v - w) * (v - w);
+            r2 += w * w;
+            s.cross += v * w;
+            s.x2 += v * v;
+        }
+        s.err2 += e2;
+        s.ref2 += r2;
+        match s.per_param.last_mut() {
+            Some((p, pe, pr)) if p == param => {
+                *pe += e2;
+                *pr += r2;
+            }
+            Some(_) | None => s.per_param.push((param.to_string(), e2, r2)),
+        }
+        Ok(())
+    })?;
+    Ok(s)
+}
+
+/// Solves G c = b for the symmetric positive semi-definite Gram G, by Gaussian elimination with
+/// full pivoting; directions whose pivot falls below a relative 1e-12 of the largest are
+/// dropped (the minimum-norm solution there, to rounding). Returns c and whether any was.
+fn solve_gram(gram: &[Vec<f64>], b: &[f64]) -> (Vec<f64>, bool) {
+    let n = b.len();
+    let mut a: Vec<Vec<f64>> = gram.to_vec();
+    let mut rhs = b.to_vec();
+    let mut perm: Vec<usize> = (0..n).collect();
+    let scale = (0..n).map(|i| a[i][i].abs()).fold(0.0, f64::max);
+    let mut rank = n;
+    for k in 0..n {
+        // The largest remaining diagonal (G is symmetric: pivot on the diagonal).
+        let (p, piv) = (k..n)
+            .map(|i| (i, a[i][i]))
+            .fold((k, f64::NEG_INFINITY), |m, x| if x.1 > m.1 { x } else { m });
+        // A NaN pivot counts as none.
+        if piv.is_nan() || piv <= 1e-12 * scale {
+            rank = k;
+            break;
+        }
+        a.swap(k, p);
+        for row in a.iter_mut() {
+            row.swap(k, p);
+        }
+        rhs.swap(k, p);
+        perm.swap(k, p);
+        let (pivot_row, rest) = a.split_at_mut(k + 1);
+        let pivot_row = &pivot_row[k];
+        for (offset, row) in rest.iter_mut().enumerate() {
+            let f = row[k] / pivot_row[k];
+            for (x, p) in row[k..].iter_mut().zip(&pivot_row[k..]) {
+                *x -= f * p;
+            }
+            rhs[k + 1 + offset] -= f * rhs[k];
+        }
+    }
+    let mut x = vec![0.0; n];
+    for k in (0..rank).rev() {
+        let s: f64 = (k + 1..rank).map(|j| a[k][j] * x[j]).sum();
+        x[k] = (rhs[k] - s) / a[k][k];
+    }
+    let mut out = vec![0.0; n];
+    for (k, &i) in perm.iter().enumerate() {
+        out[i] = x[k];
+    }
+    (out, rank < n)
+}
+
+fn ratio(x: f64, y: f64) -> Option<f64> {
+    (y > 0.0 && x.is_finite()).then(|| x / y)
+}
+
+/// Judges one claimed sum X against S* = Σ c*_i g_i*.
+#[allow(clippy::too_many_arguments)]
+fn check_sum(
+    what: &'static str,
+    claimed: &[(String, Vec<f64>)],
+    truth: &Truth,
+    tolerance: &Tolerance,
+    metrics: &CaseMetrics,
+    coefs: &[f64],
+    c: f64,
+    arithmetic: &Arithmetic,
+    extra_rounding: f64,
+) -> Result<SumCheck> {
+    let invalid = claimed
+        .iter()
+        .any(|(_, v)| v.iter().any(|x| !x.is_finite()));
+    let s = sums(truth, coefs, claimed)?;
+    let reference = s.ref2.sqrt();
+    // Rounding of the sum itself, the coefficients' share of the norms' rounding (each c_i may
+    // be off by 2·bound_i·c*_i), and the division's rounding.
+    let coefficient_slack: f64 = metrics
+        .examples
+        .iter()
+        .zip(coefs)
+        .map(|(e, ci)| 2.0 * e.bound * ci * e.true_norm)
+        .sum();
+    let bound = tolerance.clipped_sum_bound_at(coefs, arithmetic)
+        + coefficient_slack
+        + extra_rounding * s.x2.sqrt();
+    let (implied, singular) = solve_gram(&truth.gram, &s.b);
+    let quad: f64 = (0..coefs.len())
+        .map(|i| {
+            (0..coefs.len())
+                .map(|k| implied[i] * truth.gram[i][k] * implied[k])
+                .sum::<f64>()
+        })
+        .sum();
+    let explained: f64 = implied.iter().zip(&s.b).map(|(ci, bi)| ci * bi).sum();
+    let unexplained2 = (s.x2 - 2.0 * explained + quad).max(0.0);
+    let implied_sensitivity = implied
+        .iter()
+        .zip(&truth.norms)
+        .map(|(ci, n)| ci * n / c)
+        .fold(0.0, f64::max);
+    let (worst_param, worst_param_rel_err) = s
+        .per_param
+        .iter()
+        .map(|(p, e2, r2)| (p.clone(), ratio(e2.sqrt(), r2.sqrt())))
+        .max_by(|a, b| {
+            a.1.unwrap_or(f64::INFINITY)
+                .total_cmp(&b.1.unwrap_or(f64::INFINITY))
+        })
+        .unwrap_or_default();
+    let err = s.err2.sqrt();
+    let within = err <= bound;
+    // Off beyond rounding: a privacy violation where some example's implied contribution
+    // exceeds C by more than the sum's own relative bound could explain.
+    let rel_bound = ratio(bound, reference).unwrap_or(f64::INFINITY);
+    let max_norm_bound = metrics.examples.iter().map(|e| e.bound).fold(0.0, f64::max);
+    let verdict = if invalid {
+        Verdict::InvalidNorm
+    } else if within {
+        Verdict::Pass
+    } else if implied_sensitivity > 1.0 + 3.0 * rel_bound + max_norm_bound {
+        Verdict::PrivacyViolation
+    } else {
+        Verdict::UtilityDistortion
+    };
+    Ok(SumCheck {
+        what,
+        rel_err: ratio(err, reference),
+        bound: ratio(bound, reference),
+        worst_param,
+        worst_param_rel_err,
+        scale: ratio(s.cross, s.ref2),
+        implied_coefficients: implied,
+        implied_sensitivity,
+        unexplained: ratio(unexplained2.sqrt(), s.x2.sqrt()),
+        singular,
+        invalid,
+        verdict,
+    })
+}
+
+/// The step's checks: the clipped sum when given, and the update times its divisor when there
+/// is no noise.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate_step(
+    truth: &Truth,
+    tolerance: &Tolerance,
+    metrics: &CaseMetrics,
+    step: &StepClaim,
+    max_grad_norm: ClipNorm,
+    noise_multiplier: NoiseMultiplier,
+    arithmetic: &Arithmetic,
+) -> Result<StepMetrics> {
+    let c = max_grad_norm.get();
+    let true_coefficients: Vec<f64> = truth
+        .norms
+        .iter()
+        .map(|&n| step.clipping.coefficient(n, c, step.clip_stabilizer))
+        .collect();
+    let clipped_sum = step
+        .clipped_sum
+        .as_ref()
+        .map(|k| {
+            check_sum(
+                "clipped sum",
+                k,
+                truth,
+                tolerance,
+                metrics,
+                &true_coefficients,
+                c,
+                arithmetic,
+                0.0,
+            )
+        })
+        .transpose()?;
+    let without_noise = noise_multiplier.get() == 0.0;
+    let update = match (&step.update, step.batch_divisor) {
+        (Some(u), Some(d)) if without_noise => {
+            let scaled: Vec<(String, Vec<f64>)> = u
+                .iter()
+                .map(|(p, v)| (p.clone(), v.iter().map(|x| x * d).collect()))
+                .collect();
+            Some(check_sum(
+                "update × divisor",
+                &scaled,
+                truth,
+                tolerance,
+                metrics,
+                &true_coefficients,
+                c,
+                arithmetic,
+                2.0 * arithmetic.coarsest_unit_roundoff(),
+            )?)
+        }
+        (Some(_), Some(_)) | (Some(_), None) | (None, Some(_)) | (None, None) => None,
+    };
+    let update_not_judged = step.update.is_some() && !without_noise;
+    let verdict = [&clipped_sum, &update]
+        .into_iter()
+        .flatten()
+        .map(|s| s.verdict)
+        .max()
+        .unwrap_or(Verdict::Pass);
+    Ok(StepMetrics {
+        true_coefficients,
+        clipped_sum,
+        update,
+        update_not_judged,
+        verdict,
+    })
+}
