@@ -12,11 +12,13 @@ use std::path::{Path, PathBuf};
 
 const B: usize = 4;
 const T: usize = 5;
-const P: usize = 3;
-const Q: usize = 2;
+// Wide enough (a Q×P weight of 600 entries) for the noise test to see missing noise, which it
+// cannot on a tensor of under about 70 entries.
+const P: usize = 30;
+const Q: usize = 20;
 const DIVISOR: f64 = 4.0;
 
-/// Two linear sites of one 2×3 weight (a tied pair) and a bias: a small model's step.
+/// Two linear sites of one Q×P weight (a tied pair) and a bias: a small model's step.
 fn trace() -> RefTrace {
     let mut rng = SplitMix64::new(21);
     let mut arr = |w: usize| Array3::from_shape_fn((B, T, w), |_| rng.uniform() - 0.5);
@@ -220,7 +222,7 @@ fn another_batchs_update_is_unexplained() {
     // A sum along no combination of this batch's gradients: the bias of every example shifted.
     let (t, _, _, coefs) = setup();
     let mut s = weighted(&t, &coefs);
-    s[1].1 = vec![3.0, -2.0];
+    s[1].1 = (0..Q).map(|k| 3.0 - k as f64).collect();
     s[0].1.iter_mut().for_each(|v| *v = 1.0);
     let a = judge(&write("other", None, Some(scaled(&s, 1.0 / DIVISOR)), 0.0));
     let check = a.cases[0].step.as_ref().unwrap().update.as_ref().unwrap();
@@ -229,18 +231,27 @@ fn another_batchs_update_is_unexplained() {
 }
 
 #[test]
-fn under_noise_the_clipped_sum_is_judged_and_the_update_is_said_not_to_be() {
-    let (t, _, _, coefs) = setup();
-    let s = weighted(&t, &coefs);
-    let noisy: Vec<_> = scaled(&s, 1.0 / DIVISOR)
-        .into_iter()
-        .map(|(p, v)| (p, v.iter().map(|x| x + 0.3).collect()))
-        .collect();
-    let a = judge(&write("noisy", Some(s), Some(noisy), 1.0));
+fn under_noise_without_the_clipped_sum_the_update_is_said_not_to_be_judged() {
+    let (t, c, _, coefs) = setup();
+    let k = weighted(&t, &coefs);
+    let u = noisy_update(&k, c, [1.0, 1.0], false, 7);
+    let a = judge(&write("noisy", None, Some(u), 1.0));
     let step = a.cases[0].step.as_ref().unwrap();
-    assert!(step.update.is_none() && step.update_not_judged);
-    assert_eq!(step.clipped_sum.as_ref().unwrap().verdict, Verdict::Pass);
+    assert!(step.update.is_none() && step.noise.is_empty() && step.update_not_judged);
     assert_eq!(a.verdict, Verdict::Pass);
+    let o = crate::cli::run(&[
+        "check",
+        write(
+            "noisy-cli",
+            None,
+            Some(noisy_update(&k, c, [1.0, 1.0], false, 7)),
+            1.0,
+        )
+        .to_str()
+        .unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&o.stdout)
+        .contains("its signal and noise are not judged by this version"));
 }
 
 #[test]
@@ -268,7 +279,11 @@ fn malformed_step_keys_are_named() {
     let path = write("short", Some(short), None, 0.0);
     expect_input_error(
         &["check", path.to_str().unwrap()],
-        &["claimed.clipped_sum.b", "has 1 values", "2×1"],
+        &[
+            "claimed.clipped_sum.b",
+            &format!("has {} values", Q - 1),
+            &format!("{Q}×1"),
+        ],
     );
     // A sum naming no parameter.
     let mut extra = s.clone();
@@ -304,4 +319,115 @@ fn an_update_without_its_divisor_is_refused() {
     };
     write_trace(&path, &t, &meta).unwrap();
     expect_input_error(&["check", path.to_str().unwrap()], &["batch_divisor"]);
+}
+
+/// N(0, 1) draws from the reference's seeded generator (Box–Muller): the noise a library adds.
+fn gaussian(rng: &mut SplitMix64, n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|_| {
+            let (u1, u2) = (rng.uniform().max(1e-300), rng.uniform());
+            (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+        })
+        .collect()
+}
+
+/// The update (K + noise)/D with per-tensor noise standard deviations `std` (in units of C),
+/// and `after` dividing the noise once more (noise added after the division by D).
+fn noisy_update(
+    k: &[(String, Vec<f64>)],
+    c: f64,
+    std: [f64; 2],
+    after: bool,
+    seed: u64,
+) -> Vec<(String, Vec<f64>)> {
+    let mut rng = SplitMix64::new(seed);
+    k.iter()
+        .zip(std)
+        .map(|((p, v), s)| {
+            let xi = gaussian(&mut rng, v.len());
+            let noise = |x: f64| if after { x / DIVISOR } else { x };
+            let u = v
+                .iter()
+                .zip(xi)
+                .map(|(k, x)| (k + noise(s * c * x)) / DIVISOR)
+                .collect();
+            (p.clone(), u)
+        })
+        .collect()
+}
+
+#[test]
+fn the_noise_of_each_tensor_is_judged_against_the_stated_sigma() {
+    let (t, c, _, coefs) = setup();
+    let k = weighted(&t, &coefs);
+    let verdict_of = |name: &str, std: [f64; 2], after: bool| {
+        let mut verdicts = Vec::new();
+        // Several seeds: the interval must hold for each, not on average.
+        for seed in 0..8 {
+            let u = noisy_update(&k, c, std, after, 100 + seed);
+            let a = judge(&write(
+                &format!("{name}-{seed}"),
+                Some(k.clone()),
+                Some(u),
+                1.0,
+            ));
+            verdicts.push((a.verdict, a.cases[0].step.clone().unwrap(), a.privacy));
+        }
+        verdicts
+    };
+    for (verdict, step, _) in verdict_of("right", [1.0, 1.0], false) {
+        assert_eq!(verdict, Verdict::Pass, "{:?}", step.noise);
+        assert_eq!(step.noise.len(), 3);
+        assert_eq!(step.noise_fraction, 1.0);
+    }
+    // No noise on the tied weight: the stated σ buys nothing there.
+    for (verdict, step, privacy) in verdict_of("missing", [0.0, 1.0], false) {
+        assert_eq!(verdict, Verdict::PrivacyViolation);
+        assert_eq!(step.noise[0].param, "w");
+        assert_eq!(step.noise[0].verdict, Verdict::PrivacyViolation);
+        assert_eq!(step.noise_fraction, 0.0);
+        assert_eq!(privacy.actual(), f64::INFINITY);
+    }
+    // Noise added once per use of the tied weight: √2 σ, more noise than stated.
+    for (verdict, step, _) in verdict_of("twice", [2f64.sqrt(), 1.0], false) {
+        assert_eq!(verdict, Verdict::UtilityDistortion, "{:?}", step.noise);
+        assert!((step.noise[0].sigma_ratio - 2f64.sqrt()).abs() < 0.15);
+    }
+    // Noise divided twice: σ/D of what was stated, on every tensor of enough entries.
+    for (verdict, step, privacy) in verdict_of("after", [1.0, 1.0], true) {
+        assert_eq!(verdict, Verdict::PrivacyViolation, "{:?}", step.noise);
+        assert!(step.noise_fraction < 0.5 && privacy.actual() > privacy.stated_epsilon);
+    }
+}
+
+/// The stated false-alarm rate, measured: with the right noise, no tensor of 400 seeded steps
+/// falls outside its interval (the interval holds each at 1e-6 / 6, by Laurent–Massart).
+#[test]
+fn the_noise_test_raises_no_false_alarm_over_many_seeded_steps() {
+    let (t, c, _, coefs) = setup();
+    let k = weighted(&t, &coefs);
+    let entries = [Q * P, Q];
+    let tests = entries.len() + 1;
+    let x = (2.0 * tests as f64 / 1e-6_f64).ln();
+    let mut worst = 0.0_f64;
+    for seed in 0..400 {
+        let u = noisy_update(&k, c, [1.0, 1.0], false, 10_000 + seed);
+        for (((_, u), (_, kk)), n) in u.iter().zip(&k).zip(entries) {
+            let chi2: f64 = u
+                .iter()
+                .zip(kk)
+                .map(|(u, k)| ((u * DIVISOR - k) / c).powi(2))
+                .sum();
+            let nf = n as f64;
+            let (low, high) = (
+                (nf - 2.0 * (nf * x).sqrt()).max(0.0),
+                nf + 2.0 * (nf * x).sqrt() + 2.0 * x,
+            );
+            assert!(chi2 >= low && chi2 <= high, "seed {seed}: χ² {chi2} of {n}");
+            worst = worst.max((chi2 - nf).abs() / (2.0 * (nf * x).sqrt()));
+        }
+    }
+    eprintln!(
+        "noise test: 1200 tensor checks, 0 outside; the widest used {worst:.2} of the half-width"
+    );
 }

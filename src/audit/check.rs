@@ -89,13 +89,14 @@ pub fn check_trace(path: &Path, opts: &CheckOptions) -> Result<ClipperAudit> {
             &arithmetic,
         )?;
         metrics.verdict = metrics.verdict.max(s.verdict);
-        // A step that is off spends privacy by the contributions it implies.
+        // A step that is off spends privacy by the contributions it implies, and noise below
+        // the stated σ on any tensor acts as a contribution that much larger (σ_eff = σ·f).
         if s.verdict != Verdict::Pass {
             let implied = [&s.clipped_sum, &s.update]
                 .into_iter()
                 .flatten()
                 .map(|x| x.implied_sensitivity)
-                .fold(1.0, f64::max);
+                .fold(1.0 / s.noise_fraction, f64::max);
             metrics.worst_contribution = metrics.worst_contribution.map(|w| w.max(implied));
         }
         metrics.step = Some(s);

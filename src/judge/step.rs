@@ -45,17 +45,109 @@ pub struct SumCheck {
     pub verdict: Verdict,
 }
 
+/// The noise of one parameter tensor: r = u·D − K, whose squared norm over (σC)² is χ² with as
+/// many degrees of freedom as the tensor has entries when the library added N(0, σ²C²) to each.
+#[derive(Clone, Debug, Serialize)]
+pub struct NoiseCheck {
+    /// A parameter, or `all` for the whole update.
+    pub param: String,
+    pub entries: usize,
+    /// ‖r‖² / (σC)².
+    pub chi2: f64,
+    /// The acceptance interval of χ² at the step's false-alarm rate (Laurent–Massart).
+    pub low: f64,
+    pub high: f64,
+    /// σ̂ / σ = √(χ² / entries): the noise the tensor got, in units of the stated.
+    pub sigma_ratio: f64,
+    pub verdict: Verdict,
+}
+
+/// The family-wise false-alarm rate of the noise test over one step's tensors.
+pub const NOISE_ALPHA: f64 = 1e-6;
+
 /// The step's figures and verdict.
 #[derive(Clone, Debug, Serialize)]
 pub struct StepMetrics {
     /// c*_i from the true norms with the library's clipping rule and stabilizer.
     pub true_coefficients: Vec<f64>,
     pub clipped_sum: Option<SumCheck>,
-    /// Judged only without noise (σ = 0).
+    /// Judged as a sum only without noise (σ = 0).
     pub update: Option<SumCheck>,
-    /// An update under noise is not judged here: its noise needs a test of its own.
+    /// Under noise with the clipped sum given: per tensor, then over all of them.
+    pub noise: Vec<NoiseCheck>,
+    /// An update under noise without the clipped sum is not judged: its signal and noise cannot
+    /// be told apart from one update by this version.
     pub update_not_judged: bool,
+    /// The smallest stated-σ fraction of noise on any tensor consistent with its χ² (1 when
+    /// every tensor got at least the stated noise): a run is as private as its least-noised
+    /// tensor.
+    pub noise_fraction: f64,
     pub verdict: Verdict,
+}
+
+/// Laurent and Massart's bounds for χ²_N: P(χ² ≥ N + 2√(Nx) + 2x) ≤ e⁻ˣ and
+/// P(χ² ≤ N − 2√(Nx)) ≤ e⁻ˣ, exact for every N; x = ln(2m/α) makes the two-sided test over m
+/// tensors (and their total) family-wise α.
+fn chi2_interval(entries: usize, tests: usize) -> (f64, f64) {
+    let n = entries as f64;
+    let x = (2.0 * tests as f64 / NOISE_ALPHA).ln();
+    (
+        (n - 2.0 * (n * x).sqrt()).max(0.0),
+        n + 2.0 * (n * x).sqrt() + 2.0 * x,
+    )
+}
+
+fn noise_checks(
+    update: &[(String, Vec<f64>)],
+    clipped_sum: &[(String, Vec<f64>)],
+    divisor: f64,
+    sigma_c: f64,
+) -> Vec<NoiseCheck> {
+    let tests = update.len() + 1;
+    let check = |param: String, entries: usize, sq: f64| {
+        let chi2 = sq / (sigma_c * sigma_c);
+        let (low, high) = chi2_interval(entries, tests);
+        let verdict = if !chi2.is_finite() {
+            Verdict::InvalidNorm
+        } else if chi2 < low {
+            // Less noise than stated: the stated σ no longer buys the stated ε.
+            Verdict::PrivacyViolation
+        } else if chi2 > high {
+            Verdict::UtilityDistortion
+        } else {
+            Verdict::Pass
+        };
+        NoiseCheck {
+            param,
+            entries,
+            chi2,
+            low,
+            high,
+            sigma_ratio: (chi2 / entries.max(1) as f64).sqrt(),
+            verdict,
+        }
+    };
+    let mut out: Vec<NoiseCheck> = update
+        .iter()
+        .map(|(p, u)| {
+            let k = &clipped_sum
+                .iter()
+                .find(|(q, _)| q == p)
+                .expect("the reader gives both sums for every parameter")
+                .1;
+            let sq: f64 = u
+                .iter()
+                .zip(k)
+                .map(|(u, k)| (u * divisor - k).powi(2))
+                .sum();
+            check(p.clone(), u.len(), sq)
+        })
+        .collect();
+    let (entries, sq) = out.iter().fold((0, 0.0), |(n, s), c| {
+        (n + c.entries, s + c.chi2 * sigma_c * sigma_c)
+    });
+    out.push(check("all".into(), entries, sq));
+    out
 }
 
 /// Σ_i c_i g_i* rebuilt block by block against a claimed X, with everything the decomposition
@@ -328,18 +420,32 @@ pub fn evaluate_step(
         }
         (Some(_), Some(_)) | (Some(_), None) | (None, Some(_)) | (None, None) => None,
     };
-    let update_not_judged = step.update.is_some() && !without_noise;
+    let noise = match (&step.update, &step.clipped_sum, step.batch_divisor) {
+        (Some(u), Some(k), Some(d)) if !without_noise => {
+            noise_checks(u, k, d, noise_multiplier.get() * c)
+        }
+        _ => Vec::new(),
+    };
+    let update_not_judged = step.update.is_some() && !without_noise && noise.is_empty();
+    // The largest noise fraction each tensor's χ² allows: the conservative end for privacy.
+    let noise_fraction = noise
+        .iter()
+        .map(|n| (n.chi2 / n.low.max(f64::MIN_POSITIVE)).sqrt().min(1.0))
+        .fold(1.0, f64::min);
     let verdict = [&clipped_sum, &update]
         .into_iter()
         .flatten()
         .map(|s| s.verdict)
+        .chain(noise.iter().map(|n| n.verdict))
         .max()
         .unwrap_or(Verdict::Pass);
     Ok(StepMetrics {
         true_coefficients,
         clipped_sum,
         update,
+        noise,
         update_not_judged,
+        noise_fraction,
         verdict,
     })
 }

@@ -206,10 +206,27 @@ fn step_lines(case: &str, step: &StepMetrics) -> String {
             if check.singular { "; the batch's Gram is singular (minimum-norm coefficients)" } else { "" }
         );
     }
+    for n in step
+        .noise
+        .iter()
+        .filter(|n| n.verdict != Verdict::Pass || n.param == "all")
+    {
+        let _ = writeln!(
+            s,
+            "  step ({case}): noise on `{}` ({} entries) {}: χ² = {:.1} against [{:.1}, {:.1}] (false alarms ≤ 1e-6 a step), σ̂ = {:.4}·σ",
+            n.param,
+            n.entries,
+            n.verdict.name(),
+            n.chi2,
+            n.low,
+            n.high,
+            n.sigma_ratio
+        );
+    }
     if step.update_not_judged {
         let _ = writeln!(
             s,
-            "  step ({case}): the update is under noise (σ > 0): its noise is not judged by this version; the clipped sum is"
+            "  step ({case}): the update is under noise (σ > 0) and the trace has no clipped sum: its signal and noise are not judged by this version"
         );
     }
     s
