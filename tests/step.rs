@@ -431,3 +431,50 @@ fn the_noise_test_raises_no_false_alarm_over_many_seeded_steps() {
         "noise test: 1200 tensor checks, 0 outside; the widest used {worst:.2} of the half-width"
     );
 }
+
+/// Real Opacus 1.6 steps (oracles/golden/traces/step, made by
+/// oracles/python/make_step_traces.py): hooks mode at σ 0 and 1, micro-batches through
+/// `signal_skip_step`, and ghost mode on an untied Llama pass; ghost mode's two backward passes
+/// before one step keep only the last micro-batch, and are caught naming the examples lost.
+#[test]
+fn real_opacus_steps_pass_and_ghost_modes_lost_micro_batch_is_caught() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("oracles/golden/traces/step");
+    for name in [
+        "hooks_tied_gpt2_sigma0",
+        "hooks_tied_gpt2_sigma1",
+        "hooks_llama_microbatches_sigma0",
+        "ghost_llama_sigma0",
+    ] {
+        let a = judge(&dir.join(format!("{name}.safetensors")));
+        let step = a.cases[0].step.as_ref().unwrap();
+        assert_eq!(a.verdict, Verdict::Pass, "{name}: {step:?}");
+        let sum = step.clipped_sum.as_ref().unwrap();
+        assert!(sum.rel_err.unwrap() < 1e-6, "{name}: {sum:?}");
+        // At σ = 0 the update is judged as a sum; at σ = 1 its noise is.
+        assert_eq!(step.update.is_some(), !name.ends_with("sigma1"), "{name}");
+        assert_eq!(!step.noise.is_empty(), name.ends_with("sigma1"), "{name}");
+    }
+    let lost = dir.join("ghost_llama_two_backward_sigma0.safetensors");
+    let a = judge(&lost);
+    let sum = a.cases[0]
+        .step
+        .as_ref()
+        .unwrap()
+        .clipped_sum
+        .as_ref()
+        .unwrap();
+    assert_eq!(a.verdict, Verdict::UtilityDistortion, "{sum:?}");
+    assert!(sum.rel_err.unwrap() > 0.5);
+    assert!(
+        sum.implied_coefficients[..2].iter().all(|c| c.abs() < 1e-3),
+        "{sum:?}"
+    );
+    let o = crate::cli::run(&["check", "--gate", lost.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(out.contains("examples [0, 1] are missing from it"), "{out}");
+    assert!(
+        out.contains("the step's clipped sum is off by 7.05e-1"),
+        "{out}"
+    );
+}

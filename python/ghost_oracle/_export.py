@@ -53,10 +53,27 @@ elements; a tied parameter once).
                  claimed_norms=my_clipper_norms, max_grad_norm=1.0, clipper="my-clipper")
 
 `inputs` is the batch: a tensor of token ids (B×T) or a dict of tensors (B and T are read from
-its `input_ids`, else from its first B×T tensor); `per_example_loss(model, inputs) -> tensor(B)`;
-`claimed_norms` is a tensor, array or list of the B norms the clipper under audit used, or a
-callable returning one (it is called after the trace is recorded, with the model and the batch).
-`dtype` is the dtype the factors are stored in (default: each site's compute dtype).
+its `input_ids`, else from its first B×T tensor), or a list of such micro-batches, which is
+traced as the logical batch they make up (their concatenation; all of one T);
+`per_example_loss(model, inputs) -> tensor(B)`; `claimed_norms` is a tensor, array or list of
+the B norms the clipper under audit used, or a callable returning one (it is called after the
+trace is recorded, with the model and the batch). `dtype` is the dtype the factors are stored in
+(default: each site's compute dtype).
+
+The step (optional): `clipped_sum` and `update` map parameter names (`model.named_parameters()`
+names, a tied parameter under any of its names, or the trace's `param` names) to the library's
+clipped sum Σ_i c_i g_i before noise and to the update it steps with, (Σ_i c_i g_i + σ C ξ) / D.
+Each covers every trainable parameter of the trace or is left out; they are written as
+`claimed.clipped_sum.<param>` and `claimed.update.<param>` in the parameter's shape and in the
+dtype given. `batch_divisor` is D (required with `update`); `clip_stabilizer` (γ) and `clipping`
+(`flat`: c = min(1, C/(n + γ)); `automatic`: c = C/(n + γ)) say how the library forms its
+coefficients.
+
+    export_trace(model, per_example_loss, [mb1, mb2], "step.safetensors", claimed_norms=norms,
+                 max_grad_norm=1.0, claimed_coefficients=factors, noise_multiplier=1.0,
+                 clipped_sum={n: p.summed_grad for n, p in model.named_parameters()},
+                 update={n: p.grad for n, p in model.named_parameters()},
+                 batch_divisor=4, clip_stabilizer=1e-6)
 """
 import json
 import math
@@ -482,14 +499,122 @@ def _per_example(values, b, what):
     return t.contiguous()
 
 
+def _concat_micro_batches(batches):
+    """The logical batch of a list of micro-batches: their concatenation along the batch axis.
+    Tensors of ids are concatenated; dicts need the same keys, and each tensor value whose
+    leading axis is the micro-batch's B is concatenated, while any other value (a shared 1×T
+    tensor, a flag) must be the same in every micro-batch and is kept once. All micro-batches
+    need one T."""
+    batches = list(batches)
+    if not batches:
+        raise ValueError("inputs is an empty list: pass the batch, or the list of its micro-batches")
+    shapes = []
+    for k, mb in enumerate(batches):
+        try:
+            shapes.append(_batch_shape(mb))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"micro-batch {k}: {e}") from e
+    t0 = shapes[0][1]
+    for k, (bk, tk) in enumerate(shapes):
+        if tk != t0:
+            raise ValueError(
+                f"micro-batch {k} has sequence length T = {tk} but micro-batch 0 has T = {t0}: the trace "
+                "of a logical batch needs one T for all its micro-batches (pad them to one length)")
+    if len(batches) == 1:
+        return batches[0]
+    if all(torch.is_tensor(mb) for mb in batches):
+        return torch.cat(batches, dim=0)
+    if not all(isinstance(mb, Mapping) for mb in batches):
+        kinds = sorted({type(mb).__name__ for mb in batches})
+        raise TypeError(f"micro-batches must all be tensors of ids or all dicts, got {kinds}")
+    keys = list(batches[0])
+    out = {}
+    for k, mb in enumerate(batches):
+        if sorted(mb) != sorted(keys):
+            raise ValueError(f"micro-batch {k} has keys {sorted(mb)} but micro-batch 0 has {sorted(keys)}")
+    for key in keys:
+        values = [mb[key] for mb in batches]
+        if all(torch.is_tensor(v) for v in values):
+            if all(v.dim() >= 1 and v.shape[0] == bk for v, (bk, _) in zip(values, shapes)):
+                out[key] = torch.cat(values, dim=0)  # one row per example
+                continue
+            if all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values[1:]):
+                out[key] = values[0]  # shared by every micro-batch (a 1×T position_ids)
+                continue
+            k, (v, (bk, _)) = next((k, x) for k, x in enumerate(zip(values, shapes))
+                                   if x[0].dim() == 0 or x[0].shape[0] != x[1][0])
+            raise ValueError(f"micro-batch {k}: `{key}` has shape {list(v.shape)}; to be concatenated its leading "
+                             f"axis must be the micro-batch's {bk} examples (or it must be the same tensor in "
+                             "every micro-batch)")
+        if any(torch.is_tensor(v) for v in values) or any(v != values[0] for v in values[1:]):
+            raise ValueError(f"`{key}` differs between micro-batches and is not a tensor of examples")
+        out[key] = values[0]
+    return out
+
+
+STEP_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _resolve_step(model, what, tensors, names):
+    """`tensors` (a mapping from parameter names to the library's tensors) keyed by each
+    parameter's trace name (its `param`), checked against the model: every name is a trainable
+    parameter (a tied one under any of its names, once), every value a floating-point tensor with
+    the parameter's number of elements. Returns {param: (parameter, tensor)}."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"{what} must be a dict from parameter names to tensors, got {type(tensors).__name__}")
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    out, given_as = {}, {}
+    for key, t in tensors.items():
+        p = by_name.get(key)
+        if p is None:
+            near = ", ".join(f"`{n}`" for n in list(dict.fromkeys(names.values()))[:6])
+            raise ValueError(f"{what}: `{key}` is not a parameter of the model (its parameters are named like "
+                             f"{near}, ...)")
+        param = names[id(p)]
+        if not p.requires_grad:
+            raise ValueError(f"{what}: parameter `{key}` is not trainable (requires_grad=False): it is not part "
+                             "of the step")
+        if param in out:
+            raise ValueError(f"{what}: parameter `{param}` is given twice, as `{given_as[param]}` and `{key}` "
+                             "(one tied parameter): give it once")
+        if not torch.is_tensor(t):
+            raise ValueError(f"{what}: the value for parameter `{key}` is a {type(t).__name__}, not a tensor")
+        if t.dtype not in STEP_DTYPES:
+            raise ValueError(f"{what}: the tensor for parameter `{key}` has dtype {t.dtype}; the trace stores "
+                             f"{', '.join(DTYPE_NAMES[d] for d in STEP_DTYPES)}")
+        if t.numel() != p.numel():
+            raise ValueError(f"{what}: the tensor for parameter `{key}` has shape {list(t.shape)} ({t.numel()} "
+                             f"elements); the parameter has shape {list(p.shape)} ({p.numel()} elements)")
+        out[param] = (p, t)
+        given_as[param] = key
+    return out
+
+
+def _number(value, what, positive):
+    try:
+        v = float(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} must be a number, got {value!r}") from e
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"{what} must be a {'positive' if positive else 'non-negative'} number, got {value}")
+    return v
+
+
 def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_norm,
-                 clipper="claimed", claimed_coefficients=None, noise_multiplier=None, dtype=None):
+                 clipper="claimed", claimed_coefficients=None, noise_multiplier=None, dtype=None,
+                 update=None, clipped_sum=None, batch_divisor=None, clip_stabilizer=0.0, clipping="flat"):
     """Records the trace of one batch, checks it against autograd and writes it with the claimed
-    norms. Returns the site specs. Raises `TraceExportError` (a ValueError) instead of writing a
-    trace that is incomplete or wrong.
+    norms (and, when given, the claimed step: `clipped_sum`, `update`, `batch_divisor`,
+    `clip_stabilizer`, `clipping`; see the module's docstring). Returns the site specs. Raises
+    `TraceExportError` (a ValueError) instead of writing a trace that is incomplete or wrong.
+
+    `inputs` may be a list of micro-batches: the trace is of their concatenation, the logical
+    batch a step is taken on.
 
     Runs one forward and backward pass of `per_example_loss(model, inputs).sum()`: the model's
     `.grad`s are reset first and hold that batch gradient afterwards."""
+    if isinstance(inputs, list):  # micro-batches
+        inputs = _concat_micro_batches(inputs)
     b, tt = _batch_shape(inputs)
     c = float(max_grad_norm)
     if not (math.isfinite(c) and c > 0):
@@ -505,6 +630,19 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
         raise ValueError(f"dtype {dtype} cannot store a trace; use one of {list(DTYPE_NAMES)}")
     names = _param_names(model)
     owners = _param_owners(model)
+    step = {}
+    for what, claimed in (("clipped_sum", clipped_sum), ("update", update)):
+        if claimed is not None:
+            step[what] = _resolve_step(model, what, claimed, names)
+    if batch_divisor is not None:
+        batch_divisor = _number(batch_divisor, "batch_divisor", positive=True)
+    elif update is not None:
+        raise ValueError("update needs batch_divisor: the number the library divides the noisy sum by "
+                         "(Opacus: expected_batch_size × accumulated_iterations)")
+    clip_stabilizer = _number(clip_stabilizer, "clip_stabilizer", positive=False)
+    if clipping not in ("flat", "automatic"):
+        raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" (c = C/(n + γ)), "
+                         f"got {clipping!r}")
     entries, handles = _record(model, b)
     try:
         model.zero_grad(set_to_none=True)
@@ -553,10 +691,29 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
     tensors["claimed.norms"] = _per_example(claimed_norms, b, "claimed_norms")
     if claimed_coefficients is not None:
         tensors["claimed.coefficients"] = _per_example(claimed_coefficients, b, "claimed_coefficients")
+    for what, given in step.items():
+        # every parameter of the manifest, each once (a tied parameter under its trace name)
+        for param in given:
+            if param not in parameters:
+                raise ValueError(f"{what}: parameter `{param}` received no gradient in this batch and is left out "
+                                 f"of the trace; leave it out of {what} too")
+        missing = [param for param in parameters if param not in given]
+        if missing:
+            raise ValueError(f"{what}: no tensor for parameter(s) {', '.join(f'`{m}`' for m in missing)}: it must "
+                             "cover every trainable parameter of the trace, or be left out")
+        for param in parameters:  # the manifest's order
+            p, t = given[param]
+            tensors[f"claimed.{what}.{param}"] = t.detach().to("cpu").reshape(p.shape).contiguous().clone()
     meta = {"format": FORMAT, "max_grad_norm": repr(c), "clipper": str(clipper),
             "sites": json.dumps(specs), "compute_dtype": DTYPE_NAMES[compute_dtype],
             "parameters": json.dumps(parameters)}
     if noise_multiplier is not None:
         meta["noise_multiplier"] = repr(float(noise_multiplier))
+    if batch_divisor is not None:
+        meta["batch_divisor"] = repr(batch_divisor)
+    if step or clip_stabilizer != 0.0:
+        meta["clip_stabilizer"] = repr(clip_stabilizer)
+    if step or clipping != "flat":
+        meta["clipping"] = clipping
     save_file(tensors, os.fspath(path), metadata=meta)
     return specs

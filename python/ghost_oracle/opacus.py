@@ -23,18 +23,33 @@ Pass `per_example_loss` and `inputs` and the helper runs one forward and backwar
 the wrapped module itself (the loss reduced as the module's `loss_reduction` expects, so the
 norms are those of each example's own loss), reads the norms and clears the per-sample state.
 Without them it reads the state of the backward pass you ran.
+
+The step: `dp_step` runs a real `PrivacyEngine` step (hooks or ghost mode, one batch or several
+micro-batches) on a copy of the model up to the update, and returns what `export_trace` needs to
+write the step into the trace:
+
+    step = ghost_oracle.opacus.dp_step(model, per_example_loss, [mb1, mb2], max_grad_norm=1.0,
+                                       noise_multiplier=1.0, grad_sample_mode="hooks")
+    export_trace(model, per_example_loss, step.inputs, "step.safetensors", clipper="opacus",
+                 **step.export_kwargs())
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from opacus import GradSampleModule
+from opacus import GradSampleModule, PrivacyEngine
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
-__all__ = ["ghost_norms", "norms", "per_sample_norms"]
+__all__ = ["Step", "dp_step", "ghost_norms", "norms", "per_sample_norms"]
+
+# The γ Opacus 1.6 adds to the norm in its clip factor min(1, C / (n + γ)), in hooks and ghost
+# mode alike (DPOptimizer.clip_and_accumulate, get_clipping_coef).
+OPACUS_CLIP_STABILIZER = 1e-6
 
 
 def _clear(gsm: GradSampleModule) -> None:
@@ -168,3 +183,255 @@ def norms(
         return per_sample_norms(gsm, per_example_loss, inputs, as_optimizer=as_optimizer)
     raise TypeError(f"expected an Opacus GradSampleModule or GradSampleModuleFastGradientClipping, "
                     f"got {type(gsm).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The step.
+
+
+@dataclass
+class Step:
+    """One DP-SGD step as Opacus took it, up to the update (the weights left as they were).
+
+    Per example (over the logical batch, the micro-batches in order), float64 on the CPU:
+    `norms` are the norms Opacus clipped by and `coefficients` its clip factors
+    (min(1, C / (n + 1e-6)), in the norms' dtype). Per trainable parameter (named as in
+    `model.named_parameters()`, a tied parameter once), in the parameter's shape and dtype:
+    `clipped_sum` is `p.summed_grad`, the clipped sum before noise, and `update` is `p.grad`
+    after the noise and the division, (Σ c_i g_i + σ C ξ) / D. `batch_divisor` is the D Opacus
+    divided by: `expected_batch_size × accumulated_iterations` as its optimizer computes them
+    (1 for `loss_reduction="sum"`). `inputs` is the list of micro-batches the step ran on."""
+
+    norms: torch.Tensor
+    coefficients: torch.Tensor
+    clipped_sum: dict[str, torch.Tensor]
+    update: dict[str, torch.Tensor]
+    batch_divisor: float
+    max_grad_norm: float
+    noise_multiplier: float
+    expected_batch_size: int
+    accumulated_iterations: int
+    grad_sample_mode: str
+    accumulation: str
+    inputs: list[Any] = field(repr=False)
+    clip_stabilizer: float = OPACUS_CLIP_STABILIZER
+
+    def export_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `export_trace` that carry this step's claims."""
+        return {
+            "claimed_norms": self.norms,
+            "claimed_coefficients": self.coefficients,
+            "max_grad_norm": self.max_grad_norm,
+            "noise_multiplier": self.noise_multiplier,
+            "clipped_sum": self.clipped_sum,
+            "update": self.update,
+            "batch_divisor": self.batch_divisor,
+            "clip_stabilizer": self.clip_stabilizer,
+            "clipping": "flat",
+        }
+
+
+class _PerExampleLoss(torch.nn.Module):
+    """The criterion handed to `make_private` in ghost mode: its input is already the B
+    per-example losses; with `reduction="none"` (what Opacus's `DPLossFastGradientClipping`
+    sets while calling it) it returns them as they are."""
+
+    def __init__(self, reduction: str):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, losses: torch.Tensor) -> torch.Tensor:
+        if self.reduction == "none":
+            return losses
+        return losses.mean() if self.reduction == "mean" else losses.sum()
+
+
+def _batch_size(inputs: Any) -> int:
+    t = inputs
+    if isinstance(inputs, dict):
+        t = inputs.get("input_ids")
+        if not torch.is_tensor(t):
+            t = next((v for v in inputs.values() if torch.is_tensor(v) and v.dim() >= 1), None)
+    if not torch.is_tensor(t) or t.dim() < 1:
+        raise TypeError(f"a micro-batch must be a tensor of ids or a dict of tensors, got {type(inputs).__name__}")
+    return int(t.shape[0])
+
+
+def _losses(model: torch.nn.Module, per_example_loss: Callable[..., torch.Tensor], mb: Any, k: int) -> torch.Tensor:
+    losses = per_example_loss(model, mb)
+    b = _batch_size(mb)
+    if not torch.is_tensor(losses) or losses.shape != (b,):
+        shape = tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__
+        raise ValueError(f"micro-batch {k}: per_example_loss returned {shape}; expected a tensor of shape ({b},), "
+                         "one loss per example")
+    return losses
+
+
+def dp_step(
+    model: torch.nn.Module,
+    per_example_loss: Callable[..., torch.Tensor],
+    inputs: Any,
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    grad_sample_mode: str = "hooks",
+    accumulation: str = "skip_step",
+    loss_reduction: str = "mean",
+    expected_batch_size: int | None = None,
+    seed: int = 0,
+) -> Step:
+    """Runs one Opacus 1.6 DP-SGD step on a deep copy of `model` (the model itself is left
+    untouched) up to the update, and returns the step's norms, clip factors, clipped sum,
+    update and divisor (`Step`; `step.export_kwargs()` are `export_trace`'s arguments).
+
+    The step is Opacus's own: `PrivacyEngine(secure_mode=False).make_private(...)` with an SGD
+    optimizer, `poisson_sampling=False`, flat clipping, the noise drawn from a `torch.Generator`
+    seeded with `seed` (`noise_generator`), and `optimizer.pre_step()` for the last micro-batch
+    (clip, accumulate, add noise, divide), never the weights' update itself.
+
+    Args:
+        model: the model, in train mode with dropout off (Opacus records activations only in
+            training mode; the trace must see the same function).
+        per_example_loss: `per_example_loss(model, batch) -> Tensor[b]`, each example's own loss.
+            For Hugging Face position embeddings pass explicit b×T `position_ids` (with the
+            default 1×T ones Opacus sums the position table's grad_sample over the batch).
+        inputs: the batch, or a list of micro-batches making up the logical batch.
+        grad_sample_mode: `"hooks"` (`GradSampleModule`: per-sample gradients, a tied parameter's
+            uses summed) or `"ghost"` (ghost clipping; Opacus refuses tied parameters).
+        accumulation: how several micro-batches make one step. `"skip_step"`: what
+            `BatchMemoryManager` does, `optimizer.signal_skip_step(do_skip=True)` and
+            `optimizer.step()` (clip and accumulate only) then `optimizer.zero_grad()` after every
+            micro-batch but the last. `"backward"`: one `loss.backward()` per micro-batch and one
+            step after the last (plain gradient accumulation). Ignored for one batch.
+        loss_reduction: Opacus's `loss_reduction` (`"mean"` divides the noisy sum by D; `"sum"`
+            does not).
+        expected_batch_size: the `expected_batch_size` the optimizer gets (through the data loader
+            handed to `make_private`: one of that many examples, in one batch). Default: the
+            logical batch size, except with `accumulation="backward"`, where a data loader yields
+            the micro-batches and the default is the first micro-batch's size.
+        seed: seeds `torch.manual_seed` and the noise generator.
+    """
+    if grad_sample_mode not in ("hooks", "ghost"):
+        raise ValueError(f"grad_sample_mode must be \"hooks\" or \"ghost\", got {grad_sample_mode!r}")
+    if accumulation not in ("skip_step", "backward"):
+        raise ValueError(f"accumulation must be \"skip_step\" or \"backward\", got {accumulation!r}")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be \"mean\" or \"sum\", got {loss_reduction!r}")
+    mbs = list(inputs) if isinstance(inputs, list) else [inputs]
+    if not mbs:
+        raise ValueError("inputs is an empty list: pass the batch, or the list of its micro-batches")
+    sizes = [_batch_size(mb) for mb in mbs]
+    if expected_batch_size is None:
+        expected_batch_size = sizes[0] if accumulation == "backward" and len(mbs) > 1 else sum(sizes)
+    if int(expected_batch_size) != expected_batch_size or expected_batch_size < 1:
+        raise ValueError(f"expected_batch_size must be a positive integer, got {expected_batch_size}")
+    expected_batch_size = int(expected_batch_size)
+
+    torch.manual_seed(seed)
+    module = copy.deepcopy(model)
+    module.zero_grad(set_to_none=True)
+    device = next(module.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    # A data loader of one batch of `expected_batch_size` examples: make_private reads
+    # expected_batch_size = len(dataset) / len(loader) from it; it is never iterated.
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(expected_batch_size)),
+                                         batch_size=expected_batch_size)
+    sgd = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1.0)
+    criterion = _PerExampleLoss(loss_reduction)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")  # seeded noise, on purpose
+        engine = PrivacyEngine(secure_mode=False)
+        made = engine.make_private(module=module, optimizer=sgd, criterion=criterion, data_loader=loader,
+                                   noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
+                                   loss_reduction=loss_reduction, poisson_sampling=False,
+                                   noise_generator=generator, grad_sample_mode=grad_sample_mode)
+    if grad_sample_mode == "ghost":
+        gsm, optimizer, dp_criterion, _ = made
+    else:
+        (gsm, optimizer, _), dp_criterion = made, None
+
+    norms_seen: list[torch.Tensor] = []
+    factors_seen: list[torch.Tensor] = []
+    record: dict[str, Any] = {}
+
+    if grad_sample_mode == "hooks":
+        clip_and_accumulate = optimizer.clip_and_accumulate
+
+        def recording_clip_and_accumulate() -> None:
+            # DPOptimizer.clip_and_accumulate's norms and factors, by its own arithmetic, read
+            # from the same grad samples just before it runs.
+            gs = optimizer.grad_samples
+            per_param = [g.reshape(len(g), -1).norm(2, dim=-1) for g in gs]
+            per_param = [n.to(per_param[0].device) for n in per_param]
+            n = torch.stack(per_param, dim=1).norm(2, dim=1)
+            norms_seen.append(n.detach().clone())
+            factors_seen.append((optimizer.max_grad_norm / (n + OPACUS_CLIP_STABILIZER)).clamp(max=1.0).detach())
+            clip_and_accumulate()
+
+        optimizer.clip_and_accumulate = recording_clip_and_accumulate
+    else:
+        get_clipping_coef = gsm.get_clipping_coef
+
+        def recording_get_clipping_coef() -> torch.Tensor:
+            coef = get_clipping_coef()  # sets per_sample_gradient_norms
+            norms_seen.append(gsm.per_sample_gradient_norms.detach().clone())
+            factors_seen.append(coef.detach().clone())
+            return coef
+
+        gsm.get_clipping_coef = recording_get_clipping_coef
+
+    scale_grad = optimizer.scale_grad
+
+    def recording_scale_grad() -> None:
+        record["noisy"] = {id(p): p.grad.detach().clone() for p in optimizer.params}
+        record["accumulated_iterations"] = int(optimizer.accumulated_iterations)
+        record["divisor"] = (float(optimizer.expected_batch_size * optimizer.accumulated_iterations)
+                             if optimizer.loss_reduction == "mean" else 1.0)
+        scale_grad()
+
+    optimizer.scale_grad = recording_scale_grad
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        optimizer.zero_grad(set_to_none=True)
+        for k, mb in enumerate(mbs):
+            last = k == len(mbs) - 1
+            losses = _losses(gsm, per_example_loss, mb, k)
+            if dp_criterion is not None:
+                dp_criterion(losses).backward()  # Opacus's two backward passes
+            else:
+                (losses.mean() if loss_reduction == "mean" else losses.sum()).backward()
+            if last:
+                if not optimizer.pre_step():
+                    raise RuntimeError("Opacus skipped the last step")  # pragma: no cover
+            elif accumulation == "skip_step":
+                optimizer.signal_skip_step(do_skip=True)
+                optimizer.step()  # clip and accumulate; no noise, no update
+                optimizer.zero_grad(set_to_none=True)
+
+    names = {}
+    for name, p in gsm._module.named_parameters():  # a tied parameter once
+        if p.requires_grad:
+            names[name] = p
+    clipped_sum, update = {}, {}
+    for name, p in names.items():
+        if p.summed_grad is None or p.grad is None:
+            raise ValueError(f"parameter `{name}`: Opacus left no clipped sum or update (it received no gradient)")
+        clipped_sum[name] = p.summed_grad.detach().reshape(p.shape).clone()
+        update[name] = p.grad.detach().clone()
+        noisy = record["noisy"][id(p)]
+        if not torch.allclose(update[name].double() * record["divisor"], noisy.double(), rtol=1e-5,
+                              atol=1e-30 + 1e-5 * float(noisy.abs().max())):
+            raise RuntimeError(f"parameter `{name}`: the update is not the noisy sum divided by "
+                               f"{record['divisor']}")  # pragma: no cover
+    norms_all = torch.cat([n.to(device="cpu", dtype=torch.float64) for n in norms_seen])
+    factors_all = torch.cat([c.to(device="cpu", dtype=torch.float64) for c in factors_seen])
+    if norms_all.shape[0] != sum(sizes):
+        raise RuntimeError(f"Opacus clipped {norms_all.shape[0]} examples; the batch has {sum(sizes)}")
+    if hasattr(gsm, "_close"):
+        gsm._close()
+    return Step(norms=norms_all, coefficients=factors_all, clipped_sum=clipped_sum, update=update,
+                batch_divisor=record["divisor"], max_grad_norm=float(max_grad_norm),
+                noise_multiplier=float(noise_multiplier), expected_batch_size=int(optimizer.expected_batch_size),
+                accumulated_iterations=record["accumulated_iterations"], grad_sample_mode=grad_sample_mode,
+                accumulation=accumulation if len(mbs) > 1 else "none", inputs=mbs)

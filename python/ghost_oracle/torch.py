@@ -22,6 +22,18 @@ its dtype, and a float32 model whose `per_example_loss` runs the forward under `
 is traced per site: the matmuls autocast lowered (linear layers) in autocast's dtype, the rest
 (embeddings, norms) in the parameters'. The trace's `compute_dtype` is the coarsest of them,
 and the check judges at it.
+
+The step: `export_trace` can also write the DP-SGD step the library took on the batch (the
+clipped sum before noise, the update, the divisor; docs/trace-format.md, "The step
+(optional)"), and its `inputs` may be a list of micro-batches, traced as the logical batch they
+make up:
+
+    step = ghost_oracle.opacus.dp_step(model, per_example_loss, [mb1, mb2], max_grad_norm=1.0,
+                                       noise_multiplier=1.0)          # a real Opacus step
+    export_trace(model, per_example_loss, step.inputs, "step.safetensors", clipper="opacus",
+                 **step.export_kwargs())
+
+`assert_norms` judges the norms only.
 """
 from __future__ import annotations
 

@@ -179,6 +179,33 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
     s
 }
 
+/// What in the step decided a case's verdict, when the step did.
+fn step_figure(step: &StepMetrics, verdict: Verdict) -> Option<String> {
+    if step.verdict != verdict || verdict == Verdict::Pass {
+        return None;
+    }
+    if let Some(check) = [&step.clipped_sum, &step.update]
+        .into_iter()
+        .flatten()
+        .find(|x| x.verdict == verdict)
+    {
+        return Some(format!(
+            "the step's {} is off by {} of the exact clipped sum (bound {}), scale {}, implied contributions up to {:.4}·C",
+            check.what,
+            check.rel_err.map_or("n/a".into(), sci),
+            check.bound.map_or("n/a".into(), sci),
+            fixed(check.scale, 4),
+            check.implied_sensitivity
+        ));
+    }
+    step.noise.iter().find(|n| n.verdict == verdict).map(|n| {
+        format!(
+            "the step's noise on `{}` is {:.4}·σ (χ² {:.1} outside [{:.1}, {:.1}])",
+            n.param, n.sigma_ratio, n.chi2, n.low, n.high
+        )
+    })
+}
+
 /// The step's checks of a case, a line each.
 fn step_lines(case: &str, step: &StepMetrics) -> String {
     let mut s = String::new();
@@ -254,6 +281,9 @@ pub fn deciding_figure(a: &ClipperAudit) -> String {
     };
     let e = &c.examples[c.worst_example];
     let case = &c.base_case;
+    if let Some(figure) = c.step.as_ref().and_then(|s| step_figure(s, c.verdict)) {
+        return format!("{case}: {figure}");
+    }
     match c.verdict {
         Verdict::InvalidNorm => format!(
             "{case} example {} has norm {} (coefficient {}); {} invalid example(s)",
@@ -305,10 +335,8 @@ pub fn summary(audits: &[ClipperAudit]) -> String {
             deciding_figure(a)
         );
         let p = &a.privacy;
-        let (stated, actual) = (
-            fixed(Some(p.stated_epsilon), 2),
-            fixed(p.actual_epsilon.filter(|e| e.is_finite()), 2).replace("n/a", "∞"),
-        );
+        let epsilon = |e: Option<f64>| fixed(e.filter(|e| e.is_finite()), 2).replace("n/a", "∞");
+        let (stated, actual) = (epsilon(Some(p.stated_epsilon)), epsilon(p.actual_epsilon));
         let _ = if actual != stated {
             writeln!(s, "; ε {stated} → {actual}")
         } else {
