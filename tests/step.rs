@@ -95,6 +95,18 @@ fn write(
     update: Option<Vec<(String, Vec<f64>)>>,
     sigma: f64,
 ) -> PathBuf {
+    let divisor = update.as_ref().map(|_| DIVISOR);
+    write_step(name, sum, update, divisor, sigma)
+}
+
+/// A trace of `setup()` with a step; `divisor` as the library states it.
+fn write_step(
+    name: &str,
+    sum: Option<Vec<(String, Vec<f64>)>>,
+    update: Option<Vec<(String, Vec<f64>)>>,
+    divisor: Option<f64>,
+    sigma: f64,
+) -> PathBuf {
     let (t, c, norms, _) = setup();
     let path = tmp(&format!("step-{name}")).join("t.safetensors");
     let meta = TraceMeta {
@@ -108,7 +120,7 @@ fn write(
         site_compute_dtypes: Vec::new(),
         site_dtypes: Vec::new(),
         step: Some(StepClaim {
-            batch_divisor: update.as_ref().map(|_| DIVISOR),
+            batch_divisor: divisor,
             clipped_sum: sum,
             update,
             clip_stabilizer: 0.0,
@@ -297,27 +309,8 @@ fn malformed_step_keys_are_named() {
 
 #[test]
 fn an_update_without_its_divisor_is_refused() {
-    let (t, c, norms, coefs) = setup();
-    let path = tmp("step-nodivisor").join("t.safetensors");
-    let meta = TraceMeta {
-        max_grad_norm: c,
-        noise_multiplier: Some(0.0),
-        clipper: None,
-        claimed_norms: norms,
-        claimed_coefficients: None,
-        dtype: Precision::F64,
-        compute_dtype: None,
-        site_compute_dtypes: Vec::new(),
-        site_dtypes: Vec::new(),
-        step: Some(StepClaim {
-            clipped_sum: None,
-            update: Some(weighted(&t, &coefs)),
-            batch_divisor: None,
-            clip_stabilizer: 0.0,
-            clipping: Clipping::Flat,
-        }),
-    };
-    write_trace(&path, &t, &meta).unwrap();
+    let (t, _, _, coefs) = setup();
+    let path = write_step("nodivisor", None, Some(weighted(&t, &coefs)), None, 0.0);
     expect_input_error(&["check", path.to_str().unwrap()], &["batch_divisor"]);
 }
 

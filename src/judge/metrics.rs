@@ -136,7 +136,8 @@ pub(crate) fn nan_max(a: f64, b: f64) -> f64 {
     }
 }
 
-fn ratio(x: f64, y: f64) -> Option<f64> {
+/// x / y where both are finite and y is not zero.
+pub(super) fn ratio(x: f64, y: f64) -> Option<f64> {
     (y != 0.0 && x.is_finite() && y.is_finite()).then(|| x / y)
 }
 

@@ -10,7 +10,7 @@
 //! any example's contribution exceeds C (ĉ_i n*_i / C > 1), what scale a wrong divisor applied,
 //! and how much of X no combination of this batch's gradients explains (another batch's update).
 
-use super::metrics::CaseMetrics;
+use super::metrics::{ratio, CaseMetrics};
 use super::tolerance::{Arithmetic, Tolerance};
 use super::truth::{for_each_param_block, Block, Truth};
 use super::verdict::Verdict;
@@ -274,10 +274,6 @@ fn solve_gram(gram: &[Vec<f64>], b: &[f64]) -> (Vec<f64>, bool) {
         out[i] = x[k];
     }
     (out, rank < n)
-}
-
-fn ratio(x: f64, y: f64) -> Option<f64> {
-    (y > 0.0 && x.is_finite()).then(|| x / y)
 }
 
 /// Judges one claimed sum X against S* = Σ c*_i g_i*.
