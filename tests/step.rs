@@ -243,27 +243,40 @@ fn another_batchs_update_is_unexplained() {
 }
 
 #[test]
-fn under_noise_without_the_clipped_sum_the_update_is_said_not_to_be_judged() {
+fn under_noise_without_the_clipped_sum_the_update_is_judged_by_its_implied_coefficients() {
     let (t, c, _, coefs) = setup();
     let k = weighted(&t, &coefs);
-    let u = noisy_update(&k, c, [1.0, 1.0], false, 7);
-    let a = judge(&write("noisy", None, Some(u), 1.0));
-    let step = a.cases[0].step.as_ref().unwrap();
-    assert!(step.update.is_none() && step.noise.is_empty() && step.update_not_judged);
-    assert_eq!(a.verdict, Verdict::Pass);
-    let o = crate::cli::run(&[
-        "check",
-        write(
-            "noisy-cli",
-            None,
-            Some(noisy_update(&k, c, [1.0, 1.0], false, 7)),
-            1.0,
-        )
-        .to_str()
-        .unwrap(),
-    ]);
+    let run = |name: &str, k: &[(String, Vec<f64>)], std: [f64; 2], seed: u64| {
+        let u = noisy_update(k, c, std, false, seed);
+        let a = judge(&write(name, None, Some(u), 1.0));
+        let step = a.cases[0].step.clone().unwrap();
+        assert!(step.update.is_none() && !step.update_not_judged);
+        (a, step.noisy_update.unwrap())
+    };
+    for seed in 0..8 {
+        let (a, n) = run(&format!("noisy-{seed}"), &k, [1.0, 1.0], 300 + seed);
+        assert_eq!(a.verdict, Verdict::Pass, "{n:?}");
+        assert_eq!(n.dof, B);
+        // At σ = 1 on this batch one update cannot see a signal error of a few percent.
+        assert!(n.smallest_visible.unwrap() > 0.05, "{n:?}");
+    }
+    // No noise at all: the residual is far below its interval.
+    let (a, n) = run("noiseless", &k, [0.0, 0.0], 1);
+    assert_eq!(n.residual.verdict, Verdict::PrivacyViolation);
+    assert_eq!(a.privacy.actual(), f64::INFINITY);
+    // A signal twenty times the clipped sum: beyond what the noise can explain.
+    let (_, n) = run("loud", &scaled(&k, 20.0), [1.0, 1.0], 2);
+    assert_eq!(n.verdict, Verdict::UtilityDistortion, "{n:?}");
+    assert!(n.chi2 > n.high);
+    let path = write(
+        "noisy-cli",
+        None,
+        Some(noisy_update(&k, c, [1.0, 1.0], false, 7)),
+        1.0,
+    );
+    let o = crate::cli::run(&["check", path.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&o.stdout)
-        .contains("its signal and noise are not judged by this version"));
+        .contains("from one noisy update this test sees signal errors of"));
 }
 
 #[test]

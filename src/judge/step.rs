@@ -62,6 +62,25 @@ pub struct NoiseCheck {
     pub verdict: Verdict,
 }
 
+/// An update under noise without its clipped sum: signal and noise told apart by the batch's own
+/// gradients. ĉ = G⁺b (b_i = ⟨g*_i, u·D⟩) has mean c* and covariance σ²C²G⁻¹ for a correct
+/// update, so (ĉ − c*)ᵀG(ĉ − c*)/(σC)² is χ² with rank(G) degrees of freedom; what is left,
+/// u·D − Σ ĉ_i g*_i, is the noise with those directions projected out, χ² with N − rank(G).
+#[derive(Clone, Debug, Serialize)]
+pub struct NoisyUpdateCheck {
+    pub implied_coefficients: Vec<f64>,
+    /// (ĉ − c*)ᵀG(ĉ − c*)/(σC)², its degrees of freedom and its acceptance interval.
+    pub chi2: f64,
+    pub dof: usize,
+    pub high: f64,
+    /// The smallest error of the clipped signal this test can see from one update, as a
+    /// fraction of ‖S*‖: σC·√high / ‖S*‖. Under σ ≈ 1 a few-percent signal error hides here.
+    pub smallest_visible: Option<f64>,
+    /// The residual noise over the whole update.
+    pub residual: NoiseCheck,
+    pub verdict: Verdict,
+}
+
 /// The family-wise false-alarm rate of the noise test over one step's tensors.
 pub const NOISE_ALPHA: f64 = 1e-6;
 
@@ -75,8 +94,9 @@ pub struct StepMetrics {
     pub update: Option<SumCheck>,
     /// Under noise with the clipped sum given: per tensor, then over all of them.
     pub noise: Vec<NoiseCheck>,
-    /// An update under noise without the clipped sum is not judged: its signal and noise cannot
-    /// be told apart from one update by this version.
+    /// An update under noise without the clipped sum, judged by its implied coefficients.
+    pub noisy_update: Option<NoisyUpdateCheck>,
+    /// The update under noise was not judged (no way to separate it was available).
     pub update_not_judged: bool,
     /// The smallest stated-σ fraction of noise on any tensor consistent with its χ² (1 when
     /// every tensor got at least the stated noise): a run is as private as its least-noised
@@ -231,7 +251,7 @@ fn sums(truth: &Truth, coefs: &[f64], claimed: &[(String, Vec<f64>)]) -> Result<
 /// Solves G c = b for the symmetric positive semi-definite Gram G, by Gaussian elimination with
 /// full pivoting; directions whose pivot falls below a relative 1e-12 of the largest are
 /// dropped (the minimum-norm solution there, to rounding). Returns c and whether any was.
-fn solve_gram(gram: &[Vec<f64>], b: &[f64]) -> (Vec<f64>, bool) {
+fn solve_gram(gram: &[Vec<f64>], b: &[f64]) -> (Vec<f64>, usize) {
     let n = b.len();
     let mut a: Vec<Vec<f64>> = gram.to_vec();
     let mut rhs = b.to_vec();
@@ -273,7 +293,73 @@ fn solve_gram(gram: &[Vec<f64>], b: &[f64]) -> (Vec<f64>, bool) {
     for (k, &i) in perm.iter().enumerate() {
         out[i] = x[k];
     }
-    (out, rank < n)
+    (out, rank)
+}
+
+/// ĉᵀGĉ.
+fn gram_quad(gram: &[Vec<f64>], c: &[f64]) -> f64 {
+    (0..c.len())
+        .map(|i| (0..c.len()).map(|k| c[i] * gram[i][k] * c[k]).sum::<f64>())
+        .sum()
+}
+
+/// The update under noise, decomposed against the batch's gradients (see [`NoisyUpdateCheck`]).
+fn check_noisy_update(
+    update: &[(String, Vec<f64>)],
+    divisor: f64,
+    truth: &Truth,
+    coefs: &[f64],
+    sigma_c: f64,
+) -> Result<NoisyUpdateCheck> {
+    let scaled: Vec<(String, Vec<f64>)> = update
+        .iter()
+        .map(|(p, v)| (p.clone(), v.iter().map(|x| x * divisor).collect()))
+        .collect();
+    let s = sums(truth, coefs, &scaled)?;
+    let (implied, rank) = solve_gram(&truth.gram, &s.b);
+    let diff: Vec<f64> = implied.iter().zip(coefs).map(|(a, b)| a - b).collect();
+    let chi2 = gram_quad(&truth.gram, &diff) / (sigma_c * sigma_c);
+    let tests = 2;
+    let (_, high) = chi2_interval(rank, tests);
+    let explained: f64 = implied.iter().zip(&s.b).map(|(ci, bi)| ci * bi).sum();
+    let residual2 = (s.x2 - 2.0 * explained + gram_quad(&truth.gram, &implied)).max(0.0);
+    let entries: usize = update.iter().map(|(_, v)| v.len()).sum();
+    let dof = entries.saturating_sub(rank);
+    let (low, rhigh) = chi2_interval(dof, tests);
+    let rchi2 = residual2 / (sigma_c * sigma_c);
+    let residual = NoiseCheck {
+        param: "all".into(),
+        entries: dof,
+        chi2: rchi2,
+        low,
+        high: rhigh,
+        sigma_ratio: (rchi2 / dof.max(1) as f64).sqrt(),
+        verdict: if !rchi2.is_finite() {
+            Verdict::InvalidNorm
+        } else if rchi2 < low {
+            Verdict::PrivacyViolation
+        } else if rchi2 > rhigh {
+            Verdict::UtilityDistortion
+        } else {
+            Verdict::Pass
+        },
+    };
+    let signal = if !chi2.is_finite() {
+        Verdict::InvalidNorm
+    } else if chi2 > high {
+        Verdict::UtilityDistortion
+    } else {
+        Verdict::Pass
+    };
+    Ok(NoisyUpdateCheck {
+        implied_coefficients: implied,
+        chi2,
+        dof: rank,
+        high,
+        smallest_visible: ratio(sigma_c * high.sqrt(), s.ref2.sqrt()),
+        verdict: signal.max(residual.verdict),
+        residual,
+    })
 }
 
 /// Judges one claimed sum X against S* = Σ c*_i g_i*.
@@ -305,14 +391,9 @@ fn check_sum(
     let bound = tolerance.clipped_sum_bound_at(coefs, arithmetic)
         + coefficient_slack
         + extra_rounding * s.x2.sqrt();
-    let (implied, singular) = solve_gram(&truth.gram, &s.b);
-    let quad: f64 = (0..coefs.len())
-        .map(|i| {
-            (0..coefs.len())
-                .map(|k| implied[i] * truth.gram[i][k] * implied[k])
-                .sum::<f64>()
-        })
-        .sum();
+    let (implied, rank) = solve_gram(&truth.gram, &s.b);
+    let singular = rank < coefs.len();
+    let quad = gram_quad(&truth.gram, &implied);
     let explained: f64 = implied.iter().zip(&s.b).map(|(ci, bi)| ci * bi).sum();
     let unexplained2 = (s.x2 - 2.0 * explained + quad).max(0.0);
     let implied_sensitivity = implied
@@ -422,10 +503,22 @@ pub fn evaluate_step(
         }
         _ => Vec::new(),
     };
-    let update_not_judged = step.update.is_some() && !without_noise && noise.is_empty();
+    let noisy_update = match (&step.update, &step.clipped_sum, step.batch_divisor) {
+        (Some(u), None, Some(d)) if !without_noise => Some(check_noisy_update(
+            u,
+            d,
+            truth,
+            &true_coefficients,
+            noise_multiplier.get() * c,
+        )?),
+        _ => None,
+    };
+    let update_not_judged =
+        step.update.is_some() && !without_noise && noise.is_empty() && noisy_update.is_none();
     // The largest noise fraction each tensor's χ² allows: the conservative end for privacy.
     let noise_fraction = noise
         .iter()
+        .chain(noisy_update.iter().map(|n| &n.residual))
         .map(|n| (n.chi2 / n.low.max(f64::MIN_POSITIVE)).sqrt().min(1.0))
         .fold(1.0, f64::min);
     let verdict = [&clipped_sum, &update]
@@ -433,6 +526,7 @@ pub fn evaluate_step(
         .flatten()
         .map(|s| s.verdict)
         .chain(noise.iter().map(|n| n.verdict))
+        .chain(noisy_update.iter().map(|n| n.verdict))
         .max()
         .unwrap_or(Verdict::Pass);
     Ok(StepMetrics {
@@ -440,6 +534,7 @@ pub fn evaluate_step(
         clipped_sum,
         update,
         noise,
+        noisy_update,
         update_not_judged,
         noise_fraction,
         verdict,

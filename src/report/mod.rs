@@ -250,6 +250,21 @@ fn step_lines(case: &str, step: &StepMetrics) -> String {
             n.sigma_ratio
         );
     }
+    if let Some(n) = &step.noisy_update {
+        let _ = writeln!(
+            s,
+            "  step ({case}): update under noise {}: implied coefficients χ² = {:.2} on {} degrees of freedom (at most {:.2}); residual noise χ² = {:.1} against [{:.1}, {:.1}], σ̂ = {:.4}·σ; from one noisy update this test sees signal errors of {} of S* or more, not less",
+            n.verdict.name(),
+            n.chi2,
+            n.dof,
+            n.high,
+            n.residual.chi2,
+            n.residual.low,
+            n.residual.high,
+            n.residual.sigma_ratio,
+            n.smallest_visible.map_or("n/a".into(), sci)
+        );
+    }
     if step.update_not_judged {
         let _ = writeln!(
             s,
