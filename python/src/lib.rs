@@ -360,6 +360,7 @@ fn audit<'py>(
             reduction,
             accounting: accounting_request(sampling_rate, steps, epochs, dataset_size, delta)
                 .resolve()?,
+            ..AuditOptions::default()
         };
         let boxes =
             registry::clippers(&clippers.unwrap_or_default()).map_err(|e| e.context("clippers"))?;

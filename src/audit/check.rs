@@ -3,7 +3,7 @@
 
 use super::ClipperAudit;
 use crate::error::{Error, Result};
-use crate::judge::{evaluate_step, Arithmetic, Claim, Judge, Verdict};
+use crate::judge::{Arithmetic, Claim, Judge};
 use crate::options::{Accounting, ClipNorm, NoiseMultiplier};
 use crate::trace::Precision;
 use ghost_oracle_reference as reference;
@@ -79,27 +79,7 @@ pub fn check_trace(path: &Path, opts: &CheckOptions) -> Result<ClipperAudit> {
                 path.display()
             )));
         }
-        let s = evaluate_step(
-            &judge.truth,
-            &judge.tolerance,
-            &metrics,
-            step,
-            c,
-            sigma,
-            &arithmetic,
-        )?;
-        metrics.verdict = metrics.verdict.max(s.verdict);
-        // A step that is off spends privacy by the contributions it implies, and noise below
-        // the stated σ on any tensor acts as a contribution that much larger (σ_eff = σ·f).
-        if s.verdict != Verdict::Pass {
-            let implied = [&s.clipped_sum, &s.update]
-                .into_iter()
-                .flatten()
-                .map(|x| x.implied_sensitivity)
-                .fold(1.0 / s.noise_fraction, f64::max);
-            metrics.worst_contribution = metrics.worst_contribution.map(|w| w.max(implied));
-        }
-        metrics.step = Some(s);
+        judge.judge_step(&mut metrics, step, c, sigma, &arithmetic)?;
     }
     ClipperAudit::new(
         meta.clipper.clone().unwrap_or_else(|| "claimed".into()),

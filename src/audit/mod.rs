@@ -7,9 +7,9 @@ mod kill_matrix;
 pub use check::{check_trace, CheckOptions};
 pub use kill_matrix::{kill_matrix, KillMatrix, Row};
 
-use crate::clippers::{Clipped, Clipper};
+use crate::clippers::{noisy_update, Clipped, Clipper, NoiseSpec};
 use crate::error::{Error, Result};
-use crate::judge::{CaseLabel, CaseMetrics, Claim, Judge, PrivacyReport, Verdict};
+use crate::judge::{Arithmetic, CaseLabel, CaseMetrics, Claim, Judge, PrivacyReport, Verdict};
 use crate::options::{Accounting, ClipNorm, NoiseMultiplier};
 use crate::trace::{candle_dtype, Precision, Trace};
 use candle_core::{DType, Device};
@@ -17,6 +17,7 @@ use ghost_oracle_reference::{
     self as reference, Batch, Gpt2, Gpt2Config, Llama, LlamaConfig, LlamaFlavor, Model, Reduction,
     SplitMix64, IGNORE,
 };
+use ghost_oracle_reference::{Clipping, StepClaim};
 use ndarray::Array2;
 use serde::Serialize;
 use std::borrow::Borrow;
@@ -273,6 +274,11 @@ pub struct AuditOptions {
     pub reduction: Reduction,
     /// The run each clipper's ε is stated for.
     pub accounting: Accounting,
+    /// Also take and judge each clipper's DP-SGD step (its clipped sum, seeded noise and the
+    /// division by the batch size). It holds the update beside the clipped sum.
+    pub judge_step: bool,
+    /// The seed of the step's noise.
+    pub noise_seed: u64,
 }
 
 impl Default for AuditOptions {
@@ -286,6 +292,8 @@ impl Default for AuditOptions {
             device: Device::Cpu,
             reduction: Reduction::Mean,
             accounting: Accounting::typical(),
+            judge_step: true,
+            noise_seed: 0x5EED,
         }
     }
 }
@@ -356,6 +364,15 @@ pub fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// Tensors per parameter as the judge reads them: f64 values, row-major; each dropped as soon as
+/// it is converted.
+fn values_of(tensors: Vec<(String, candle_core::Tensor)>) -> Result<Vec<(String, Vec<f64>)>> {
+    tensors
+        .into_iter()
+        .map(|(p, t)| Ok((p, t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)))
+        .collect()
+}
+
 /// A clipper's output as the judge reads it: f64 values, no tensors. Each clipped-sum tensor
 /// is dropped as soon as it is converted, so a large model's sum is never held twice.
 pub fn claim_of(clipped: Clipped) -> Result<Claim> {
@@ -364,10 +381,7 @@ pub fn claim_of(clipped: Clipped) -> Result<Claim> {
         coefficients,
         clipped_sum,
     } = clipped;
-    let clipped_sum = clipped_sum
-        .into_iter()
-        .map(|(p, t)| Ok((p, t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)))
-        .collect::<Result<Vec<_>>>()?;
+    let clipped_sum = values_of(clipped_sum)?;
     Ok(Claim {
         norms: report.norms,
         coefficients,
@@ -489,13 +503,46 @@ where
                         warnings.push(w.clone());
                     }
                 }
-                metrics.push(prepared.judge.evaluate(
+                // The clipper's own DP-SGD step: its clipped sum, seeded noise N(0, σ²C²) and the
+                // division by the batch size, judged as a library's step is.
+                let update = match opts.judge_step {
+                    true => Some(noisy_update(
+                        &clipped.clipped_sum,
+                        &NoiseSpec {
+                            std: opts.noise_multiplier.get() * c.get(),
+                            divisor: prepared.trace.batch_size() as f64,
+                            seed: opts.noise_seed ^ (metrics.len() as u64).wrapping_mul(0x9E37),
+                        },
+                    )?),
+                    false => None,
+                };
+                let claim = claim_of(clipped)?;
+                let mut m = prepared.judge.evaluate(
                     label.clone(),
-                    &claim_of(clipped)?,
+                    &claim,
                     *c,
                     opts.noise_multiplier,
                     opts.precision,
-                )?);
+                )?;
+                if let Some(update) = update {
+                    let step = StepClaim {
+                        clipped_sum: claim.clipped_sum.clone(),
+                        update: Some(values_of(update)?),
+                        batch_divisor: Some(prepared.trace.batch_size() as f64),
+                        clip_stabilizer: 0.0,
+                        clipping: Clipping::Flat,
+                    };
+                    let arithmetic =
+                        Arithmetic::of(opts.precision, prepared.judge.tolerance.own.len());
+                    prepared.judge.judge_step(
+                        &mut m,
+                        &step,
+                        *c,
+                        opts.noise_multiplier,
+                        &arithmetic,
+                    )?;
+                }
+                metrics.push(m);
             }
             done += 1;
             progress(done, total, &name);

@@ -35,6 +35,10 @@ pub struct Args {
     /// How each example's loss is reduced over its tokens: mean (HF's loss) or sum.
     #[arg(long, value_enum, default_value = "mean")]
     reduction: ReductionArg,
+    /// Skip each clipper's DP-SGD step (its clipped sum, seeded noise and the division by the
+    /// batch size): judge the norms only, and hold no update beside the clipped sum.
+    #[arg(long)]
+    no_step: bool,
     #[command(flatten)]
     report: ReportArgs,
 }
@@ -58,6 +62,8 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         device: a.device.device()?,
         reduction: a.reduction.into(),
         accounting,
+        judge_step: !a.no_step,
+        ..AuditOptions::default()
     };
     let progress = Progress::new();
     let audits = audit::run(cases, &clippers, &opts, &mut |d, t, l| {

@@ -46,6 +46,41 @@ pub struct Clipped {
     pub clipped_sum: Vec<(String, Tensor)>,
 }
 
+/// How the noisy DP-SGD step is formed from a clipped sum: noise N(0, σ²C²) on every entry of
+/// every parameter, drawn from a seeded ChaCha8 stream, then the division by `divisor`.
+#[derive(Clone, Copy, Debug)]
+pub struct NoiseSpec {
+    /// σC, the noise's standard deviation.
+    pub std: f64,
+    pub divisor: f64,
+    pub seed: u64,
+}
+
+/// The update a clipper steps with: (Σ_i c_i g_i + σC ξ) / D per parameter, in first-use order.
+pub fn noisy_update(
+    clipped_sum: &[(String, Tensor)],
+    noise: &NoiseSpec,
+) -> Result<Vec<(String, Tensor)>> {
+    use rand_chacha::rand_core::SeedableRng;
+    use rand_distr::Distribution;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(noise.seed);
+    clipped_sum
+        .iter()
+        .map(|(p, k)| {
+            let xi: Vec<f64> = (0..k.elem_count())
+                .map(|_| {
+                    let x: f64 = rand_distr::StandardNormal.sample(&mut rng);
+                    noise.std * x
+                })
+                .collect();
+            let xi = Tensor::from_vec(xi, k.shape(), &candle_core::Device::Cpu)?
+                .to_dtype(k.dtype())?
+                .to_device(k.device())?;
+            Ok((p.clone(), ((k + xi)? / noise.divisor)?))
+        })
+        .collect()
+}
+
 /// The interface a clipper backend implements. A clipper sees only the trace (per-site
 /// factors); it must not run the model again.
 ///

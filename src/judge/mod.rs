@@ -70,6 +70,43 @@ impl Judge {
         self.evaluate_at(case, claim, max_grad_norm, noise_multiplier, &arithmetic)
     }
 
+    /// Judges the step a case's clipper took and folds it into the case: the verdict, and the
+    /// privacy it spends (a step that is off spends it by the contributions it implies; noise
+    /// below the stated σ on any tensor acts as a contribution that much larger, σ_eff = σ·f).
+    pub fn judge_step(
+        &self,
+        metrics: &mut CaseMetrics,
+        step: &ghost_oracle_reference::StepClaim,
+        max_grad_norm: ClipNorm,
+        noise_multiplier: NoiseMultiplier,
+        arithmetic: &Arithmetic,
+    ) -> Result<()> {
+        let s = evaluate_step(
+            &self.truth,
+            &self.tolerance,
+            metrics,
+            step,
+            max_grad_norm,
+            noise_multiplier,
+            arithmetic,
+        )?;
+        metrics.verdict = metrics.verdict.max(s.verdict);
+        if s.verdict != Verdict::Pass {
+            let implied = [&s.clipped_sum, &s.update]
+                .into_iter()
+                .flatten()
+                .map(|x| x.implied_sensitivity)
+                .fold(1.0 / s.noise_fraction, f64::max);
+            metrics.worst_contribution = metrics.worst_contribution.map(|w| w.max(implied));
+            // One sensitivity: the report's and the ε's.
+            metrics.max_sensitivity_ratio = metrics.max_sensitivity_ratio.max(implied);
+            metrics.effective_noise_multiplier =
+                noise_multiplier.get() / metrics.max_sensitivity_ratio.max(1.0);
+        }
+        metrics.step = Some(s);
+        Ok(())
+    }
+
     /// [`Judge::evaluate`] for a clipper whose arithmetic differs by site (mixed precision).
     pub fn evaluate_at(
         &self,

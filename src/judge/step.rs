@@ -38,7 +38,8 @@ pub struct SumCheck {
     pub implied_sensitivity: f64,
     /// ‖X − Σ_i ĉ_i g_i*‖ / ‖X‖: the part of X outside the span of the batch's gradients.
     pub unexplained: Option<f64>,
-    /// G was singular (e.g. two identical examples): ĉ is the minimum-norm solution.
+    /// G was singular (e.g. two identical examples): ĉ is the minimum-norm solution, one of
+    /// many, and no privacy verdict is drawn from it.
     pub singular: bool,
     /// Some value of X is NaN or infinite.
     pub invalid: bool,
@@ -401,6 +402,17 @@ fn check_sum(
         .zip(&truth.norms)
         .map(|(ci, n)| ci * n / c)
         .fold(0.0, f64::max);
+    // How far rounding alone could move each ĉ_i: an error δ of X moves ĉ by G⁺⟨g, δ⟩, whose
+    // i-th entry is at most √(G⁺)_ii·‖δ‖ (Cauchy–Schwarz in G's metric). A nearly dependent
+    // batch makes ĉ uncertain, and that must not read as a contribution above C.
+    let uncertain_sensitivity = (0..coefs.len())
+        .map(|i| {
+            let mut unit = vec![0.0; coefs.len()];
+            unit[i] = 1.0;
+            let spread = solve_gram(&truth.gram, &unit).0[i].max(0.0).sqrt() * bound;
+            (implied[i] - spread) * truth.norms[i] / c
+        })
+        .fold(0.0, f64::max);
     let (worst_param, worst_param_rel_err) = s
         .per_param
         .iter()
@@ -420,7 +432,9 @@ fn check_sum(
         Verdict::InvalidNorm
     } else if within {
         Verdict::Pass
-    } else if implied_sensitivity > 1.0 + 3.0 * rel_bound + max_norm_bound {
+    } else if !singular && uncertain_sensitivity > 1.0 + 3.0 * rel_bound + max_norm_bound {
+        // With a singular Gram the coefficients are not identifiable (ĉ is one of many), so
+        // only a regular one can show a contribution above C.
         Verdict::PrivacyViolation
     } else {
         Verdict::UtilityDistortion

@@ -149,9 +149,12 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
                 e.sensitivity
             );
         }
+        // A single case (a trace file) shows every check of its step; a suite shows those
+        // that failed.
+        let every = a.cases.len() == 1;
         for c in &a.cases {
             if let Some(step) = &c.step {
-                s.push_str(&step_lines(&c.case, step));
+                s.push_str(&step_lines(&c.case, step, every));
             }
         }
         for w in &a.warnings {
@@ -207,9 +210,14 @@ fn step_figure(step: &StepMetrics, verdict: Verdict) -> Option<String> {
 }
 
 /// The step's checks of a case, a line each.
-fn step_lines(case: &str, step: &StepMetrics) -> String {
+fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
     let mut s = String::new();
-    for check in [&step.clipped_sum, &step.update].into_iter().flatten() {
+    let shown = |v: Verdict| every || v != Verdict::Pass;
+    for check in [&step.clipped_sum, &step.update]
+        .into_iter()
+        .flatten()
+        .filter(|c| shown(c.verdict))
+    {
         let dropped: Vec<usize> = (0..check.implied_coefficients.len())
             .filter(|&i| check.implied_coefficients[i].abs() < 0.5 * step.true_coefficients[i])
             .collect();
@@ -225,7 +233,7 @@ fn step_lines(case: &str, step: &StepMetrics) -> String {
             fixed(check.scale, 4),
             check.implied_sensitivity,
             check.unexplained.map_or("n/a".into(), sci),
-            if dropped.is_empty() || check.verdict == Verdict::Pass {
+            if dropped.is_empty() || check.verdict == Verdict::Pass || check.singular {
                 String::new()
             } else {
                 format!("; examples {dropped:?} are missing from it (their implied coefficients are under half the true ones)")
@@ -236,7 +244,7 @@ fn step_lines(case: &str, step: &StepMetrics) -> String {
     for n in step
         .noise
         .iter()
-        .filter(|n| n.verdict != Verdict::Pass || n.param == "all")
+        .filter(|n| n.verdict != Verdict::Pass || (every && n.param == "all"))
     {
         let _ = writeln!(
             s,
@@ -250,7 +258,7 @@ fn step_lines(case: &str, step: &StepMetrics) -> String {
             n.sigma_ratio
         );
     }
-    if let Some(n) = &step.noisy_update {
+    if let Some(n) = step.noisy_update.as_ref().filter(|n| shown(n.verdict)) {
         let _ = writeln!(
             s,
             "  step ({case}): update under noise {}: implied coefficients χ² = {:.2} on {} degrees of freedom (at most {:.2}); residual noise χ² = {:.1} against [{:.1}, {:.1}], σ̂ = {:.4}·σ; from one noisy update this test sees signal errors of {} of S* or more, not less",
@@ -296,7 +304,19 @@ pub fn deciding_figure(a: &ClipperAudit) -> String {
     };
     let e = &c.examples[c.worst_example];
     let case = &c.base_case;
-    if let Some(figure) = c.step.as_ref().and_then(|s| step_figure(s, c.verdict)) {
+    // The norms' own figure where they alone give the verdict; the step's where only it does.
+    let norms_decide = match c.verdict {
+        Verdict::InvalidNorm => !c.invalid_examples.is_empty(),
+        Verdict::PrivacyViolation => c.examples.iter().any(|e| e.sensitivity > 1.0 + e.bound),
+        Verdict::UtilityDistortion => c.max_err_units > 1.0,
+        Verdict::CannotJudge | Verdict::Pass => true,
+    };
+    if let Some(figure) = c
+        .step
+        .as_ref()
+        .filter(|_| !norms_decide)
+        .and_then(|s| step_figure(s, c.verdict))
+    {
         return format!("{case}: {figure}");
     }
     match c.verdict {
