@@ -4,7 +4,8 @@ A tiny GPT-2 whose LM head is tied to its input embedding (as in every GPT-2 che
 clips each example's gradient to norm C; if the norm a clipper computes is too small, the
 example's clipped contribution exceeds C and the run's (ε, δ) no longer holds. `assert_norms`
 checks the norms a clipper claims against ghost-oracle's f64 ground truth and raises a readable
-AssertionError when they are wrong.
+AssertionError when they are wrong. `assert_update` does the same for the step the library takes:
+its clipped sum before noise, its noise and its update, against the exact Σ_i c*_i g*_i.
 
     pip install ./python torch transformers opacus   # ./python: ghost-oracle's package
     pytest examples/test_opacus_clipper.py -s
@@ -18,7 +19,7 @@ from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import ghost_oracle.opacus
-from ghost_oracle.torch import assert_norms
+from ghost_oracle.torch import assert_norms, assert_update
 
 B, T, V = 4, 12, 19
 MAX_GRAD_NORM = 2.5  # C: below most examples' norms, so that they are clipped
@@ -86,3 +87,17 @@ def test_opacus_ghost_clipping_on_an_untied_copy_breaks_privacy(model, ids):
     print(message)  # what a failing gate shows in the pytest log
     assert "privacy-violation" in message
     assert "tied parameter: `transformer.wte.weight`" in message
+
+
+@pytest.mark.parametrize("noise_multiplier", [0.0, NOISE_MULTIPLIER])
+def test_opacus_step_is_the_exact_clipped_sum_plus_the_stated_noise(model, ids, noise_multiplier):
+    """A real Opacus step (hooks mode) up to the update: at σ = 0 the update times its divisor is
+    the exact clipped sum; at σ = 1 the clipped sum is exact and u·D − K is N(0, σ²C²) on every
+    tensor, the tied embedding included (noised once, not once per use)."""
+    step = ghost_oracle.opacus.dp_step(model, per_example_loss, ids, max_grad_norm=MAX_GRAD_NORM,
+                                       noise_multiplier=noise_multiplier, seed=13)
+    report = assert_update(model, per_example_loss, step.inputs, step.update, clipped_sum=step.clipped_sum,
+                           max_grad_norm=MAX_GRAD_NORM, noise_multiplier=noise_multiplier,
+                           batch_divisor=step.batch_divisor, stabilizer=step.clip_stabilizer,
+                           claimed_norms=step.norms, clipper="opacus-step")
+    assert report.step.clipped_sum.passed

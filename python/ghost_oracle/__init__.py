@@ -7,6 +7,10 @@
     from ghost_oracle.torch import assert_norms           # export + check + raise, in one call
     assert_norms(model, per_example_loss, batch, claimed_norms=my_norms, max_grad_norm=1.0)
 
+    from ghost_oracle.torch import assert_update          # the step: clipped sum, noise, update
+    assert_update(model, per_example_loss, batch, update, clipped_sum=summed, max_grad_norm=1.0,
+                  noise_multiplier=1.0, batch_divisor=len(batch), stabilizer=1e-6)
+
     import ghost_oracle.opacus                            # claimed norms straight from Opacus
     norms = ghost_oracle.opacus.norms(gsm, per_example_loss, batch)
 
@@ -21,7 +25,8 @@ from typing import Any
 
 from ._api import BUILTIN_CLIPPERS, MUTANTS, audit, check, mutants
 from ._native import __version__
-from ._report import VERDICTS, CaseResult, ClipperResult, Privacy, Report
+from ._report import (VERDICTS, CaseResult, ClipperResult, NoiseCheck, NoisyUpdateCheck, Privacy, Report,
+                      StepResult, SumCheck)
 
 __all__ = [
     "BUILTIN_CLIPPERS",
@@ -29,8 +34,12 @@ __all__ = [
     "VERDICTS",
     "CaseResult",
     "ClipperResult",
+    "NoiseCheck",
+    "NoisyUpdateCheck",
     "Privacy",
     "Report",
+    "StepResult",
+    "SumCheck",
     "__version__",
     "audit",
     "check",

@@ -1,5 +1,9 @@
 """Type stubs of the compiled core (`python/src/lib.rs`). Use the wrappers in `ghost_oracle`:
-these functions return plain dicts that `ghost_oracle.Report` reads."""
+these functions return plain dicts that `ghost_oracle.Report` reads. In `check`'s, a case whose
+trace carries a step has a `step` dict (`StepMetrics` of `src/judge/step.rs`: `true_coefficients`,
+`clipped_sum` and `update` (each a `SumCheck` dict or None), `noise` (a list of `NoiseCheck`
+dicts), `noisy_update` (a `NoisyUpdateCheck` dict or None), `update_not_judged`,
+`noise_fraction`, `verdict`), read by `ghost_oracle.StepResult`; None without one."""
 from typing import Any
 
 __version__: str

@@ -33,7 +33,12 @@ make up:
     export_trace(model, per_example_loss, step.inputs, "step.safetensors", clipper="opacus",
                  **step.export_kwargs())
 
-`assert_norms` judges the norms only.
+`assert_norms` judges the norms only; `assert_update` judges the step (and the norms, when it
+is given the library's):
+
+    assert_update(model, per_example_loss, [mb1, mb2], step.update, clipped_sum=step.clipped_sum,
+                  max_grad_norm=1.0, noise_multiplier=1.0, batch_divisor=step.batch_divisor,
+                  stabilizer=1e-6)
 """
 from __future__ import annotations
 
@@ -46,12 +51,12 @@ from typing import Any, Union
 import torch
 
 from ._api import check
-from ._export import FORMAT, TraceExportError, export_trace
+from ._export import FORMAT, TraceExportError, _batch_shape, export_trace
 from ._report import Report
 
 Inputs = Union[torch.Tensor, Mapping[str, torch.Tensor]]
 
-__all__ = ["FORMAT", "TraceExportError", "assert_norms", "export_trace"]
+__all__ = ["FORMAT", "TraceExportError", "assert_norms", "assert_update", "export_trace"]
 
 
 def assert_norms(
@@ -111,13 +116,31 @@ def assert_norms(
     the batch gradient afterwards.
     """
     __tracebackhide__ = True  # pytest shows the failing test's line, not this function
+    return _export_check_assert(
+        model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
+        sampling_rate=sampling_rate, steps=steps, delta=delta, trace_path=trace_path,
+        export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
+                    noise_multiplier=noise_multiplier, dtype=dtype))
+
+
+def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clipper, precision, sampling_rate,
+                         steps, delta, trace_path, export) -> Report:
+    """Export (to `trace_path`, or a temporary file), check, raise `AssertionError` unless pass.
+    `claimed_norms` None: the exact norms, which the check computes from the trace's factors;
+    the trace is exported once with placeholders, its `claimed.norms` replaced by the check's
+    true norms and checked again."""
+    __tracebackhide__ = True
 
     def run(path: str) -> Report:
-        export_trace(model, per_example_loss, inputs, path, claimed_norms=claimed_norms,
-                     max_grad_norm=max_grad_norm, clipper=clipper,
-                     claimed_coefficients=claimed_coefficients, noise_multiplier=noise_multiplier,
-                     dtype=dtype)
-        return check(path, precision=precision, sampling_rate=sampling_rate, steps=steps, delta=delta)
+        norms = claimed_norms
+        if norms is None:
+            norms = _placeholder_norms
+        export_trace(model, per_example_loss, inputs, path, claimed_norms=norms, clipper=clipper, **export)
+        report = check(path, precision=precision, sampling_rate=sampling_rate, steps=steps, delta=delta)
+        if claimed_norms is None:
+            _replace_claimed_norms(path, report.true_norms)
+            report = check(path, precision=precision, sampling_rate=sampling_rate, steps=steps, delta=delta)
+        return report
 
     if trace_path is not None:
         report = run(os.fspath(trace_path))
@@ -129,3 +152,106 @@ def assert_norms(
     if not report.passed:
         raise AssertionError(report.explain())
     return report
+
+
+def _placeholder_norms(model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+    """Norms of 1, replaced by the true ones once the check has computed them."""
+    b, _ = _batch_shape(inputs)
+    return torch.ones(b, dtype=torch.float64)
+
+
+def _replace_claimed_norms(path: str, norms: Any) -> None:
+    """Rewrites the trace at `path` with `claimed.norms` = `norms` (float64), nothing else
+    changed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["claimed.norms"] = torch.tensor([float(n) for n in norms], dtype=torch.float64)
+    save_file(tensors, path, metadata=meta)
+
+
+def assert_update(
+    model: torch.nn.Module,
+    per_example_loss: Callable[[torch.nn.Module, Any], torch.Tensor],
+    inputs: Inputs | list[Inputs],
+    update: Mapping[str, torch.Tensor],
+    *,
+    clipped_sum: Mapping[str, torch.Tensor] | None = None,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    batch_divisor: float,
+    stabilizer: float = 0.0,
+    clipping: str = "flat",
+    claimed_norms: Any = None,
+    claimed_coefficients: Any = None,
+    clipper: str = "claimed",
+    dtype: torch.dtype | None = None,
+    precision: str | None = None,
+    sampling_rate: float | None = None,
+    steps: int | None = None,
+    delta: float | None = None,
+    trace_path: str | os.PathLike[str] | None = None,
+) -> Report:
+    """Asserts that `update` is the DP-SGD update of `model` on `inputs`:
+    (Σ_i c*_i g*_i + σ C ξ) / D, with c*_i = min(1, C / (n*_i + γ)) from the true per-example
+    gradients (docs/tolerances.md, "The step: the clipped sum and the update").
+
+    Exports the trace of the batch with the step (the update, the clipped sum when given, the
+    divisor), checks it with the f64 reference and raises `AssertionError` unless the verdict is
+    pass. Without noise the update times D is compared with the exact clipped sum; under noise
+    the clipped sum (when given) is compared with it and u·D − K is tested as N(0, σ²C²) per
+    parameter tensor, and without the clipped sum the update is judged by the coefficients it
+    implies (a signal error below the smallest the test can see then passes: the message of a
+    failure, and `report.step.noisy_update.smallest_visible`, say how small).
+
+    The message names the verdict, the parameter (the one furthest off, or the tensor whose noise
+    is wrong), the figure that decided it (the error against its bound, the implied
+    contributions, examples missing from the sum, χ² against its interval and σ̂/σ, the divisor
+    the update implies), σ_eff and the stated and actual ε, and per example the true and implied
+    coefficients.
+
+    Args:
+        model: the model with the weights before the step (dropout off).
+        per_example_loss: `per_example_loss(model, batch) -> Tensor[b]`, each example's own loss.
+        inputs: the batch (tensor of ids or dict of tensors), or the list of micro-batches the
+            step accumulated (traced as their concatenation, the logical batch).
+        update: `{name: tensor}` for every trainable parameter (`model.named_parameters()` names,
+            a tied parameter once): what the optimizer steps with (Opacus: `p.grad` after
+            `optimizer.pre_step()`).
+        clipped_sum: the same for the clipped sum before noise (Opacus: `p.summed_grad`); judged
+            exactly whatever σ, and it makes the noise testable per tensor.
+        max_grad_norm: C.
+        noise_multiplier: σ.
+        batch_divisor: D, what the library says it divides the noisy sum by (Opacus:
+            `expected_batch_size × accumulated_iterations`).
+        stabilizer: γ in min(1, C / (n + γ)) (Opacus: 1e-6).
+        clipping: "flat" (the only rule this version judges).
+        claimed_norms: the norms the library clipped by (tensor, array, list or callable, as for
+            `assert_norms`), judged too; default: the exact norms, so that only the step is judged.
+        claimed_coefficients: the library's clip factors, with `claimed_norms`.
+        clipper: the name the report gives the claim.
+        dtype, precision, sampling_rate, steps, delta, trace_path: as for `assert_norms`.
+
+    Returns:
+        the `Report` when the step passes; `report.step` holds its figures.
+
+    Raises:
+        AssertionError: the step is wrong (or the claimed norms are).
+        TraceExportError: the model cannot be traced faithfully.
+        ValueError, TypeError: bad arguments (a parameter missing from `update`, a bad divisor).
+
+    The call runs one forward and backward pass: the model's `.grad`s are reset first and hold
+    the batch gradient afterwards.
+    """
+    __tracebackhide__ = True
+    if update is None:
+        raise ValueError("update is required: the {name: tensor} the optimizer steps with")
+    return _export_check_assert(
+        model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
+        sampling_rate=sampling_rate, steps=steps, delta=delta, trace_path=trace_path,
+        export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
+                    noise_multiplier=noise_multiplier, dtype=dtype, update=update, clipped_sum=clipped_sum,
+                    batch_divisor=batch_divisor, clip_stabilizer=stabilizer, clipping=clipping))
