@@ -496,31 +496,25 @@ fn the_clipped_sum_is_compared_with_the_true_gradients_per_parameter() {
 #[test]
 fn a_clipped_sum_missing_a_parameter_or_of_the_wrong_size_is_an_error() {
     let (t, tol) = sum_case();
+    let error_of = |c: &Claim| {
+        evaluate(
+            "sum",
+            &t,
+            &tol,
+            c,
+            cn(2.5),
+            nm(1.0),
+            &Arithmetic::Uniform(U),
+        )
+        .unwrap_err()
+    };
     let mut c = sum_claim([1.0, 2.0], 1.5);
     c.clipped_sum.as_mut().unwrap().remove(0);
-    let err = evaluate(
-        "sum",
-        &t,
-        &tol,
-        &c,
-        cn(2.5),
-        nm(1.0),
-        &Arithmetic::Uniform(U),
-    )
-    .unwrap_err();
+    let err = error_of(&c);
     assert!(err.to_string().contains("`b`"), "{err}");
     let mut c = sum_claim([1.0, 2.0], 1.5);
     c.clipped_sum.as_mut().unwrap()[1].1.push(0.0);
-    let err = evaluate(
-        "sum",
-        &t,
-        &tol,
-        &c,
-        cn(2.5),
-        nm(1.0),
-        &Arithmetic::Uniform(U),
-    )
-    .unwrap_err();
+    let err = error_of(&c);
     assert!(
         err.to_string().contains("has 3 values; expected 2"),
         "{err}"

@@ -131,6 +131,11 @@ fn write_step(
     path
 }
 
+/// A step at σ = 0 whose clipped sum is `s` and whose update is s / D, as the library says.
+fn write_exact_step(name: &str, s: &[(String, Vec<f64>)]) -> PathBuf {
+    write(name, Some(s.to_vec()), Some(scaled(s, 1.0 / DIVISOR)), 0.0)
+}
+
 fn scaled(s: &[(String, Vec<f64>)], k: f64) -> Vec<(String, Vec<f64>)> {
     s.iter()
         .map(|(p, v)| (p.clone(), v.iter().map(|x| x * k).collect()))
@@ -145,12 +150,7 @@ fn judge(path: &Path) -> ghost_oracle::ClipperAudit {
 fn the_exact_clipped_sum_and_update_pass() {
     let (t, _, _, coefs) = setup();
     let s = weighted(&t, &coefs);
-    let a = judge(&write(
-        "exact",
-        Some(s.clone()),
-        Some(scaled(&s, 1.0 / DIVISOR)),
-        0.0,
-    ));
+    let a = judge(&write_exact_step("exact", &s));
     let step = a.cases[0].step.as_ref().unwrap();
     assert_eq!(a.verdict, Verdict::Pass, "{step:?}");
     for check in [&step.clipped_sum, &step.update] {
@@ -173,12 +173,7 @@ fn a_lost_micro_batch_is_named_and_is_a_distortion() {
     let (t, _, _, coefs) = setup();
     let last = [0.0, 0.0, coefs[2], coefs[3]];
     let s = weighted(&t, &last);
-    let a = judge(&write(
-        "lost",
-        Some(s.clone()),
-        Some(scaled(&s, 1.0 / DIVISOR)),
-        0.0,
-    ));
+    let a = judge(&write_exact_step("lost", &s));
     let step = a.cases[0].step.as_ref().unwrap();
     let check = step.clipped_sum.as_ref().unwrap();
     assert_eq!(check.verdict, Verdict::UtilityDistortion, "{check:?}");

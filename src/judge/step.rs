@@ -118,6 +118,38 @@ fn chi2_interval(entries: usize, tests: usize) -> (f64, f64) {
     )
 }
 
+/// A χ² of noise with `dof` degrees of freedom against its interval: below it less noise than
+/// stated (the stated σ no longer buys the stated ε), above it more.
+fn noise_check(param: String, dof: usize, chi2: f64, tests: usize) -> NoiseCheck {
+    let (low, high) = chi2_interval(dof, tests);
+    let verdict = if !chi2.is_finite() {
+        Verdict::InvalidNorm
+    } else if chi2 < low {
+        Verdict::PrivacyViolation
+    } else if chi2 > high {
+        Verdict::UtilityDistortion
+    } else {
+        Verdict::Pass
+    };
+    NoiseCheck {
+        param,
+        entries: dof,
+        chi2,
+        low,
+        high,
+        sigma_ratio: (chi2 / dof.max(1) as f64).sqrt(),
+        verdict,
+    }
+}
+
+/// Every value times `k`: an update times its divisor.
+fn times(values: &[(String, Vec<f64>)], k: f64) -> Vec<(String, Vec<f64>)> {
+    values
+        .iter()
+        .map(|(p, v)| (p.clone(), v.iter().map(|x| x * k).collect()))
+        .collect()
+}
+
 fn noise_checks(
     update: &[(String, Vec<f64>)],
     clipped_sum: &[(String, Vec<f64>)],
@@ -126,27 +158,7 @@ fn noise_checks(
 ) -> Vec<NoiseCheck> {
     let tests = update.len() + 1;
     let check = |param: String, entries: usize, sq: f64| {
-        let chi2 = sq / (sigma_c * sigma_c);
-        let (low, high) = chi2_interval(entries, tests);
-        let verdict = if !chi2.is_finite() {
-            Verdict::InvalidNorm
-        } else if chi2 < low {
-            // Less noise than stated: the stated σ no longer buys the stated ε.
-            Verdict::PrivacyViolation
-        } else if chi2 > high {
-            Verdict::UtilityDistortion
-        } else {
-            Verdict::Pass
-        };
-        NoiseCheck {
-            param,
-            entries,
-            chi2,
-            low,
-            high,
-            sigma_ratio: (chi2 / entries.max(1) as f64).sqrt(),
-            verdict,
-        }
+        noise_check(param, entries, sq / (sigma_c * sigma_c), tests)
     };
     let mut out: Vec<NoiseCheck> = update
         .iter()
@@ -312,11 +324,7 @@ fn check_noisy_update(
     coefs: &[f64],
     sigma_c: f64,
 ) -> Result<NoisyUpdateCheck> {
-    let scaled: Vec<(String, Vec<f64>)> = update
-        .iter()
-        .map(|(p, v)| (p.clone(), v.iter().map(|x| x * divisor).collect()))
-        .collect();
-    let s = sums(truth, coefs, &scaled)?;
+    let s = sums(truth, coefs, &times(update, divisor))?;
     let (implied, rank) = solve_gram(&truth.gram, &s.b);
     let diff: Vec<f64> = implied.iter().zip(coefs).map(|(a, b)| a - b).collect();
     let chi2 = gram_quad(&truth.gram, &diff) / (sigma_c * sigma_c);
@@ -326,25 +334,7 @@ fn check_noisy_update(
     let residual2 = (s.x2 - 2.0 * explained + gram_quad(&truth.gram, &implied)).max(0.0);
     let entries: usize = update.iter().map(|(_, v)| v.len()).sum();
     let dof = entries.saturating_sub(rank);
-    let (low, rhigh) = chi2_interval(dof, tests);
-    let rchi2 = residual2 / (sigma_c * sigma_c);
-    let residual = NoiseCheck {
-        param: "all".into(),
-        entries: dof,
-        chi2: rchi2,
-        low,
-        high: rhigh,
-        sigma_ratio: (rchi2 / dof.max(1) as f64).sqrt(),
-        verdict: if !rchi2.is_finite() {
-            Verdict::InvalidNorm
-        } else if rchi2 < low {
-            Verdict::PrivacyViolation
-        } else if rchi2 > rhigh {
-            Verdict::UtilityDistortion
-        } else {
-            Verdict::Pass
-        },
-    };
+    let residual = noise_check("all".into(), dof, residual2 / (sigma_c * sigma_c), tests);
     let signal = if !chi2.is_finite() {
         Verdict::InvalidNorm
     } else if chi2 > high {
@@ -492,23 +482,17 @@ pub fn evaluate_step(
         .transpose()?;
     let without_noise = noise_multiplier.get() == 0.0;
     let update = match (&step.update, step.batch_divisor) {
-        (Some(u), Some(d)) if without_noise => {
-            let scaled: Vec<(String, Vec<f64>)> = u
-                .iter()
-                .map(|(p, v)| (p.clone(), v.iter().map(|x| x * d).collect()))
-                .collect();
-            Some(check_sum(
-                "update × divisor",
-                &scaled,
-                truth,
-                tolerance,
-                metrics,
-                &true_coefficients,
-                c,
-                arithmetic,
-                2.0 * arithmetic.coarsest_unit_roundoff(),
-            )?)
-        }
+        (Some(u), Some(d)) if without_noise => Some(check_sum(
+            "update × divisor",
+            &times(u, d),
+            truth,
+            tolerance,
+            metrics,
+            &true_coefficients,
+            c,
+            arithmetic,
+            2.0 * arithmetic.coarsest_unit_roundoff(),
+        )?),
         (Some(_), Some(_)) | (Some(_), None) | (None, Some(_)) | (None, None) => None,
     };
     let noise = match (&step.update, &step.clipped_sum, step.batch_divisor) {
