@@ -30,9 +30,9 @@ def pytest_configure(config):
 B, T, V = 4, 12, 19
 
 
-def gpt2(dtype=torch.float32):
-    torch.manual_seed(11)
-    cfg = transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=12, n_layer=1, n_head=3, bos_token_id=0,
+def gpt2(dtype=torch.float32, vocab=V, seed=11):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=16, n_embd=12, n_layer=1, n_head=3, bos_token_id=0,
                                   eos_token_id=0, attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0,
                                   attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(cfg)

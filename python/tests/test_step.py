@@ -43,19 +43,7 @@ def wide_vocab_gpt2():
     """A one-layer tied GPT-2 like the conftest's, with a vocabulary of 256: the tied table is
     most of the model's entries, so that noise missing from it shows in the total residual of an
     update judged without its clipped sum too."""
-    torch.manual_seed(13)
-    cfg = transformers.GPT2Config(vocab_size=256, n_positions=16, n_embd=12, n_layer=1, n_head=3, bos_token_id=0,
-                                  eos_token_id=0, attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln_" in name or "ln_f" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.4 * torch.randn_like(p))
-    assert model.lm_head.weight is model.transformer.wte.weight
-    return model.train()
+    return gpt2(vocab=256, seed=13)
 
 
 @pytest.fixture(scope="module")
