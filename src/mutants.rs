@@ -2,9 +2,13 @@
 //! (docs/detection.md). The oracle is worth its power to catch every one of them.
 
 use crate::clippers::gram::{self, Factor, Factored};
-use crate::clippers::{finish, Clipper, CrossTerm, NormReport};
-use crate::error::Result;
-use crate::trace::{Precision, SiteKind, Trace};
+use crate::clippers::{
+    clip_coefficients, finish, noisy_update_by, Clipped, Clipper, CrossTerm, NoiseOrder, NoiseSpec,
+    NormReport, Stepped, TiedGhostClipper,
+};
+use crate::error::{Error, Result};
+use crate::options::ClipNorm;
+use crate::trace::{Precision, Site, SiteKind, Trace};
 use candle_core::{DType, Tensor};
 
 /// What the audit must say about a mutant wherever it catches it.
@@ -18,12 +22,24 @@ pub enum ExpectedVerdict {
     Flagged,
 }
 
+/// What a seeded bug corrupts, and so what an audit has to judge to see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Corrupts {
+    /// The per-example norms or coefficients: seen by every audit.
+    Norms,
+    /// The clipped sum, the divisor or the loss the step is of: seen when the step is judged.
+    Step,
+    /// Only the noise: seen when the step is judged under noise (σ > 0).
+    Noise,
+}
+
 /// The seeded bugs, from one table: variant, name, the verdict the audit owes it, the coarsest
-/// precision at which the bug is still a bug, and the library behaviour it reproduces. `ALL`,
-/// `name`, `parse`, `expected`, `visible_at` and `reproduces` are generated from it, so no list
-/// is kept in sync by hand and no mutant lacks an expectation.
+/// precision at which the bug is still a bug, what it corrupts, and the library behaviour it
+/// reproduces. `ALL`, `name`, `parse`, `expected`, `visible_at`, `corrupts` and `reproduces`
+/// are generated from it, so no list is kept in sync by hand and no mutant lacks an
+/// expectation.
 macro_rules! mutants {
-    ($($variant:ident, $name:literal, $expected:ident, $coarsest:ident, $reproduces:literal;)+) => {
+    ($($variant:ident, $name:literal, $expected:ident, $coarsest:ident, $corrupts:ident, $reproduces:literal;)+) => {
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         pub enum Mutant {
             $($variant,)+
@@ -59,6 +75,13 @@ macro_rules! mutants {
                 }
             }
 
+            /// What the bug corrupts: an audit that judges less cannot see it.
+            pub fn corrupts(self) -> Corrupts {
+                match self {
+                    $(Mutant::$variant => Corrupts::$corrupts,)+
+                }
+            }
+
             pub fn parse(name: &str) -> Option<Self> {
                 Mutant::ALL.iter().copied().find(|m| m.name() == name)
             }
@@ -71,29 +94,48 @@ macro_rules! mutants {
 // inside the f16 bound on the built-in suite (the kill matrix at f16 shows it), so neither is
 // claimed visible there.
 mutants! {
-    DropCross, "drop-cross", Flagged, BF16,
+    DropCross, "drop-cross", Flagged, BF16, Norms,
         "tied sites summed as if disjoint (Opacus FSDP ghost class; JAX custom_vjp stacks)";
-    LastWriter, "last-writer", Flagged, BF16,
+    LastWriter, "last-writer", Flagged, BF16, Norms,
         "per-sample norm overwritten by the last site computed in backward: embedding only (fastDP)";
-    FirstWriter, "first-writer", Flagged, BF16,
+    FirstWriter, "first-writer", Flagged, BF16, Norms,
         "only the first site computed in backward kept: LM head only";
-    CauchySchwarz, "cauchy-schwarz", NeverPrivacyViolation, BF16,
+    CauchySchwarz, "cauchy-schwarz", NeverPrivacyViolation, BF16, Norms,
         "sqrt(k·Σ‖G_j‖²) for a layer used k times (TF Privacy): safe, over-clips";
-    NoRepeatMerge, "no-repeat-merge", Flagged, BF16,
+    NoRepeatMerge, "no-repeat-merge", Flagged, BF16, Norms,
         "embedding norm Σ_t‖e_t‖², ignoring repeated tokens";
-    BiasFrobenius, "bias-frobenius", Flagged, BF16,
+    BiasFrobenius, "bias-frobenius", Flagged, BF16, Norms,
         "bias norm² as ‖ΔΔᵀ‖_F instead of Σ(ΔΔᵀ) (Opacus before PR 751)";
-    SequenceCollapse, "sequence-collapse", Flagged, BF16,
+    SequenceCollapse, "sequence-collapse", Flagged, BF16, Norms,
         "non-sequence formula ‖Σ_t δ_t‖·‖Σ_t a_t‖ applied to sequences";
-    BatchMeanLoss, "batch-mean-loss", PrivacyViolation, BF16,
+    BatchMeanLoss, "batch-mean-loss", PrivacyViolation, BF16, Norms,
         "norms of the batch-mean loss: 1/B too small";
-    F16Gram, "f16-gram", Flagged, F32,
+    F16Gram, "f16-gram", Flagged, F32, Norms,
         "Gram matrices accumulated in f16";
-    Bf16Gram, "bf16-gram", Flagged, F32,
+    Bf16Gram, "bf16-gram", Flagged, F32, Norms,
         "Gram matrices accumulated in bf16";
-    FlippedCross, "flipped-cross", Flagged, BF16,
+    FlippedCross, "flipped-cross", Flagged, BF16, Norms,
         "cross term with the wrong sign";
+    TiedNoisePerUse, "tied-noise-per-use", NeverPrivacyViolation, BF16, Noise,
+        "noise added once per use of a shared weight: twice the variance on a tied embedding";
+    NoTiedNoise, "no-tied-noise", PrivacyViolation, BF16, Noise,
+        "no noise on the tied weight (FlashDP's GPT-2 example trains the tied head without it)";
+    TiedHeadUnclipped, "tied-head-unclipped", Flagged, BF16, Step,
+        "the tied head's output path summed unclipped (FlashDP's GPT-2 example)";
+    DefaultClipNorm, "default-clip-norm", Flagged, BF16, Norms,
+        "clipping at a default C = 1 while the noise uses the stated C (Opacus #664; fastDP's undefined C)";
+    ActualBatchDivisor, "actual-batch-divisor", NeverPrivacyViolation, BF16, Step,
+        "update divided by the batch's actual size, not the stated expected size (Opacus #571, #819)";
+    MicrobatchOverwrite, "microbatch-overwrite", NeverPrivacyViolation, BF16, Step,
+        "the second micro-batch's clipped sum overwrites the first's (Opacus ghost mode's two backwards; #707)";
+    NoiseAfterDivision, "noise-after-division", NeverPrivacyViolation, BF16, Noise,
+        "noise N(0, σ²C²) added after the division by the batch size";
+    IgnoredTokenMean, "ignored-token-mean", Flagged, BF16, Norms,
+        "each example's loss averaged over all T positions, ignored ones included (Opacus #792)";
 }
+
+/// How many draws of noise a parameter gets, by name.
+type Draws<'a> = &'a dyn Fn(&str) -> usize;
 
 /// A clipper with one seeded bug; otherwise exact tied ghost clipping.
 #[derive(Clone, Copy, Debug)]
@@ -137,7 +179,15 @@ impl MutantClipper {
             | Mutant::BiasFrobenius
             | Mutant::SequenceCollapse
             | Mutant::BatchMeanLoss
-            | Mutant::FlippedCross => dtype,
+            | Mutant::FlippedCross
+            | Mutant::TiedNoisePerUse
+            | Mutant::NoTiedNoise
+            | Mutant::TiedHeadUnclipped
+            | Mutant::DefaultClipNorm
+            | Mutant::ActualBatchDivisor
+            | Mutant::MicrobatchOverwrite
+            | Mutant::NoiseAfterDivision
+            | Mutant::IgnoredTokenMean => dtype,
         }
     }
 
@@ -184,7 +234,15 @@ impl MutantClipper {
             | Mutant::BatchMeanLoss
             | Mutant::F16Gram
             | Mutant::Bf16Gram
-            | Mutant::FlippedCross => self.inner(f, f, dtype),
+            | Mutant::FlippedCross
+            | Mutant::TiedNoisePerUse
+            | Mutant::NoTiedNoise
+            | Mutant::TiedHeadUnclipped
+            | Mutant::DefaultClipNorm
+            | Mutant::ActualBatchDivisor
+            | Mutant::MicrobatchOverwrite
+            | Mutant::NoiseAfterDivision
+            | Mutant::IgnoredTokenMean => self.inner(f, f, dtype),
         }
     }
 }
@@ -234,7 +292,15 @@ impl Clipper for MutantClipper {
                 | Mutant::BatchMeanLoss
                 | Mutant::F16Gram
                 | Mutant::Bf16Gram
-                | Mutant::FlippedCross => {
+                | Mutant::FlippedCross
+                | Mutant::TiedNoisePerUse
+                | Mutant::NoTiedNoise
+                | Mutant::TiedHeadUnclipped
+                | Mutant::DefaultClipNorm
+                | Mutant::ActualBatchDivisor
+                | Mutant::MicrobatchOverwrite
+                | Mutant::NoiseAfterDivision
+                | Mutant::IgnoredTokenMean => {
                     for (a, &j) in p.sites.iter().enumerate() {
                         for &k in &p.sites[a + 1..] {
                             let mut values = self.inner(&factored[j], &factored[k], dtype)?;
@@ -258,4 +324,172 @@ impl Clipper for MutantClipper {
         }
         Ok(report)
     }
+
+    fn clip(&self, trace: &Trace, max_grad_norm: ClipNorm) -> Result<Clipped> {
+        match self.0 {
+            // Norms and sum of another loss: the per-example mean over all T positions.
+            Mutant::IgnoredTokenMean => {
+                TiedGhostClipper.clip(&mean_over_all_positions(trace)?, max_grad_norm)
+            }
+            Mutant::TiedHeadUnclipped => {
+                let report = self.norms(trace)?;
+                let coefficients = clip_coefficients(&report.norms, max_grad_norm);
+                let clipped_sum = head_path_unclipped(trace, &coefficients)?;
+                Ok(Clipped {
+                    report,
+                    coefficients,
+                    clipped_sum,
+                })
+            }
+            Mutant::DefaultClipNorm => {
+                let one = ClipNorm::new(1.0).expect("1 is a valid clipping norm");
+                TiedGhostClipper.clip(trace, one)
+            }
+            Mutant::MicrobatchOverwrite => {
+                let mut clipped = TiedGhostClipper.clip(trace, max_grad_norm)?;
+                // Two micro-batches, the first half and the rest; only the last one's sum is kept.
+                let first = trace.batch_size() / 2;
+                let mut kept = clipped.coefficients.clone();
+                kept[..first].iter_mut().for_each(|c| *c = 0.0);
+                clipped.clipped_sum = crate::clippers::clipped_sum(trace, &kept)?;
+                Ok(clipped)
+            }
+            Mutant::DropCross
+            | Mutant::LastWriter
+            | Mutant::FirstWriter
+            | Mutant::CauchySchwarz
+            | Mutant::NoRepeatMerge
+            | Mutant::BiasFrobenius
+            | Mutant::SequenceCollapse
+            | Mutant::BatchMeanLoss
+            | Mutant::F16Gram
+            | Mutant::Bf16Gram
+            | Mutant::FlippedCross
+            | Mutant::TiedNoisePerUse
+            | Mutant::NoTiedNoise
+            | Mutant::ActualBatchDivisor
+            | Mutant::NoiseAfterDivision => {
+                let report = self.norms(trace)?;
+                let coefficients = clip_coefficients(&report.norms, max_grad_norm);
+                let clipped_sum = crate::clippers::clipped_sum(trace, &coefficients)?;
+                Ok(Clipped {
+                    report,
+                    coefficients,
+                    clipped_sum,
+                })
+            }
+        }
+    }
+
+    fn step(&self, trace: &Trace, max_grad_norm: ClipNorm, noise: &NoiseSpec) -> Result<Stepped> {
+        let clipped = self.clip(trace, max_grad_norm)?;
+        let shared: Vec<String> = trace
+            .params()
+            .into_iter()
+            .filter(|p| p.sites.len() > 1)
+            .map(|p| p.param)
+            .collect();
+        let uses = |param: &str| {
+            trace
+                .params()
+                .into_iter()
+                .find(|p| p.param == param)
+                .map_or(1, |p| p.sites.len())
+        };
+        let once = |_: &str| 1;
+        let (draws, order, divisor): (Draws<'_>, NoiseOrder, f64) = match self.0 {
+            Mutant::TiedNoisePerUse => (&uses, NoiseOrder::BeforeDivision, noise.divisor),
+            Mutant::NoTiedNoise => (
+                &|p: &str| usize::from(!shared.iter().any(|s| s == p)),
+                NoiseOrder::BeforeDivision,
+                noise.divisor,
+            ),
+            Mutant::NoiseAfterDivision => (&once, NoiseOrder::AfterDivision, noise.divisor),
+            Mutant::ActualBatchDivisor => {
+                (&once, NoiseOrder::BeforeDivision, trace.batch_size() as f64)
+            }
+            Mutant::DropCross
+            | Mutant::LastWriter
+            | Mutant::FirstWriter
+            | Mutant::CauchySchwarz
+            | Mutant::NoRepeatMerge
+            | Mutant::BiasFrobenius
+            | Mutant::SequenceCollapse
+            | Mutant::BatchMeanLoss
+            | Mutant::F16Gram
+            | Mutant::Bf16Gram
+            | Mutant::FlippedCross
+            | Mutant::TiedHeadUnclipped
+            | Mutant::DefaultClipNorm
+            | Mutant::MicrobatchOverwrite
+            | Mutant::IgnoredTokenMean => (&once, NoiseOrder::BeforeDivision, noise.divisor),
+        };
+        let update = noisy_update_by(
+            &clipped.clipped_sum,
+            &NoiseSpec { divisor, ..*noise },
+            draws,
+            order,
+        )?;
+        Ok(Stepped { clipped, update })
+    }
+}
+
+/// Σ_i c_i g_i with the last site of every shared parameter (a tied embedding's LM-head use)
+/// summed with weight 1: its gradient path left out of the clipping.
+fn head_path_unclipped(trace: &Trace, coefficients: &[f64]) -> Result<Vec<(String, Tensor)>> {
+    let weights = |w: &[f64]| -> Result<Tensor> {
+        Ok(Tensor::from_vec(w.to_vec(), w.len(), &trace.device())?.to_dtype(trace.dtype())?)
+    };
+    let clipped = weights(coefficients)?;
+    let unclipped = weights(&vec![1.0; coefficients.len()])?;
+    trace
+        .params()
+        .into_iter()
+        .map(|p| {
+            let mut acc: Option<Tensor> = None;
+            for (k, &j) in p.sites.iter().enumerate() {
+                let head = p.sites.len() > 1 && k + 1 == p.sites.len();
+                let w = if head { &unclipped } else { &clipped };
+                let s = gram::weighted_sum(&Factored::of(&trace.sites[j])?, w)?;
+                acc = Some(match acc {
+                    None => s,
+                    Some(a) => (a + s)?,
+                });
+            }
+            Ok((p.param, acc.expect("a parameter has at least one site")))
+        })
+        .collect()
+}
+
+/// The trace of each example's loss averaged over all T positions instead of its v_i labelled
+/// ones: every backprop scaled by v_i / T. The LM head (the last site) has a zero backprop row
+/// exactly where a position's label is ignored, which is how v_i is read.
+fn mean_over_all_positions(trace: &Trace) -> Result<Trace> {
+    let head = trace
+        .sites
+        .last()
+        .ok_or_else(|| Error::input("the trace has no site"))?;
+    let (b, t) = (head.backprops.dims()[0], head.backprops.dims()[1]);
+    let rows = head
+        .backprops
+        .to_dtype(DType::F64)?
+        .abs()?
+        .max(2)?
+        .to_vec2::<f64>()?;
+    let scale: Vec<f64> = rows
+        .iter()
+        .map(|r| r.iter().filter(|&&x| x != 0.0).count() as f64 / t as f64)
+        .collect();
+    let scale = Tensor::from_vec(scale, (b, 1, 1), &trace.device())?.to_dtype(trace.dtype())?;
+    let sites = trace
+        .sites
+        .iter()
+        .map(|s| {
+            Ok(Site {
+                backprops: s.backprops.broadcast_mul(&scale)?,
+                ..s.clone()
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Trace { sites })
 }

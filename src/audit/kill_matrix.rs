@@ -6,7 +6,7 @@ use super::{run, AuditOptions, Case, ClipperAudit};
 use crate::clippers::Clipper;
 use crate::error::Result;
 use crate::judge::{CaseMetrics, Verdict};
-use crate::mutants::{ExpectedVerdict, Mutant};
+use crate::mutants::{Corrupts, ExpectedVerdict, Mutant};
 use crate::registry;
 
 pub struct Row {
@@ -15,8 +15,8 @@ pub struct Row {
     /// Most severe verdict per base case (over its clipping norms).
     pub cells: Vec<Verdict>,
     pub problems: Vec<String>,
-    /// A seeded bug that is no bug at the audit's precision: it is run and shown, and neither
-    /// catching nor missing it is a problem.
+    /// A seeded bug that this audit cannot see (no bug at its precision, or in a part of the step
+    /// it does not judge): it is run and shown, and neither catching nor missing it is a problem.
     pub invisible: bool,
 }
 
@@ -44,7 +44,18 @@ fn cross_term_forces_violation(c: &CaseMetrics) -> bool {
     })
 }
 
-fn check(mutant: Option<Mutant>, audit: &ClipperAudit) -> Vec<String> {
+/// Whether an audit run with `opts` can see the bug: the precision keeps it a bug, and the audit
+/// judges what it corrupts.
+fn visible(m: Mutant, opts: &AuditOptions) -> bool {
+    let judged = match m.corrupts() {
+        Corrupts::Norms => true,
+        Corrupts::Step => opts.judge_step,
+        Corrupts::Noise => opts.judge_step && opts.noise_multiplier.get() > 0.0,
+    };
+    judged && m.visible_at(opts.precision)
+}
+
+fn check(mutant: Option<Mutant>, audit: &ClipperAudit, opts: &AuditOptions) -> Vec<String> {
     let mut problems = Vec::new();
     let flagged = audit
         .cases
@@ -62,7 +73,7 @@ fn check(mutant: Option<Mutant>, audit: &ClipperAudit) -> Vec<String> {
                 problems.push(format!("correct clipper flagged on {flagged} case(s)"));
             }
         }
-        Some(m) if !m.visible_at(audit.precision) => {}
+        Some(m) if !visible(m, opts) => {}
         Some(m) => {
             if flagged == 0 {
                 problems.push("never caught".into());
@@ -121,8 +132,8 @@ pub fn kill_matrix(
                 clipper: a.name.clone(),
                 mutant,
                 cells,
-                problems: check(mutant, a),
-                invisible: mutant.is_some_and(|m| !m.visible_at(a.precision)),
+                problems: check(mutant, a, opts),
+                invisible: mutant.is_some_and(|m| !visible(m, opts)),
             }
         })
         .collect();

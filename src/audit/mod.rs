@@ -7,7 +7,7 @@ mod kill_matrix;
 pub use check::{check_trace, CheckOptions};
 pub use kill_matrix::{kill_matrix, KillMatrix, Row};
 
-use crate::clippers::{noisy_update, Clipped, Clipper, NoiseSpec};
+use crate::clippers::{Clipped, Clipper, NoiseSpec};
 use crate::error::{Error, Result};
 use crate::judge::{Arithmetic, CaseLabel, CaseMetrics, Claim, Judge, PrivacyReport, Verdict};
 use crate::options::{Accounting, ClipNorm, NoiseMultiplier};
@@ -469,6 +469,14 @@ pub fn prepare(case: impl Borrow<Case>, opts: &AuditOptions) -> Result<PreparedC
     })
 }
 
+/// The divisor the audit's step states: a Poisson-sampled batch's expected size, which DP-SGD
+/// divides by whatever size was drawn. The audit's batches are taken as draws one below their
+/// expectation, as half of all draws are below it, so that a step dividing by the size it drew
+/// differs from one dividing by the stated size.
+pub fn expected_batch_size(drawn: usize) -> f64 {
+    drawn as f64 + 1.0
+}
+
 /// Runs every clipper on every case. `progress(done, total, label)` after each step. Cases
 /// given by value are dropped one by one as soon as their reference has run.
 pub fn run<C: Borrow<Case>, I>(
@@ -491,31 +499,34 @@ where
         let prepared = prepare(case, opts)?;
         for ((metrics, warnings), clipper) in out.iter_mut().zip(clippers) {
             for (label, c) in &prepared.clip_norms {
-                let clipped = clipper.clip(&prepared.trace, *c).map_err(|e| {
+                let label_err = |e: Error| {
                     e.context(format!(
                         "clipper {} on case {}",
                         clipper.name(),
                         label.label()
                     ))
-                })?;
+                };
+                // The clipper's own DP-SGD step when it is judged: its clipped sum, seeded noise
+                // N(0, σ²C²) and the division by the stated divisor, judged as a library's step is.
+                let divisor = expected_batch_size(prepared.trace.batch_size());
+                let (clipped, update) = if opts.judge_step {
+                    let noise = NoiseSpec {
+                        std: opts.noise_multiplier.get() * c.get(),
+                        divisor,
+                        seed: opts.noise_seed ^ (metrics.len() as u64).wrapping_mul(0x9E37),
+                    };
+                    let s = clipper
+                        .step(&prepared.trace, *c, &noise)
+                        .map_err(label_err)?;
+                    (s.clipped, Some(s.update))
+                } else {
+                    (clipper.clip(&prepared.trace, *c).map_err(label_err)?, None)
+                };
                 for w in &clipped.report.warnings {
                     if !warnings.contains(w) {
                         warnings.push(w.clone());
                     }
                 }
-                // The clipper's own DP-SGD step: its clipped sum, seeded noise N(0, σ²C²) and the
-                // division by the batch size, judged as a library's step is.
-                let update = match opts.judge_step {
-                    true => Some(noisy_update(
-                        &clipped.clipped_sum,
-                        &NoiseSpec {
-                            std: opts.noise_multiplier.get() * c.get(),
-                            divisor: prepared.trace.batch_size() as f64,
-                            seed: opts.noise_seed ^ (metrics.len() as u64).wrapping_mul(0x9E37),
-                        },
-                    )?),
-                    false => None,
-                };
                 let claim = claim_of(clipped)?;
                 let mut m = prepared.judge.evaluate(
                     label.clone(),
@@ -528,7 +539,7 @@ where
                     let step = StepClaim {
                         clipped_sum: claim.clipped_sum.clone(),
                         update: Some(values_of(update)?),
-                        batch_divisor: Some(prepared.trace.batch_size() as f64),
+                        batch_divisor: Some(divisor),
                         clip_stabilizer: 0.0,
                         clipping: Clipping::Flat,
                     };

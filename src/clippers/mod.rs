@@ -61,24 +61,57 @@ pub fn noisy_update(
     clipped_sum: &[(String, Tensor)],
     noise: &NoiseSpec,
 ) -> Result<Vec<(String, Tensor)>> {
+    noisy_update_by(clipped_sum, noise, &|_| 1, NoiseOrder::BeforeDivision)
+}
+
+/// Where the noise goes relative to the division by D.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NoiseOrder {
+    /// (K + σCξ) / D: DP-SGD.
+    BeforeDivision,
+    /// K / D + σCξ: the noise D times too large next to the signal.
+    AfterDivision,
+}
+
+/// [`noisy_update`] with `draws(param)` independent draws of N(0, σ²C²) added to a parameter
+/// (1 in DP-SGD; seeded bugs draw 0, or once per use of a shared weight), in one ChaCha8 stream.
+pub(crate) fn noisy_update_by(
+    clipped_sum: &[(String, Tensor)],
+    noise: &NoiseSpec,
+    draws: &dyn Fn(&str) -> usize,
+    order: NoiseOrder,
+) -> Result<Vec<(String, Tensor)>> {
     use rand_chacha::rand_core::SeedableRng;
     use rand_distr::Distribution;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(noise.seed);
     clipped_sum
         .iter()
         .map(|(p, k)| {
-            let xi: Vec<f64> = (0..k.elem_count())
-                .map(|_| {
-                    let x: f64 = rand_distr::StandardNormal.sample(&mut rng);
-                    noise.std * x
-                })
-                .collect();
+            let mut xi = vec![0.0f64; k.elem_count()];
+            for _ in 0..draws(p) {
+                for x in xi.iter_mut() {
+                    let z: f64 = rand_distr::StandardNormal.sample(&mut rng);
+                    *x += noise.std * z;
+                }
+            }
             let xi = Tensor::from_vec(xi, k.shape(), &candle_core::Device::Cpu)?
                 .to_dtype(k.dtype())?
                 .to_device(k.device())?;
-            Ok((p.clone(), ((k + xi)? / noise.divisor)?))
+            let update = match order {
+                NoiseOrder::BeforeDivision => ((k + xi)? / noise.divisor)?,
+                NoiseOrder::AfterDivision => ((k / noise.divisor)? + xi)?,
+            };
+            Ok((p.clone(), update))
         })
         .collect()
+}
+
+/// A clipper's DP-SGD step: what it clipped, and the update it steps with.
+#[derive(Clone, Debug)]
+pub struct Stepped {
+    pub clipped: Clipped,
+    /// (parameter, update), in first-use order.
+    pub update: Vec<(String, Tensor)>,
 }
 
 /// The interface a clipper backend implements. A clipper sees only the trace (per-site
@@ -105,6 +138,14 @@ pub trait Clipper {
             coefficients,
             clipped_sum,
         })
+    }
+
+    /// The DP-SGD step: [`Clipper::clip`], then N(0, σ²C²) on every entry and the division by
+    /// the stated divisor ([`noisy_update`]). A backend whose step is its own overrides this.
+    fn step(&self, trace: &Trace, max_grad_norm: ClipNorm, noise: &NoiseSpec) -> Result<Stepped> {
+        let clipped = self.clip(trace, max_grad_norm)?;
+        let update = noisy_update(&clipped.clipped_sum, noise)?;
+        Ok(Stepped { clipped, update })
     }
 }
 
