@@ -27,6 +27,7 @@ fn truth(norms: &[f64], gram: Vec<Vec<f64>>) -> Truth {
         gram,
         cross_share: vec![None; norms.len()],
         factors: None,
+        param_sq: Vec::new(),
     }
 }
 

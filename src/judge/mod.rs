@@ -71,8 +71,8 @@ impl Judge {
     }
 
     /// Judges the step a case's clipper took and folds it into the case: the verdict, and the
-    /// privacy it spends (a step that is off spends it by the contributions it implies; noise
-    /// below the stated σ on any tensor acts as a contribution that much larger, σ_eff = σ·f).
+    /// privacy it spends (a step that is off spends it by the contributions it implies, each
+    /// weighed by the noise its tensors got: [`StepMetrics::contributions`]).
     pub fn judge_step(
         &self,
         metrics: &mut CaseMetrics,
@@ -92,11 +92,7 @@ impl Judge {
         )?;
         metrics.verdict = metrics.verdict.max(s.verdict);
         if s.verdict != Verdict::Pass {
-            let implied = [&s.clipped_sum, &s.update]
-                .into_iter()
-                .flatten()
-                .map(|x| x.implied_sensitivity)
-                .fold(1.0 / s.noise_fraction, f64::max);
+            let implied = s.contributions.iter().copied().fold(0.0, f64::max);
             metrics.worst_contribution = metrics.worst_contribution.map(|w| w.max(implied));
             // One sensitivity: the report's and the ε's.
             metrics.max_sensitivity_ratio = metrics.max_sensitivity_ratio.max(implied);

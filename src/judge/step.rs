@@ -36,6 +36,11 @@ pub struct SumCheck {
     /// ĉ = G⁺b, the coefficients X implies, and the largest ĉ_i n*_i / C.
     pub implied_coefficients: Vec<f64>,
     pub implied_sensitivity: f64,
+    /// ĉ_i plus the most the sum's rounding bound can move it: the high end, for privacy.
+    pub coefficient_high: Vec<f64>,
+    /// X is S* times one scale, beyond rounding: the update was divided by another divisor
+    /// than the stated one (only said of an update times its divisor).
+    pub shared_scale: bool,
     /// ‖X − Σ_i ĉ_i g_i*‖ / ‖X‖: the part of X outside the span of the batch's gradients.
     pub unexplained: Option<f64>,
     /// G was singular (e.g. two identical examples): ĉ is the minimum-norm solution, one of
@@ -80,6 +85,9 @@ pub struct NoisyUpdateCheck {
     /// The residual noise over the whole update.
     pub residual: NoiseCheck,
     pub verdict: Verdict,
+    /// Reported once, in [`StepMetrics::divisor`].
+    #[serde(skip)]
+    divisor: Option<DivisorCheck>,
 }
 
 /// The family-wise false-alarm rate of the noise test over one step's tensors.
@@ -99,11 +107,58 @@ pub struct StepMetrics {
     pub noisy_update: Option<NoisyUpdateCheck>,
     /// The update under noise was not judged (no way to separate it was available).
     pub update_not_judged: bool,
-    /// The smallest stated-σ fraction of noise on any tensor consistent with its χ² (1 when
-    /// every tensor got at least the stated noise): a run is as private as its least-noised
-    /// tensor.
+    /// The divisor the update implies, when one can be read from it.
+    pub divisor: Option<DivisorCheck>,
+    /// The least noise, as a fraction of the stated σ, of any tensor: 1 where every tensor's χ²
+    /// is consistent with the stated σ or above it; below, the low end of σ_p / σ at the noise
+    /// test's confidence, √(χ²_p / high_p).
     pub noise_fraction: f64,
+    /// Per example, its contribution to the step in units of what the stated σ and C allow:
+    /// √(Σ_p ĉ_i² ‖g*_{i,p}‖² / (f_p² C²)), the Gaussian mechanism with per-tensor noise σ f_p
+    /// (diagonal covariance). ĉ_i is the clipper's coefficient, or the high end of the
+    /// coefficient the step implies where its sum is off. 1 or below: as private as stated.
+    pub contributions: Vec<f64>,
+    /// σ / max(1, max_i contribution): the noise multiplier the step acts with.
+    pub sigma_eff: f64,
     pub verdict: Verdict,
+}
+
+/// The divisor an update was divided by, read from the update: without noise from the scale of
+/// its signal, under noise from its projection on the clipped sum (or on S* without one).
+#[derive(Clone, Debug, Serialize)]
+pub struct DivisorCheck {
+    pub stated: f64,
+    pub implied: f64,
+    /// The relative uncertainty of `implied`: one standard deviation of what the noise adds to
+    /// it, or the rounding bound without noise.
+    pub spread: f64,
+    /// The batch's actual size.
+    pub drawn: usize,
+    /// The implied divisor is off the stated one and equals the drawn size: the update's
+    /// normalization depends on the data (the sampled batch's size), which the stated σ does not
+    /// account for.
+    pub data_dependent: bool,
+}
+
+/// How many spreads apart two divisors must be to be told apart (a normal tail of 5.7e-7).
+const DIVISOR_Z: f64 = 5.0;
+
+impl DivisorCheck {
+    fn new(stated: f64, implied: f64, spread: f64, drawn: usize) -> Option<Self> {
+        if !implied.is_finite() || implied <= 0.0 {
+            return None;
+        }
+        let apart = |a: f64, b: f64| (a - b).abs() > DIVISOR_Z * spread * implied + 1e-12 * a;
+        Some(DivisorCheck {
+            stated,
+            implied,
+            spread,
+            drawn,
+            data_dependent: apart(implied, stated)
+                && !apart(implied, drawn as f64)
+                && apart(stated, drawn as f64),
+        })
+    }
 }
 
 /// Laurent and Massart's bounds for χ²_N: P(χ² ≥ N + 2√(Nx) + 2x) ≤ e⁻ˣ and
@@ -335,6 +390,22 @@ fn check_noisy_update(
     let entries: usize = update.iter().map(|(_, v)| v.len()).sum();
     let dof = entries.saturating_sub(rank);
     let residual = noise_check("all".into(), dof, residual2 / (sigma_c * sigma_c), tests);
+    // ĉ = (D/D')(c* + G⁻¹⟨g, n⟩): its projection on c* in G's metric reads D/D', to within
+    // σC/‖S*‖ (one standard deviation).
+    let signal2 = gram_quad(&truth.gram, coefs);
+    let along: f64 = (0..coefs.len())
+        .map(|i| {
+            (0..coefs.len())
+                .map(|k| implied[i] * truth.gram[i][k] * coefs[k])
+                .sum::<f64>()
+        })
+        .sum();
+    let divisor = DivisorCheck::new(
+        divisor,
+        divisor * signal2 / along,
+        sigma_c / signal2.sqrt(),
+        coefs.len(),
+    );
     let signal = if !chi2.is_finite() {
         Verdict::InvalidNorm
     } else if chi2 > high {
@@ -350,6 +421,7 @@ fn check_noisy_update(
         smallest_visible: ratio(sigma_c * high.sqrt(), s.ref2.sqrt()),
         verdict: signal.max(residual.verdict),
         residual,
+        divisor,
     })
 }
 
@@ -365,6 +437,7 @@ fn check_sum(
     c: f64,
     arithmetic: &Arithmetic,
     extra_rounding: f64,
+    is_update: bool,
 ) -> Result<SumCheck> {
     let invalid = claimed
         .iter()
@@ -395,14 +468,17 @@ fn check_sum(
     // How far rounding alone could move each ĉ_i: an error δ of X moves ĉ by G⁺⟨g, δ⟩, whose
     // i-th entry is at most √(G⁺)_ii·‖δ‖ (Cauchy–Schwarz in G's metric). A nearly dependent
     // batch makes ĉ uncertain, and that must not read as a contribution above C.
-    let uncertain_sensitivity = (0..coefs.len())
+    let spread: Vec<f64> = (0..coefs.len())
         .map(|i| {
             let mut unit = vec![0.0; coefs.len()];
             unit[i] = 1.0;
-            let spread = solve_gram(&truth.gram, &unit).0[i].max(0.0).sqrt() * bound;
-            (implied[i] - spread) * truth.norms[i] / c
+            solve_gram(&truth.gram, &unit).0[i].max(0.0).sqrt() * bound
         })
+        .collect();
+    let uncertain_sensitivity = (0..coefs.len())
+        .map(|i| (implied[i] - spread[i]) * truth.norms[i] / c)
         .fold(0.0, f64::max);
+    let coefficient_high: Vec<f64> = implied.iter().zip(&spread).map(|(a, b)| a + b).collect();
     let (worst_param, worst_param_rel_err) = s
         .per_param
         .iter()
@@ -414,15 +490,28 @@ fn check_sum(
         .unwrap_or_default();
     let err = s.err2.sqrt();
     let within = err <= bound;
-    // Off beyond rounding: a privacy violation where some example's implied contribution
-    // exceeds C by more than the sum's own relative bound could explain.
-    let rel_bound = ratio(bound, reference).unwrap_or(f64::INFINITY);
+    // ‖X − sS*‖ for the best single scale s = ⟨X, S*⟩/‖S*‖²: an update divided by a wrong divisor
+    // is S* times D/D' to rounding (whose bound scales with it).
+    let scale = ratio(s.cross, s.ref2);
+    let off_scale = (s.x2 - s.cross * s.cross / s.ref2.max(f64::MIN_POSITIVE))
+        .max(0.0)
+        .sqrt();
+    let shared_scale =
+        is_update && !within && scale.is_some_and(|k| k > 0.0 && off_scale <= bound * k.max(1.0));
+    // Off beyond rounding: a privacy violation where even the low end of some example's implied
+    // contribution, ĉ_i less what the sum's rounding can move it by, exceeds C. A correct sum's
+    // ĉ lies within that spread of coefficients whose contributions are at most C times one
+    // norm bound (the coefficients' share of the norms' rounding is in `bound` already).
     let max_norm_bound = metrics.examples.iter().map(|e| e.bound).fold(0.0, f64::max);
     let verdict = if invalid {
         Verdict::InvalidNorm
     } else if within {
         Verdict::Pass
-    } else if !singular && uncertain_sensitivity > 1.0 + 3.0 * rel_bound + max_norm_bound {
+    } else if shared_scale {
+        // Signal and (were there any) noise scaled alike: what the noise buys is unchanged,
+        // the step's size is not.
+        Verdict::UtilityDistortion
+    } else if !singular && uncertain_sensitivity > 1.0 + max_norm_bound {
         // With a singular Gram the coefficients are not identifiable (ĉ is one of many), so
         // only a regular one can show a contribution above C.
         Verdict::PrivacyViolation
@@ -435,9 +524,11 @@ fn check_sum(
         bound: ratio(bound, reference),
         worst_param,
         worst_param_rel_err,
-        scale: ratio(s.cross, s.ref2),
+        scale,
         implied_coefficients: implied,
         implied_sensitivity,
+        coefficient_high,
+        shared_scale,
         unexplained: ratio(unexplained2.sqrt(), s.x2.sqrt()),
         singular,
         invalid,
@@ -477,6 +568,7 @@ pub fn evaluate_step(
                 c,
                 arithmetic,
                 0.0,
+                false,
             )
         })
         .transpose()?;
@@ -492,6 +584,7 @@ pub fn evaluate_step(
             c,
             arithmetic,
             2.0 * arithmetic.coarsest_unit_roundoff(),
+            true,
         )?),
         (Some(_), Some(_)) | (Some(_), None) | (None, Some(_)) | (None, None) => None,
     };
@@ -513,12 +606,47 @@ pub fn evaluate_step(
     };
     let update_not_judged =
         step.update.is_some() && !without_noise && noise.is_empty() && noisy_update.is_none();
-    // The largest noise fraction each tensor's χ² allows: the conservative end for privacy.
-    let noise_fraction = noise
-        .iter()
-        .chain(noisy_update.iter().map(|n| &n.residual))
-        .map(|n| (n.chi2 / n.low.max(f64::MIN_POSITIVE)).sqrt().min(1.0))
-        .fold(1.0, f64::min);
+    let drawn = true_coefficients.len();
+    let divisor = match (&update, &step.update, &step.clipped_sum, step.batch_divisor) {
+        (Some(check), _, _, Some(d)) => check
+            .scale
+            .and_then(|k| DivisorCheck::new(d, d / k, check.bound.unwrap_or(0.0), drawn)),
+        (None, Some(u), Some(k), Some(d)) if !without_noise => {
+            divisor_from_clipped_sum(u, k, d, noise_multiplier.get() * c, drawn)
+        }
+        (Some(_), _, _, None) | (None, _, _, _) => {
+            noisy_update.as_ref().and_then(|n| n.divisor.clone())
+        }
+    };
+    let noise_fractions = noise_fractions(&noise, noisy_update.as_ref());
+    let noise_fraction = noise_fractions.iter().map(|(_, f)| *f).fold(1.0, f64::min);
+    // The coefficients the step acted with: the clipper's where its sum is consistent with them
+    // (then c_i n*_i / C is exact), else the high end of those the sum implies.
+    let off = [&clipped_sum, &update]
+        .into_iter()
+        .flatten()
+        .filter(|x| x.verdict != Verdict::Pass && !x.singular && !x.shared_scale)
+        .collect::<Vec<_>>();
+    let contributions: Vec<f64> = (0..drawn)
+        .map(|i| {
+            let (own, claimed) = metrics
+                .examples
+                .get(i)
+                .map_or((0.0, f64::NAN), |e| (e.sensitivity.max(0.0), e.coefficient));
+            let implied = off
+                .iter()
+                .filter(|x| {
+                    let spread = x.coefficient_high[i] - x.implied_coefficients[i];
+                    let d = (x.implied_coefficients[i] - claimed).abs();
+                    d.is_nan() || d > spread
+                })
+                .map(|x| x.coefficient_high[i] * truth.norms[i] / c)
+                .fold(own, f64::max);
+            implied * spread_over_tensors(truth, i, &noise_fractions, noise_fraction)
+        })
+        .collect();
+    let worst = contributions.iter().copied().fold(0.0, f64::max);
+    let sigma_eff = noise_multiplier.get() / worst.max(1.0);
     let verdict = [&clipped_sum, &update]
         .into_iter()
         .flatten()
@@ -534,7 +662,79 @@ pub fn evaluate_step(
         noise,
         noisy_update,
         update_not_judged,
+        divisor,
         noise_fraction,
+        contributions,
+        sigma_eff,
         verdict,
     })
+}
+
+/// 1/D' = ⟨u, K⟩/‖K‖² for an update u = (K + n)/D', to within σC/‖K‖ (one standard deviation).
+fn divisor_from_clipped_sum(
+    update: &[(String, Vec<f64>)],
+    clipped_sum: &[(String, Vec<f64>)],
+    stated: f64,
+    sigma_c: f64,
+    drawn: usize,
+) -> Option<DivisorCheck> {
+    let (mut uk, mut kk) = (0.0, 0.0);
+    for (p, u) in update {
+        let k = &clipped_sum.iter().find(|(q, _)| q == p)?.1;
+        for (u, k) in u.iter().zip(k) {
+            uk += u * k;
+            kk += k * k;
+        }
+    }
+    DivisorCheck::new(stated, kk / uk, sigma_c / kk.sqrt(), drawn)
+}
+
+/// (parameter, f_p) for every tensor whose noise was measured: 1 where its χ² is consistent
+/// with the stated σ or above, else the low end of σ_p / σ, √(χ²_p / high_p). An update judged
+/// without its clipped sum measures the noise over all tensors at once (`all`).
+fn noise_fractions(
+    noise: &[NoiseCheck],
+    noisy_update: Option<&NoisyUpdateCheck>,
+) -> Vec<(String, f64)> {
+    noise
+        .iter()
+        .chain(noisy_update.map(|n| &n.residual))
+        .map(|n| {
+            let f = if n.chi2 < n.low {
+                (n.chi2 / n.high).sqrt()
+            } else {
+                1.0
+            };
+            (n.param.clone(), f)
+        })
+        .collect()
+}
+
+/// √(Σ_p w_ip / f_p²), w_ip = ‖g*_{i,p}‖² / ‖g*_i‖²: how much an example's privacy loss grows
+/// when tensor p gets σ f_p instead of σ. Where no single tensor shows too little noise, every
+/// tensor takes the fraction of `all` (1 when it passes); a tensor measured only within `all`
+/// takes `all`'s; a truth without per-tensor norms, the smallest fraction.
+fn spread_over_tensors(truth: &Truth, i: usize, fractions: &[(String, f64)], least: f64) -> f64 {
+    let all = fractions
+        .iter()
+        .find(|(p, _)| p == "all")
+        .map_or(least, |(_, f)| *f);
+    let some_tensor_low = fractions.iter().any(|(p, f)| p != "all" && *f < 1.0);
+    let total: f64 = truth.param_sq.iter().map(|(_, v)| v[i]).sum();
+    if truth.param_sq.is_empty() || total <= 0.0 {
+        return 1.0 / least;
+    }
+    let weighted: f64 = truth
+        .param_sq
+        .iter()
+        .map(|(p, v)| {
+            let f = match fractions.iter().find(|(q, _)| q == p) {
+                Some((_, f)) if some_tensor_low => *f,
+                // Jointly too little noise that no one tensor shows is too little on each.
+                Some(_) | None => all,
+            };
+            v[i] / total / (f * f)
+        })
+        .sum();
+    weighted.sqrt()
 }

@@ -25,6 +25,9 @@ pub struct Truth {
     /// The reference's f64 factors: the true gradients, rebuilt on demand. `None` for a truth
     /// given by hand (then a claim's clipped sum is not checked).
     pub factors: Option<RefTrace>,
+    /// (parameter, ‖g*_{i,p}‖² per example), in the trace's parameter order: how an example's
+    /// gradient divides among tensors whose noise may differ. Empty for a truth given by hand.
+    pub param_sq: Vec<(String, Vec<f64>)>,
 }
 
 /// The Gram of a trace's true gradients and, per example, Σ_{j≠k}⟨G_j, G_k⟩ over the sites of
@@ -32,6 +35,7 @@ pub struct Truth {
 struct GramAndCross {
     gram: Vec<Vec<f64>>,
     cross: Vec<f64>,
+    param_sq: Vec<(String, Vec<f64>)>,
 }
 
 impl Truth {
@@ -42,7 +46,7 @@ impl Truth {
         let factors = r
             .trace
             .ok_or_else(|| Error::internal("reference ran without a trace"))?;
-        let GramAndCross { gram, .. } = gram_and_cross(&factors)?;
+        let GramAndCross { gram, param_sq, .. } = gram_and_cross(&factors)?;
         let norms: Vec<f64> = r.examples.iter().map(|e| e.norm).collect();
         for (i, n) in norms.iter().enumerate() {
             let (want, got) = (n * n, gram[i][i]);
@@ -67,13 +71,18 @@ impl Truth {
             gram,
             cross_share,
             factors: Some(factors),
+            param_sq,
         })
     }
 
     /// The truth of any trace, by the reference's brute force: every site's gradient
     /// materialized in f64 (a block of rows at a time), sites of a parameter summed.
     pub fn from_trace(trace: RefTrace) -> Result<Self> {
-        let GramAndCross { gram, cross } = gram_and_cross(&trace)?;
+        let GramAndCross {
+            gram,
+            cross,
+            param_sq,
+        } = gram_and_cross(&trace)?;
         let mut norms = Vec::with_capacity(gram.len());
         let mut cross_share = Vec::with_capacity(gram.len());
         for (i, row) in gram.iter().enumerate() {
@@ -91,6 +100,7 @@ impl Truth {
             gram,
             cross_share,
             factors: Some(trace),
+            param_sq,
         })
     }
 }
@@ -139,13 +149,19 @@ fn gram_and_cross(trace: &RefTrace) -> Result<GramAndCross> {
     let b = trace.batch_size();
     let mut gram = vec![vec![0.0; b]; b];
     let mut cross = vec![0.0; b];
+    let mut param_sq: Vec<(String, Vec<f64>)> = Vec::new();
     for_each_param_block(trace, b, &mut |block| {
         let Block {
+            param,
             sites: js,
             rows,
             cols,
             ..
         } = block;
+        if param_sq.last().is_none_or(|(p, _)| p != param) {
+            param_sq.push((param.to_string(), vec![0.0; b]));
+        }
+        let sq = &mut param_sq.last_mut().expect("pushed above").1;
         let mut grads = Vec::with_capacity(b);
         for i in 0..b {
             let mut weights = vec![0.0; b];
@@ -171,12 +187,18 @@ fn gram_and_cross(trace: &RefTrace) -> Result<GramAndCross> {
                 gram[i][k] += d;
                 if k != i {
                     gram[k][i] += d;
+                } else {
+                    sq[i] += d;
                 }
             }
         }
         Ok(())
     })?;
-    Ok(GramAndCross { gram, cross })
+    Ok(GramAndCross {
+        gram,
+        cross,
+        param_sq,
+    })
 }
 
 /// ⟨a, b⟩ of two blocks of one shape, as flat vectors (blocks are allocated here, contiguous).

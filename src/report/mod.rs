@@ -273,6 +273,36 @@ fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
             n.smallest_visible.map_or("n/a".into(), sci)
         );
     }
+    if let Some(d) = step
+        .divisor
+        .as_ref()
+        .filter(|d| every || d.data_dependent || step.verdict != Verdict::Pass)
+    {
+        let _ = writeln!(
+            s,
+            "  step ({case}): divisor stated {}, implied {:.4} (± {} relative){}",
+            d.stated,
+            d.implied,
+            sci(d.spread),
+            if d.data_dependent {
+                format!(
+                    "; the update divides by the batch's drawn size {}, not the stated {}: its normalization depends on the data",
+                    d.drawn, d.stated
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
+    if step.noise_fraction < 1.0 {
+        let _ = writeln!(
+            s,
+            "  step ({case}): some tensor got as little as {:.4}·σ of noise (the low end at the noise test's confidence); weighed per example by how its gradient divides among the tensors, the largest contribution is {:.4}·C and the step acts with σ_eff = {:.4}",
+            step.noise_fraction,
+            step.contributions.iter().copied().fold(0.0, f64::max),
+            step.sigma_eff
+        );
+    }
     if step.update_not_judged {
         let _ = writeln!(
             s,
