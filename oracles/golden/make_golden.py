@@ -345,6 +345,246 @@ def run_llama_case(name, model_type, cfg_over, init_std, shape, seed, opts):
     print(f"{name}: norms {[round(e['norm'], 6) for e in examples]} shared {cross and cross[0]}")
 
 
+# ---------------------------------------------------------------------------------------------
+# Qwen3 and the Gemma family
+
+# name, model_type, config overrides, init_std, batch (B, T), seed, options
+FAMILY_CASES = [
+    ("qwen3_tied_gqa_t2", "qwen3",
+     dict(vocab_size=17, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=8, max_position_embeddings=8, tie_word_embeddings=True), 0.4, (3, 2), 31, {}),
+    ("qwen3_untied_bias_ignored_t33", "qwen3",
+     dict(vocab_size=23, hidden_size=12, intermediate_size=20, num_hidden_layers=2, num_attention_heads=2,
+          num_key_value_heads=1, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+          attention_bias=True, rope_theta=1000.0), 0.4, (2, 33), 32, {"ignore": True}),
+    ("qwen3_tied_f32_t12", "qwen3",
+     dict(vocab_size=19, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=1, head_dim=4, max_position_embeddings=16, tie_word_embeddings=True,
+          pad_token_id=0), 0.4, (2, 12), 33, {"dtype": "f32", "pad": True}),
+    ("gemma_tied_pad_t12", "gemma",
+     dict(vocab_size=19, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=1, head_dim=4, max_position_embeddings=16), 0.4, (3, 12), 34, {"pad": True}),
+    ("gemma_untied_t2_sum", "gemma",
+     dict(vocab_size=13, hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2,
+          num_key_value_heads=2, head_dim=4, max_position_embeddings=4, tie_word_embeddings=False), 0.4, (2, 2), 35,
+     {"reduction": "sum"}),
+    ("gemma2_tied_window_softcap_t34", "gemma2",
+     dict(vocab_size=21, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=8, max_position_embeddings=64, query_pre_attn_scalar=12,
+          sliding_window=5, attn_logit_softcapping=2.0, final_logit_softcapping=4.0), 0.4, (2, 34), 36,
+     {"pad": True}),
+    ("gemma2_untied_t2", "gemma2",
+     dict(vocab_size=15, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+          num_key_value_heads=1, head_dim=4, max_position_embeddings=8, tie_word_embeddings=False,
+          query_pre_attn_scalar=4, sliding_window=1, pad_token_id=None), 0.4, (3, 2), 37, {}),
+    ("gemma3_tied_window_t40", "gemma3_text",
+     dict(vocab_size=29, hidden_size=16, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=8, max_position_embeddings=64, query_pre_attn_scalar=8,
+          sliding_window=6, final_logit_softcapping=5.0, attn_logit_softcapping=1.0,
+          layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}),
+     0.4, (2, 40), 38, {"ignore": True, "pad": True}),
+    ("gemma3_untied_bf16_t8", "gemma3_text",
+     dict(vocab_size=17, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+          num_key_value_heads=1, head_dim=4, max_position_embeddings=16, query_pre_attn_scalar=6,
+          sliding_window=3, tie_word_embeddings=False,
+          layer_types=["sliding_attention", "full_attention"],
+          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 500.0},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 20.0}}),
+     0.4, (2, 8), 39, {"dtype": "bf16", "legacy_gemma3_config": True}),
+    ("vaultgemma_tied_window_softcap_t33", "vaultgemma",
+     dict(vocab_size=17, hidden_size=12, intermediate_size=20, num_hidden_layers=2, num_attention_heads=2,
+          num_key_value_heads=1, head_dim=8, max_position_embeddings=64, query_pre_attn_scalar=8,
+          sliding_window=4, attn_logit_softcapping=2.5, final_logit_softcapping=3.0), 0.4, (2, 33), 40,
+     {"ignore": True}),
+    ("vaultgemma_untied_t2", "vaultgemma",
+     dict(vocab_size=11, hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2,
+          num_key_value_heads=2, head_dim=4, max_position_embeddings=4, query_pre_attn_scalar=4,
+          tie_word_embeddings=False, layer_types=["full_attention"]), 0.4, (2, 2), 41, {}),
+]
+
+FAMILY_MODULES = {
+    # model_type: (transformers module, class prefix, config class, model class)
+    "qwen3": ("qwen3", "Qwen3", "Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma": ("gemma", "Gemma", "GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2", "Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("gemma3", "Gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "vaultgemma": ("vaultgemma", "VaultGemma", "VaultGemmaConfig", "VaultGemmaForCausalLM"),
+}
+
+
+def float64_families():
+    """Removes the float32 islands of Qwen3 and the Gemma family (see the module docstring).
+
+    Each replacement is HF's own forward with the float32 casts removed; nothing else changes:
+    - `<Family>RMSNorm.forward`: HF computes `x.float()`; Qwen3 scales by w, Gemma by (1 + w);
+    - `<Family>RotaryEmbedding.forward`: HF forms the angles and cos/sin in float32 (Gemma 3's
+      takes the layer type and reads that type's buffer);
+    - `eager_attention_forward`: HF's softmax runs with `dtype=torch.float32`; the Gemma 2, 3 and
+      VaultGemma versions soft-cap the scores before the mask.
+    """
+    import importlib
+
+    def llama_rms(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    def gemma_rms(self, x):
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)) * (1.0 + self.weight)
+
+    def rotary(self, x, position_ids, layer_type=None):
+        prefix = f"{layer_type}_" if layer_type is not None else ""
+        inv_freq = getattr(self, prefix + "inv_freq")
+        scaling = getattr(self, prefix + "attention_scaling")
+        freqs = position_ids[..., None].to(x.dtype) * inv_freq.to(device=x.device, dtype=x.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * scaling, emb.sin() * scaling
+
+    def make_eager(repeat_kv):
+        def eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+            if scaling is None:
+                scaling = module.head_dim ** -0.5
+            key_states = repeat_kv(key, module.num_key_value_groups)
+            value_states = repeat_kv(value, module.num_key_value_groups)
+            attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+            if softcap is not None:
+                attn_weights = torch.tanh(attn_weights / softcap) * softcap
+            if attention_mask is not None:
+                attn_weights = attn_weights + attention_mask
+            attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1)
+            attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
+            return attn_output, attn_weights
+        return eager
+
+    for model_type, (module, prefix, _, _) in FAMILY_MODULES.items():
+        mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        getattr(mod, prefix + "RMSNorm").forward = llama_rms if model_type == "qwen3" else gemma_rms
+        getattr(mod, prefix + "RotaryEmbedding").forward = rotary
+        mod.eager_attention_forward = make_eager(mod.repeat_kv)
+
+
+def f64_inv_freq(theta, dim):
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim))
+
+
+def build_family(model_type, cfg_over, init_std, seed, dtype):
+    import importlib
+
+    module, _, config_name, model_name = FAMILY_MODULES[model_type]
+    mod = importlib.import_module(f"transformers.models.{module}")
+    torch.manual_seed(seed)
+    over = dict(cfg_over)
+    over.setdefault("bos_token_id", 1)
+    over.setdefault("eos_token_id", 1)
+    cfg = getattr(mod, config_name)(**over, attn_implementation="eager")
+    model = getattr(mod, model_name)(cfg).to(torch.float64).eval()
+    gemma = model_type != "qwen3"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # Gemma scales by (1 + w): its weights sit around 0.
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(init_std * torch.randn_like(p))
+            p.copy_(p.to(DTYPES[dtype]).to(torch.float64))
+        rotary = model.model.rotary_emb
+        dim = cfg.head_dim
+        if model_type == "gemma3_text":
+            for layer_type in set(cfg.layer_types):
+                name = f"{layer_type}_inv_freq"
+                exact = f64_inv_freq(cfg.rope_parameters[layer_type]["rope_theta"], dim)
+                assert torch.allclose(exact, getattr(rotary, name).to(torch.float64), rtol=1e-6, atol=0)
+                setattr(rotary, name, exact)
+        else:
+            assert cfg.rope_parameters["rope_type"] == "default", cfg.rope_parameters
+            exact = f64_inv_freq(cfg.rope_parameters["rope_theta"], dim)
+            assert torch.allclose(exact, rotary.inv_freq.to(torch.float64), rtol=1e-6, atol=0)
+            rotary.inv_freq = exact
+        if gemma:
+            scale = model.model.embed_tokens.embed_scale
+            assert scale.dtype == torch.float64 and float(scale) == cfg.hidden_size ** 0.5, scale
+    return model
+
+
+def legacy_gemma3_config(path):
+    """Rewrites Gemma 3's per-layer-type `rope_parameters` in the layout of the hub's Gemma 3
+    configs: `rope_theta`, `rope_scaling` null and `rope_local_base_freq`."""
+    with open(path) as fh:
+        cfg = json.load(fh)
+    rp = cfg.pop("rope_parameters")
+    assert rp["full_attention"]["rope_type"] == "default"
+    cfg["rope_theta"] = rp["full_attention"]["rope_theta"]
+    cfg["rope_local_base_freq"] = rp["sliding_attention"]["rope_theta"]
+    cfg["rope_scaling"] = None
+    with open(path, "w") as fh:
+        json.dump(cfg, fh, indent=2, sort_keys=True)
+
+
+def run_family_case(name, model_type, cfg_over, init_std, shape, seed, opts):
+    dtype = opts.get("dtype", "f64")
+    reduction = opts.get("reduction", "mean")
+    model = build_family(model_type, cfg_over, init_std, seed, dtype)
+    cfg = model.config
+    ids, labels = batch_for(cfg, shape, seed, opts.get("ignore", False))
+    if opts.get("pad"):
+        # The padding token as an input, twice, so that its row's missing gradient shows.
+        assert cfg.pad_token_id is not None
+        ids[:, 2] = cfg.pad_token_id
+        ids[0, -1] = cfg.pad_token_id
+        keep = labels != IGNORE
+        labels = ids.clone()
+        labels[~keep] = IGNORE
+    tied = cfg.tie_word_embeddings
+    emb = "model.embed_tokens.weight"
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    assert ("lm_head.weight" in params) != tied, list(params)
+    f = lambda p, x, y: per_example_loss(model, p, x, y, reduction, True)
+    grads = vmap(grad(f), in_dims=(None, 0, 0))(params, ids, labels)
+    losses = vmap(f, in_dims=(None, 0, 0))(params, ids, labels)
+
+    split = None
+    if tied:
+        p2 = dict(params)
+        p2["lm_head.weight"] = params[emb].clone()
+        f2 = lambda p, x, y: per_example_loss(model, p, x, y, reduction, False)
+        g2 = vmap(grad(f2), in_dims=(None, 0, 0))(p2, ids, labels)
+        split = (g2[emb], g2["lm_head.weight"])
+        assert torch.allclose(split[0] + split[1], grads[emb], rtol=1e-10, atol=1e-13)
+
+    examples = []
+    for i in range(shape[0]):
+        pnorms = {k: float((g[i] ** 2).sum()) ** 0.5 for k, g in grads.items()}
+        total = sum(float((g[i] ** 2).sum()) for g in grads.values())
+        ex = {"loss": float(losses[i]), "norm": total ** 0.5, "params": pnorms, "shared": {}}
+        if split is not None:
+            gi, go = split[0][i], split[1][i]
+            ex["shared"][emb] = {
+                "input_sq": float((gi ** 2).sum()),
+                "output_sq": float((go ** 2).sum()),
+                "cross": float((gi * go).sum()),
+            }
+        examples.append(ex)
+
+    d = os.path.join(OUT, name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    model.to(DTYPES[dtype]).save_pretrained(d, safe_serialization=True)
+    for extra in os.listdir(d):
+        if extra not in ("config.json", "model.safetensors"):
+            os.remove(os.path.join(d, extra))
+    if opts.get("legacy_gemma3_config"):
+        legacy_gemma3_config(os.path.join(d, "config.json"))
+    save_file({"input_ids": ids.contiguous(), "labels": labels.contiguous()}, os.path.join(d, "batch.safetensors"))
+    with open(os.path.join(d, "expected.json"), "w") as fh:
+        json.dump({"reduction": reduction, "torch": torch.__version__, "examples": examples}, fh, indent=1)
+    cross = [e["shared"] for e in examples]
+    print(f"{name}: norms {[round(e['norm'], 6) for e in examples]} shared {cross and cross[0]}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prefixes", nargs="*", help="only the cases whose name starts with one of these")
@@ -361,3 +601,8 @@ if __name__ == "__main__":
         float64_llama_family()
     for case in llama:
         run_llama_case(*case)
+    families = [case for case in FAMILY_CASES if wanted(case[0])]
+    if families:
+        float64_families()
+    for case in families:
+        run_family_case(*case)

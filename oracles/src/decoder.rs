@@ -98,6 +98,20 @@ pub trait DecoderModel: HasDims {
         sites: Option<&mut Vec<SiteRecord>>,
     ) -> Array2<f64>;
 
+    /// The gradient of the token lookup's own output (T×d) from the gradient of the first
+    /// block's input: what the table's input path accumulates, row x_t by row. GPT-2 adds its
+    /// positions, so the two are equal; Gemma multiplies the lookup by √d, and HF's
+    /// `nn.Embedding(padding_idx = pad_token_id)` gives its padding row no gradient.
+    fn embedding_backprops(&self, _ids: &[usize], dh: ArrayView2<f64>) -> Array2<f64> {
+        dh.to_owned()
+    }
+
+    /// `cap` of the final-logit soft-capping `cap · tanh(z / cap)` (Gemma 2), if any: the loss
+    /// reads the capped logits, the head's site the gradient of the uncapped ones.
+    fn final_logit_softcap(&self) -> Option<f64> {
+        None
+    }
+
     /// The head matrix (V×d), whichever tensor holds it.
     fn head(&self) -> &Array2<f64> {
         let p = self.params();

@@ -314,6 +314,8 @@ impl Gpt2 {
             kv_heads: cfg.n_head,
             head_dim: cfg.head_dim(),
             scale,
+            softcap: None,
+            window: None,
         }
     }
 }

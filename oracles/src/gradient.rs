@@ -55,6 +55,7 @@ struct Forward<C> {
     norm: NormCache,
     /// Final hidden states after the norm (the head's input).
     af: Array2<f64>,
+    /// What the loss reads: the head's output, soft-capped where the family caps it.
     logits: Array2<f64>,
 }
 
@@ -78,7 +79,10 @@ fn forward<M: DecoderModel + ?Sized>(model: &M, ids: &[usize]) -> Forward<M::Blo
         h = out;
     }
     let (norm, af) = model.final_norm(h.view());
-    let logits = af.dot(&model.head().t());
+    let mut logits = af.dot(&model.head().t());
+    if let Some(cap) = model.final_logit_softcap() {
+        logits.mapv_inplace(|z| cap * (z / cap).tanh());
+    }
     Forward {
         blocks,
         norm,
@@ -169,6 +173,10 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
         logits,
     } = forward(model, &ids);
     let w = loss_weight(&targets, reduction);
+    let capped = match model.final_logit_softcap() {
+        Some(_) => logits.clone(),
+        None => Array2::zeros((0, 0)),
+    };
 
     // The logits become their gradient in place: softmax·w minus w at the target on rows with
     // a target, zero elsewhere.
@@ -190,6 +198,11 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
         }
     }
     loss *= w;
+    if let Some(cap) = model.final_logit_softcap() {
+        // Back through cap·tanh(z/cap): 1 − tanh² = 1 − (capped / cap)², at the capped logits
+        // the forward pass kept.
+        dlogits.zip_mut_with(&capped, |d, &c| *d *= 1.0 - (c / cap).powi(2));
+    }
 
     for (name, mut t) in g.tensors_mut() {
         if name != LM_HEAD {
@@ -225,7 +238,13 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
         dh = model.block_backward(l, &cache, dh, g, record_sites.then_some(&mut rec));
         block_sites.push(rec);
     }
-    let split = folded.then(|| tied_split(&ids, dh.view(), g.token_embedding()));
+    let split = folded.then(|| {
+        tied_split(
+            &ids,
+            model.embedding_backprops(&ids, dh.view()).view(),
+            g.token_embedding(),
+        )
+    });
     let mut sites = Vec::new();
     model.embed_backward(&ids, dh.view(), g, record_sites.then_some(&mut sites));
 
@@ -241,13 +260,13 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
     Ok((loss, record_sites.then_some(sites), split))
 }
 
-/// The split of a tied table whose buffer holds the head path: the input path Σ_t e_{x_t} ⊗ dh_t
-/// (the lookup's output is the first block's input, unscaled, in every family here) touches
-/// only the rows of the example's ids, so ‖g_in‖² and ⟨g_in, g_out⟩ are sums over those rows.
-fn tied_split(ids: &[usize], dh: ArrayView2<f64>, head: &Array2<f64>) -> SharedSplit {
+/// The split of a tied table whose buffer holds the head path: the input path Σ_t e_{x_t} ⊗ de_t
+/// (`de` the gradient of the lookup's output, [`DecoderModel::embedding_backprops`]) touches only
+/// the rows of the example's ids, so ‖g_in‖² and ⟨g_in, g_out⟩ are sums over those rows.
+fn tied_split(ids: &[usize], de: ArrayView2<f64>, head: &Array2<f64>) -> SharedSplit {
     let mut rows: BTreeMap<usize, Array1<f64>> = BTreeMap::new();
     for (t, &x) in ids.iter().enumerate() {
-        *rows.entry(x).or_insert_with(|| Array1::zeros(dh.ncols())) += &dh.row(t);
+        *rows.entry(x).or_insert_with(|| Array1::zeros(de.ncols())) += &de.row(t);
     }
     SharedSplit {
         input_sq: rows.values().map(|r| r.dot(r)).sum(),

@@ -78,6 +78,41 @@ impl Keys {
     }
 }
 
+impl Keys {
+    /// The key's value as written, `null` included; `None` when absent.
+    pub(crate) fn v_raw(&self, key: &str) -> Option<&Value> {
+        self.v.get(key)
+    }
+
+    /// A finite number > 0 that may be `null` (off): `default` when the key is absent, `None`
+    /// when it is `null`.
+    pub(crate) fn nullable_positive(&self, key: &str, default: Option<f64>) -> Result<Option<f64>> {
+        match self.v.get(key) {
+            None => Ok(default),
+            Some(Value::Null) => Ok(None),
+            Some(x) => positive_number(x).map(Some).ok_or_else(|| {
+                Error::new(format!(
+                    "`{key}` must be a positive number or null, found {x}"
+                ))
+            }),
+        }
+    }
+
+    /// A size that may be `null`, with the same absent / `null` rule as
+    /// [`Keys::nullable_positive`].
+    pub(crate) fn nullable_usize(
+        &self,
+        key: &str,
+        default: Option<usize>,
+    ) -> Result<Option<usize>> {
+        match self.v.get(key) {
+            None => Ok(default),
+            Some(Value::Null) => Ok(None),
+            Some(_) => self.opt_usize(key),
+        }
+    }
+}
+
 pub(crate) fn positive_number(x: &Value) -> Option<f64> {
     x.as_f64().filter(|e| e.is_finite() && *e > 0.0)
 }

@@ -14,7 +14,9 @@ pub struct LayerNorm {
     pub bias: Array1<f64>,
 }
 
-/// RMSNorm (Llama's `LlamaRMSNorm`): `y = w ⊙ x / sqrt(mean(x²) + eps)`.
+/// RMSNorm: `y = (offset + w) ⊙ x / sqrt(mean(x²) + eps)`. Llama's `LlamaRMSNorm` has offset 0;
+/// Gemma's stores its weight around zero and scales by `1 + w` (offset 1). The weight's gradient
+/// is Σ_t dy_t ⊙ x̂_t either way.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RmsNorm {
     pub weight: Array1<f64>,
@@ -93,27 +95,34 @@ impl RmsNorm {
         }
     }
 
-    pub(crate) fn forward(&self, x: ArrayView2<f64>, eps: f64) -> (NormCache, Array2<f64>) {
+    pub(crate) fn forward(
+        &self,
+        x: ArrayView2<f64>,
+        eps: f64,
+        offset: f64,
+    ) -> (NormCache, Array2<f64>) {
         let d = x.ncols() as f64;
         let ms = x.mapv(|v| v * v).sum_axis(Axis(1)) / d;
         let rstd = ms.mapv(|v| 1.0 / (v + eps).sqrt());
         let xhat = &x * &rstd.view().insert_axis(Axis(1));
-        let out = &xhat * &self.weight;
+        let out = &xhat * &self.weight.mapv(|w| offset + w);
         (NormCache { xhat, rstd }, out)
     }
 
     /// Returns dx and accumulates the weight gradient Σ_t dy_t ⊙ x̂_t.
     ///
-    /// With x̂ = x·r and r = (mean(x²) + eps)^(-1/2): dx = r·(dx̂ − x̂·mean(dx̂ ⊙ x̂)), dx̂ = dy ⊙ w.
+    /// With x̂ = x·r and r = (mean(x²) + eps)^(-1/2): dx = r·(dx̂ − x̂·mean(dx̂ ⊙ x̂)),
+    /// dx̂ = dy ⊙ (offset + w).
     pub(crate) fn backward(
         &self,
         dy: ArrayView2<f64>,
         c: &NormCache,
+        offset: f64,
         g: &mut RmsNorm,
     ) -> Array2<f64> {
         g.weight += &(&dy * &c.xhat).sum_axis(Axis(0));
         let d = dy.ncols() as f64;
-        let dxhat = &dy * &self.weight;
+        let dxhat = &dy * &self.weight.mapv(|w| offset + w);
         let mean_dxhat_xhat = (&dxhat * &c.xhat).sum_axis(Axis(1)) / d;
         let inner = &dxhat - &(&c.xhat * &mean_dxhat_xhat.insert_axis(Axis(1)));
         inner * c.rstd.view().insert_axis(Axis(1))
@@ -178,17 +187,29 @@ impl Linear {
 
 /// Causal softmax attention with grouped-query heads: query head h reads key/value head
 /// h / (heads / kv_heads), as HF's `repeat_kv` does. Plain multi-head attention is kv_heads =
-/// heads.
+/// heads. Optionally the scaled scores are soft-capped (`cap · tanh(s / cap)`, Gemma 2) before
+/// the mask, and a sliding window lets position t see only the `window` positions up to and
+/// including t (HF's `kv_idx > q_idx - sliding_window`).
 pub(crate) struct Attention {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
     pub scale: f64,
+    pub softcap: Option<f64>,
+    pub window: Option<usize>,
 }
 
 impl Attention {
     fn kv_head(&self, head: usize) -> usize {
         head / (self.heads / self.kv_heads)
+    }
+
+    /// The first key position query `t` sees.
+    fn first_key(&self, t: usize) -> usize {
+        match self.window {
+            Some(w) => (t + 1).saturating_sub(w),
+            None => 0,
+        }
     }
 
     /// q: T×(heads·hd), k and v: T×(kv_heads·hd). Returns every head's probabilities (T×T) and
@@ -208,14 +229,22 @@ impl Attention {
             let kh = k.slice(s![.., ks..ks + hd]);
             let vh = v.slice(s![.., ks..ks + hd]);
             let mut pr = qh.dot(&kh.t()) * self.scale;
+            if let Some(cap) = self.softcap {
+                pr.mapv_inplace(|x| cap * (x / cap).tanh());
+            }
             for t in 0..t_len {
+                let first = self.first_key(t);
                 let mut row = pr.row_mut(t);
                 let m = row
-                    .slice(s![..=t])
+                    .slice(s![first..=t])
                     .fold(f64::NEG_INFINITY, |a, &b| a.max(b));
                 let mut z = 0.0;
                 for s_ in 0..t_len {
-                    row[s_] = if s_ <= t { (row[s_] - m).exp() } else { 0.0 };
+                    row[s_] = if (first..=t).contains(&s_) {
+                        (row[s_] - m).exp()
+                    } else {
+                        0.0
+                    };
                     z += row[s_];
                 }
                 row /= z;
@@ -246,7 +275,12 @@ impl Attention {
             let dyh = dy.slice(s![.., qs..qs + hd]);
             let dpr = dyh.dot(&vh.t());
             let rowdot = (pr * &dpr).sum_axis(Axis(1));
-            let ds = pr * &(&dpr - &rowdot.insert_axis(Axis(1)));
+            let mut ds = pr * &(&dpr - &rowdot.insert_axis(Axis(1)));
+            if let Some(cap) = self.softcap {
+                // d/dx cap·tanh(x/cap) = 1 − tanh²(x/cap), at the uncapped scaled scores.
+                let raw = qh.dot(&kh.t()) * self.scale;
+                ds.zip_mut_with(&raw, |d, &x| *d *= 1.0 - (x / cap).tanh().powi(2));
+            }
             dq.slice_mut(s![.., qs..qs + hd])
                 .assign(&(ds.dot(&kh) * self.scale));
             let mut dkh = dk.slice_mut(s![.., ks..ks + hd]);
@@ -296,7 +330,7 @@ impl Rope {
 
 const GELU_C: f64 = 0.797_884_560_802_865_4; // sqrt(2/pi)
 
-/// GPT-2's `gelu_new` (tanh form).
+/// GPT-2's `gelu_new` (tanh form), which is also Gemma's `gelu_pytorch_tanh`.
 pub(crate) fn gelu_new(x: f64) -> f64 {
     0.5 * x * (1.0 + (GELU_C * (x + 0.044715 * x * x * x)).tanh())
 }

@@ -1,6 +1,7 @@
 //! The independent f64 reference of ghost-oracle.
 //!
-//! It runs a decoder-only language model — HF GPT-2, Llama or Qwen2, tied or untied — one example
+//! It runs a decoder-only language model — HF GPT-2, Llama, Qwen2/3, Gemma 1–3 or VaultGemma, tied
+//! or untied — one example
 //! at a time, in f64, with an explicit backward pass, and materializes every parameter's
 //! per-example gradient. One skeleton (`DecoderModel`) serves every family; [`load`] reads a
 //! checkpoint directory, and a [`Model`] picks the family from `config.json`. From those
@@ -13,7 +14,9 @@
 //! ```text
 //! model          decoder.rs      the skeleton every family fills in (DecoderModel, ParamSet, Dims)
 //! ├─ gpt2        gpt2.rs, gpt2_config.rs
-//! ├─ llama       llama.rs, llama_config.rs (Llama and Qwen2)
+//! ├─ llama       llama.rs, llama_config.rs (Llama, Qwen2, Qwen3, Gemma 1–3, VaultGemma);
+//! │              flavor.rs (what each member changes), gemma_config.rs (Gemma's keys),
+//! │              rope_config.rs (rope_theta / rope_scaling / rope_parameters)
 //! ├─ any family  model.rs        the family `model_type` names (Model)
 //! ├─ layers      layers.rs       norms, projections, attention, each with its backward
 //! └─ checkpoint  checkpoint.rs   config.json + model.safetensors (load); keys.rs reads the config
@@ -45,6 +48,8 @@ mod batch;
 mod checkpoint;
 mod decoder;
 mod error;
+mod flavor;
+mod gemma_config;
 mod gpt2;
 mod gpt2_config;
 mod gradient;
@@ -57,6 +62,7 @@ mod model;
 mod precision;
 mod reference;
 mod rng;
+mod rope_config;
 mod site;
 mod tensors;
 mod trace;
@@ -71,8 +77,8 @@ pub use gpt2::Gpt2;
 pub use gpt2_config::Gpt2Config;
 pub use gradient::{example_gradient, example_gradient_into, example_loss, HeadPath, Reduction};
 pub use io::{write_f64_tensors, write_raw, RawTensor};
-pub use llama::{Llama, EMBED_TOKENS};
-pub use llama_config::{LlamaConfig, LlamaFlavor, RopeScaling};
+pub use llama::{Llama, LlamaLayer, LlamaParams, EMBED_TOKENS};
+pub use llama_config::{LayerType, LlamaConfig, LlamaFlavor, NormLayout, RopeScaling};
 pub use model::{Model, ModelConfig};
 pub use precision::Precision;
 pub use reference::{compute, ExampleReport, Options, Reference};

@@ -1,37 +1,56 @@
-//! The Llama family (HF `LlamaForCausalLM`, `Qwen2ForCausalLM`) as an instance of the decoder
-//! skeleton: RMSNorm, rotary embeddings (rotate-half layout), causal attention with grouped-query
-//! heads, a SwiGLU MLP, no position table. Tensors carry their full checkpoint names
-//! (`model.layers.N.self_attn.q_proj.weight`, ...).
+//! The Llama-shaped families (HF `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+//! `GemmaForCausalLM`, `Gemma2ForCausalLM`, `Gemma3ForCausalLM`, `VaultGemmaForCausalLM`) as one
+//! instance of the decoder skeleton: RMSNorm, rotary embeddings (rotate-half layout), causal
+//! attention with grouped-query heads, a gated MLP, no position table. What differs between them
+//! is decided by the config's flavor ([`LlamaFlavor`]): where the norms sit, per-head q/k norms,
+//! SwiGLU or GeGLU, the embedding scale, soft-capping, sliding windows, a second rope. Tensors
+//! carry their full checkpoint names (`model.layers.N.self_attn.q_proj.weight`, ...).
 
 use crate::checkpoint::{read_checkpoint, write_checkpoint, FromCheckpoint};
 use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 use crate::error::{bail, Result};
-use crate::layers::{silu, silu_grad, Attention, Linear, NormCache, RmsNorm, Rope, Sites};
-use crate::llama_config::LlamaConfig;
+use crate::layers::{
+    gelu_new, gelu_new_grad, silu, silu_grad, Attention, Linear, NormCache, RmsNorm, Rope, Sites,
+};
+use crate::llama_config::{LlamaConfig, NormLayout};
 use crate::rng::SplitMix64;
 use crate::tensors;
 use crate::trace::SiteRecord;
 use ndarray::{Array2, ArrayView2, ArrayViewD, ArrayViewMutD};
 use std::path::Path;
 
-/// One decoder layer: `h += o_proj(attn(rope(q), rope(k), v))` on `input_layernorm(h)`, then
-/// `h += down_proj(silu(gate_proj(x)) ⊙ up_proj(x))` on `x = post_attention_layernorm(h)`.
+/// One decoder layer:
+/// `h += attn_out_norm(o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v)))` on
+/// `input_layernorm(h)`, then `h += mlp_out_norm(down_proj(act(gate_proj(x)) ⊙ up_proj(x)))` on
+/// `x = mlp_norm(h)`; the optional pieces are absent where the flavor has none.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaLayer {
     pub input_layernorm: RmsNorm,
     pub q_proj: Linear,
     pub k_proj: Linear,
     pub v_proj: Linear,
+    /// `self_attn.q_norm` / `self_attn.k_norm` (Qwen3, Gemma 3): one RMSNorm over head_dim,
+    /// applied to every head at every position.
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
     pub o_proj: Linear,
-    pub post_attention_layernorm: RmsNorm,
+    /// `post_attention_layernorm` of the sandwich layout: on the attention's output.
+    pub attn_out_norm: Option<RmsNorm>,
+    /// The norm before the MLP: `post_attention_layernorm` in the Llama layout,
+    /// `pre_feedforward_layernorm` in Gemma 2's and VaultGemma's.
+    pub mlp_norm: RmsNorm,
     pub gate_proj: Linear,
     pub up_proj: Linear,
     pub down_proj: Linear,
+    /// `post_feedforward_layernorm` of the sandwich layout: on the MLP's output.
+    pub mlp_out_norm: Option<RmsNorm>,
 }
 
 /// The weights (or one example's gradient) of a Llama-family model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaParams {
+    /// Fixes the checkpoint name of each layer's `mlp_norm`.
+    pub norm_layout: NormLayout,
     /// `model.embed_tokens.weight`, V×d.
     pub embed_tokens: Array2<f64>,
     pub layers: Vec<LlamaLayer>,
@@ -47,101 +66,128 @@ pub struct Llama {
     pub params: LlamaParams,
 }
 
+/// A scalar function (an activation or its derivative).
+type Scalar = fn(f64) -> f64;
+
 pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
 const FINAL_NORM: &str = "model.norm.weight";
 
-/// The attention projections and the MLP projections of a layer, by module path relative to
-/// `model.layers.N.`, in forward order.
-const ATTN: [&str; 4] = [
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-];
-const MLP: [&str; 3] = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"];
+/// Module paths relative to `model.layers.N.`.
+const Q: &str = "self_attn.q_proj";
+const K: &str = "self_attn.k_proj";
+const V: &str = "self_attn.v_proj";
+const O: &str = "self_attn.o_proj";
+const Q_NORM: &str = "self_attn.q_norm";
+const K_NORM: &str = "self_attn.k_norm";
+const GATE: &str = "mlp.gate_proj";
+const UP: &str = "mlp.up_proj";
+const DOWN: &str = "mlp.down_proj";
+const INPUT_NORM: &str = "input_layernorm";
+const POST_ATTN_NORM: &str = "post_attention_layernorm";
+const PRE_FFN_NORM: &str = "pre_feedforward_layernorm";
+const POST_FFN_NORM: &str = "post_feedforward_layernorm";
 
-impl LlamaLayer {
-    /// The attention projections q, k, v, o with their module paths.
-    fn attention_linears(&self) -> [(&'static str, &Linear); 4] {
-        [
-            (ATTN[0], &self.q_proj),
-            (ATTN[1], &self.k_proj),
-            (ATTN[2], &self.v_proj),
-            (ATTN[3], &self.o_proj),
-        ]
+/// The module path of the norm before the MLP.
+fn mlp_norm_name(layout: NormLayout) -> &'static str {
+    match layout {
+        NormLayout::PreNorm => POST_ATTN_NORM,
+        NormLayout::Sandwich | NormLayout::PreFeedforward => PRE_FFN_NORM,
     }
+}
 
-    /// The MLP projections gate, up, down with their module paths.
-    fn mlp_linears(&self) -> [(&'static str, &Linear); 3] {
-        [
-            (MLP[0], &self.gate_proj),
-            (MLP[1], &self.up_proj),
-            (MLP[2], &self.down_proj),
-        ]
-    }
-
-    /// Names relative to `model.layers.N.` in forward order: input norm, q/k/v/o (weight, then
-    /// bias when present), post-attention norm, gate/up/down.
-    fn names(&self) -> Vec<String> {
-        let linear = |out: &mut Vec<String>, (name, lin): (&str, &Linear)| {
-            out.push(format!("{name}.weight"));
-            if lin.bias.is_some() {
-                out.push(format!("{name}.bias"));
-            }
-        };
-        let mut out = vec!["input_layernorm.weight".to_string()];
-        self.attention_linears()
-            .into_iter()
-            .for_each(|l| linear(&mut out, l));
-        out.push("post_attention_layernorm.weight".into());
-        self.mlp_linears()
-            .into_iter()
-            .for_each(|l| linear(&mut out, l));
+/// A layer's tensors in forward order, named relative to `model.layers.N.`: input norm, q/k/v
+/// (weight, then bias when present), q/k norms, o, the attention-output norm, the MLP norm,
+/// gate/up/down, the MLP-output norm. `$view` is `view` or `view_mut`, `$opt` `as_ref` or
+/// `as_mut`, so that both borrows are listed by one text.
+macro_rules! layer_tensors {
+    ($l:expr, $layout:expr, $view:ident, $opt:ident) => {{
+        let l = $l;
+        let mut out = Vec::new();
+        macro_rules! norm {
+            ($name:expr, $n:expr) => {
+                out.push((format!("{}.weight", $name), $n.weight.$view().into_dyn()))
+            };
+        }
+        macro_rules! linear {
+            ($name:expr, $lin:expr) => {
+                out.push((format!("{}.weight", $name), $lin.weight.$view().into_dyn()));
+                if let Some(b) = $lin.bias.$opt() {
+                    out.push((format!("{}.bias", $name), b.$view().into_dyn()));
+                }
+            };
+        }
+        norm!(INPUT_NORM, l.input_layernorm);
+        linear!(Q, l.q_proj);
+        linear!(K, l.k_proj);
+        linear!(V, l.v_proj);
+        if let Some(n) = l.q_norm.$opt() {
+            norm!(Q_NORM, n);
+        }
+        if let Some(n) = l.k_norm.$opt() {
+            norm!(K_NORM, n);
+        }
+        linear!(O, l.o_proj);
+        if let Some(n) = l.attn_out_norm.$opt() {
+            norm!(POST_ATTN_NORM, n);
+        }
+        norm!(mlp_norm_name($layout), l.mlp_norm);
+        linear!(GATE, l.gate_proj);
+        linear!(UP, l.up_proj);
+        linear!(DOWN, l.down_proj);
+        if let Some(n) = l.mlp_out_norm.$opt() {
+            norm!(POST_FFN_NORM, n);
+        }
         out
-    }
+    }};
 }
 
-/// A layer's tensors in `names()` order.
-fn layer_views(l: &LlamaLayer) -> Vec<ArrayViewD<'_, f64>> {
-    fn linear<'a>(out: &mut Vec<ArrayViewD<'a, f64>>, lin: &'a Linear) {
-        out.push(lin.weight.view().into_dyn());
-        out.extend(lin.bias.as_ref().map(|b| b.view().into_dyn()));
+/// (name relative to `model.layers.N.`, shape) of a layer of `cfg`, in [`layer_tensors`] order.
+fn layer_layout(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
+    let (d, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let q = cfg.num_attention_heads * hd;
+    let kv = cfg.num_key_value_heads * hd;
+    let flavor = cfg.flavor;
+    let layout = flavor.norm_layout();
+    let sandwich = layout == NormLayout::Sandwich;
+    let mut out = vec![(format!("{INPUT_NORM}.weight"), vec![d])];
+    let linear = |out: &mut Vec<(String, Vec<usize>)>, name: &str, inp, o, bias: bool| {
+        out.push((format!("{name}.weight"), vec![o, inp]));
+        if bias {
+            out.push((format!("{name}.bias"), vec![o]));
+        }
+    };
+    linear(&mut out, Q, d, q, cfg.qkv_bias());
+    linear(&mut out, K, d, kv, cfg.qkv_bias());
+    linear(&mut out, V, d, kv, cfg.qkv_bias());
+    if flavor.head_norms() {
+        out.push((format!("{Q_NORM}.weight"), vec![hd]));
+        out.push((format!("{K_NORM}.weight"), vec![hd]));
     }
-    let mut out = vec![l.input_layernorm.weight.view().into_dyn()];
-    for lin in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj] {
-        linear(&mut out, lin);
+    linear(&mut out, O, q, d, cfg.o_proj_bias());
+    if sandwich {
+        out.push((format!("{POST_ATTN_NORM}.weight"), vec![d]));
     }
-    out.push(l.post_attention_layernorm.weight.view().into_dyn());
-    for lin in [&l.gate_proj, &l.up_proj, &l.down_proj] {
-        linear(&mut out, lin);
-    }
-    out
-}
-
-/// A layer's tensors in `names()` order, mutable.
-fn layer_views_mut(l: &mut LlamaLayer) -> Vec<ArrayViewMutD<'_, f64>> {
-    fn linear<'a>(out: &mut Vec<ArrayViewMutD<'a, f64>>, lin: &'a mut Linear) {
-        out.push(lin.weight.view_mut().into_dyn());
-        out.extend(lin.bias.as_mut().map(|b| b.view_mut().into_dyn()));
-    }
-    let mut out = vec![l.input_layernorm.weight.view_mut().into_dyn()];
-    for lin in [&mut l.q_proj, &mut l.k_proj, &mut l.v_proj, &mut l.o_proj] {
-        linear(&mut out, lin);
-    }
-    out.push(l.post_attention_layernorm.weight.view_mut().into_dyn());
-    for lin in [&mut l.gate_proj, &mut l.up_proj, &mut l.down_proj] {
-        linear(&mut out, lin);
+    out.push((format!("{}.weight", mlp_norm_name(layout)), vec![d]));
+    linear(&mut out, GATE, d, i, cfg.mlp_biases());
+    linear(&mut out, UP, d, i, cfg.mlp_biases());
+    linear(&mut out, DOWN, i, d, cfg.mlp_biases());
+    if sandwich {
+        out.push((format!("{POST_FFN_NORM}.weight"), vec![d]));
     }
     out
 }
 
 impl LlamaParams {
     pub fn zeros(cfg: &LlamaConfig, with_head: bool) -> Self {
-        let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let q = cfg.num_attention_heads * cfg.head_dim;
-        let kv = cfg.num_key_value_heads * cfg.head_dim;
+        let (d, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let q = cfg.num_attention_heads * hd;
+        let kv = cfg.num_key_value_heads * hd;
         let (qkv_b, o_b, mlp_b) = (cfg.qkv_bias(), cfg.o_proj_bias(), cfg.mlp_biases());
+        let layout = cfg.flavor.norm_layout();
+        let sandwich = layout == NormLayout::Sandwich;
+        let head_norms = cfg.flavor.head_norms();
         LlamaParams {
+            norm_layout: layout,
             embed_tokens: Array2::zeros((cfg.vocab_size, d)),
             layers: (0..cfg.num_hidden_layers)
                 .map(|_| LlamaLayer {
@@ -149,11 +195,15 @@ impl LlamaParams {
                     q_proj: Linear::zeros(d, q, qkv_b),
                     k_proj: Linear::zeros(d, kv, qkv_b),
                     v_proj: Linear::zeros(d, kv, qkv_b),
+                    q_norm: head_norms.then(|| RmsNorm::zeros(hd)),
+                    k_norm: head_norms.then(|| RmsNorm::zeros(hd)),
                     o_proj: Linear::zeros(q, d, o_b),
-                    post_attention_layernorm: RmsNorm::zeros(d),
+                    attn_out_norm: sandwich.then(|| RmsNorm::zeros(d)),
+                    mlp_norm: RmsNorm::zeros(d),
                     gate_proj: Linear::zeros(d, i, mlp_b),
                     up_proj: Linear::zeros(d, i, mlp_b),
                     down_proj: Linear::zeros(i, d, mlp_b),
+                    mlp_out_norm: sandwich.then(|| RmsNorm::zeros(d)),
                 })
                 .collect(),
             norm: RmsNorm::zeros(d),
@@ -164,33 +214,15 @@ impl LlamaParams {
     /// (checkpoint name, shape) of every tensor of a config, in `tensors()` order, without
     /// allocating.
     pub fn layout(cfg: &LlamaConfig, with_head: bool) -> Vec<(String, Vec<usize>)> {
-        let (v, d, i) = (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size);
-        let q = cfg.num_attention_heads * cfg.head_dim;
-        let kv = cfg.num_key_value_heads * cfg.head_dim;
+        let (v, d) = (cfg.vocab_size, cfg.hidden_size);
         let mut out = vec![(EMBED_TOKENS.to_string(), vec![v, d])];
+        let layer = layer_layout(cfg);
         for l in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{l}.");
-            out.push((format!("{p}input_layernorm.weight"), vec![d]));
-            let attn = [(d, q), (d, kv), (d, kv), (q, d)];
-            let attn_bias = [
-                cfg.qkv_bias(),
-                cfg.qkv_bias(),
-                cfg.qkv_bias(),
-                cfg.o_proj_bias(),
-            ];
-            for ((name, (inp, o)), bias) in ATTN.iter().zip(attn).zip(attn_bias) {
-                out.push((format!("{p}{name}.weight"), vec![o, inp]));
-                if bias {
-                    out.push((format!("{p}{name}.bias"), vec![o]));
-                }
-            }
-            out.push((format!("{p}post_attention_layernorm.weight"), vec![d]));
-            for (name, (inp, o)) in MLP.iter().zip([(d, i), (d, i), (i, d)]) {
-                out.push((format!("{p}{name}.weight"), vec![o, inp]));
-                if cfg.mlp_biases() {
-                    out.push((format!("{p}{name}.bias"), vec![o]));
-                }
-            }
+            out.extend(
+                layer
+                    .iter()
+                    .map(|(n, shape)| (format!("model.layers.{l}.{n}"), shape.clone())),
+            );
         }
         out.push((FINAL_NORM.into(), vec![d]));
         if with_head {
@@ -207,8 +239,7 @@ impl ParamSet for LlamaParams {
             self.embed_tokens.view().into_dyn(),
         )];
         for (l, layer) in self.layers.iter().enumerate() {
-            let names = layer.names();
-            for (n, t) in names.into_iter().zip(layer_views(layer)) {
+            for (n, t) in layer_tensors!(layer, self.norm_layout, view, as_ref) {
                 out.push((format!("model.layers.{l}.{n}"), t));
             }
         }
@@ -224,9 +255,9 @@ impl ParamSet for LlamaParams {
             EMBED_TOKENS.to_string(),
             self.embed_tokens.view_mut().into_dyn(),
         )];
+        let layout = self.norm_layout;
         for (l, layer) in self.layers.iter_mut().enumerate() {
-            let names = layer.names();
-            for (n, t) in names.into_iter().zip(layer_views_mut(layer)) {
+            for (n, t) in layer_tensors!(layer, layout, view_mut, as_mut) {
                 out.push((format!("model.layers.{l}.{n}"), t));
             }
         }
@@ -255,17 +286,19 @@ impl ParamSet for LlamaParams {
 }
 
 impl Llama {
-    /// A seeded model with no files. Matrices are N(0, init_std²); RMSNorm weights 1 + N(0, 0.1²)
-    /// and biases N(0, 0.1²), so that every parameter has a generic gradient.
+    /// A seeded model with no files. Matrices are N(0, init_std²); RMSNorm scales (w, or 1 + w
+    /// for Gemma) 1 + N(0, 0.1²) and biases N(0, 0.1²), so that every parameter has a generic
+    /// gradient.
     pub fn random(config: LlamaConfig, seed: u64, init_std: f64) -> Self {
         let mut rng = SplitMix64::new(seed);
         let mut params = LlamaParams::zeros(&config, !config.tie_word_embeddings);
+        let norm_mean = 1.0 - config.flavor.norm_offset();
         for (name, mut t) in params.tensors_mut() {
             let is_norm = name.ends_with("norm.weight");
             let is_bias = name.ends_with(".bias");
             for v in t.iter_mut() {
                 *v = if is_norm {
-                    1.0 + 0.1 * rng.normal()
+                    norm_mean + 0.1 * rng.normal()
                 } else if is_bias {
                     0.1 * rng.normal()
                 } else {
@@ -280,7 +313,11 @@ impl Llama {
     pub fn from_parts(config: LlamaConfig, bytes: &[u8], label: &str) -> Result<Self> {
         let st = tensors::parse(bytes, label)?;
         if !tensors::has(&st, EMBED_TOKENS) {
-            bail!("{label}: tensor `{EMBED_TOKENS}` is missing; is this a {} checkpoint (LlamaForCausalLM / Qwen2ForCausalLM names)?", config.flavor.model_type());
+            bail!(
+                "{label}: tensor `{EMBED_TOKENS}` is missing; is this a {} checkpoint ({} names)?",
+                config.flavor.model_type(),
+                config.flavor.class_name()
+            );
         }
         let untied = !config.tie_word_embeddings;
         let params = read_checkpoint(
@@ -302,18 +339,62 @@ impl Llama {
         write_checkpoint(self, &self.config.to_json(), dir, f32_weights)
     }
 
-    fn attention(&self) -> Attention {
+    fn attention(&self, layer: usize) -> Attention {
         let c = &self.config;
         Attention {
             heads: c.num_attention_heads,
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
-            scale: 1.0 / (c.head_dim as f64).sqrt(),
+            scale: c.attention_scale(),
+            softcap: c.attn_logit_softcapping,
+            window: c.window(layer),
         }
     }
 
-    fn rope(&self, t_len: usize) -> Rope {
-        Rope::new(&self.config.inverse_frequencies(), t_len)
+    fn rope(&self, layer: usize, t_len: usize) -> Rope {
+        Rope::new(&self.config.layer_inverse_frequencies(layer), t_len)
+    }
+
+    /// The reference computes in f64, so √d is not rounded further.
+    fn embedding_scale(&self) -> f64 {
+        self.config.embedding_scale(|x| x)
+    }
+
+    fn norm_offset(&self) -> f64 {
+        self.config.flavor.norm_offset()
+    }
+
+    /// The MLP's activation and its derivative: GeGLU's tanh gelu for Gemma, SwiGLU's silu else.
+    fn activation(&self) -> (Scalar, Scalar) {
+        if self.config.flavor.is_gemma() {
+            (gelu_new, gelu_new_grad)
+        } else {
+            (silu, silu_grad)
+        }
+    }
+
+    /// An RMSNorm over each head of `x` (T×(heads·hd)): the rows of its cache are the T·heads
+    /// (position, head) pairs, position-major, as HF's `view(…, -1, head_dim)` lays them out.
+    fn head_norm_forward(&self, norm: &RmsNorm, x: Array2<f64>) -> (NormCache, Array2<f64>) {
+        let shape = x.dim();
+        let hd = self.config.head_dim;
+        let rows = x
+            .into_shape_with_order((shape.0 * shape.1 / hd, hd))
+            .expect("a projection's output is contiguous");
+        let (cache, y) = norm.forward(rows.view(), self.config.rms_norm_eps, self.norm_offset());
+        let y = y
+            .into_shape_with_order(shape)
+            .expect("a norm's output is contiguous");
+        (cache, y)
+    }
+
+    /// The per-head rows of a T×(heads·hd) gradient, as [`Self::head_norm_forward`] lays them out.
+    fn head_rows(&self, dy: &Array2<f64>) -> Array2<f64> {
+        let hd = self.config.head_dim;
+        dy.as_standard_layout()
+            .into_owned()
+            .into_shape_with_order((dy.len() / hd, hd))
+            .expect("owned standard layout")
     }
 }
 
@@ -352,18 +433,53 @@ impl FromCheckpoint for Llama {
 pub struct LlamaBlockCache {
     norm1: NormCache,
     a1: Array2<f64>,
+    /// The per-head norms' caches, (T·heads) rows each.
+    q_norm: Option<NormCache>,
+    k_norm: Option<NormCache>,
     /// Queries and keys after the rotation.
     q: Array2<f64>,
     k: Array2<f64>,
     v: Array2<f64>,
     probs: Vec<Array2<f64>>,
     y: Array2<f64>,
+    attn_out_norm: Option<NormCache>,
     norm2: NormCache,
     a2: Array2<f64>,
     gate: Array2<f64>,
     up: Array2<f64>,
-    /// silu(gate) ⊙ up, the input of down_proj.
+    /// act(gate) ⊙ up, the input of down_proj.
     m: Array2<f64>,
+    mlp_out_norm: Option<NormCache>,
+}
+
+/// `norm(x)` when the norm is present, `x` when it is not, with the cache of the one applied.
+fn optional_norm(
+    norm: Option<&RmsNorm>,
+    x: Array2<f64>,
+    eps: f64,
+    offset: f64,
+) -> (Option<NormCache>, Array2<f64>) {
+    match norm {
+        Some(n) => {
+            let (c, y) = n.forward(x.view(), eps, offset);
+            (Some(c), y)
+        }
+        None => (None, x),
+    }
+}
+
+/// The backward of [`optional_norm`].
+fn optional_norm_backward(
+    norm: Option<&RmsNorm>,
+    cache: Option<&NormCache>,
+    dy: &Array2<f64>,
+    offset: f64,
+    g: Option<&mut RmsNorm>,
+) -> Array2<f64> {
+    match (norm, cache, g) {
+        (Some(n), Some(c), Some(g)) => n.backward(dy.view(), c, offset, g),
+        _ => dy.clone(),
+    }
 }
 
 impl DecoderModel for Llama {
@@ -391,11 +507,28 @@ impl DecoderModel for Llama {
         EMBED_TOKENS
     }
 
+    fn embedding_backprops(&self, ids: &[usize], dh: ArrayView2<f64>) -> Array2<f64> {
+        let mut de = &dh * self.embedding_scale();
+        if let Some(pad) = self.config.pad_token_id {
+            for (t, &x) in ids.iter().enumerate() {
+                if x == pad {
+                    de.row_mut(t).fill(0.0);
+                }
+            }
+        }
+        de
+    }
+
+    fn final_logit_softcap(&self) -> Option<f64> {
+        self.config.final_logit_softcapping
+    }
+
     fn embed(&self, ids: &[usize]) -> Array2<f64> {
         let e = &self.params.embed_tokens;
+        let scale = self.embedding_scale();
         let mut h = Array2::<f64>::zeros((ids.len(), self.config.hidden_size));
         for (t, &x) in ids.iter().enumerate() {
-            h.row_mut(t).assign(&e.row(x));
+            h.row_mut(t).assign(&(&e.row(x) * scale));
         }
         h
     }
@@ -407,9 +540,10 @@ impl DecoderModel for Llama {
         g: &mut LlamaParams,
         sites: Option<&mut Vec<SiteRecord>>,
     ) {
+        let de = self.embedding_backprops(ids, dh);
         for (t, &x) in ids.iter().enumerate() {
             let mut r = g.embed_tokens.row_mut(x);
-            r += &dh.row(t);
+            r += &de.row(t);
         }
         Sites(sites).push(|| {
             SiteRecord::embedding(
@@ -417,41 +551,64 @@ impl DecoderModel for Llama {
                 EMBED_TOKENS.into(),
                 self.config.vocab_size,
                 ids.to_vec(),
-                dh.to_owned(),
+                de,
             )
         });
     }
 
     fn block_forward(&self, layer: usize, h: Array2<f64>) -> (LlamaBlockCache, Array2<f64>) {
         let b = &self.params.layers[layer];
-        let eps = self.config.rms_norm_eps;
-        let rope = self.rope(h.nrows());
-        let (norm1, a1) = b.input_layernorm.forward(h.view(), eps);
-        let mut q = b.q_proj.forward(a1.view());
-        let mut k = b.k_proj.forward(a1.view());
+        let (eps, off) = (self.config.rms_norm_eps, self.norm_offset());
+        let (act, _) = self.activation();
+        let rope = self.rope(layer, h.nrows());
+        let (norm1, a1) = b.input_layernorm.forward(h.view(), eps, off);
+        let q = b.q_proj.forward(a1.view());
+        let k = b.k_proj.forward(a1.view());
         let v = b.v_proj.forward(a1.view());
+        let (q_norm, mut q) = match &b.q_norm {
+            Some(n) => {
+                let (c, y) = self.head_norm_forward(n, q);
+                (Some(c), y)
+            }
+            None => (None, q),
+        };
+        let (k_norm, mut k) = match &b.k_norm {
+            Some(n) => {
+                let (c, y) = self.head_norm_forward(n, k);
+                (Some(c), y)
+            }
+            None => (None, k),
+        };
         rope.rotate(&mut q, false);
         rope.rotate(&mut k, false);
-        let (probs, y) = self.attention().forward(q.view(), k.view(), v.view());
-        let h = h + b.o_proj.forward(y.view());
-        let (norm2, a2) = b.post_attention_layernorm.forward(h.view(), eps);
+        let (probs, y) = self.attention(layer).forward(q.view(), k.view(), v.view());
+        let o = b.o_proj.forward(y.view());
+        let (attn_out_norm, o) = optional_norm(b.attn_out_norm.as_ref(), o, eps, off);
+        let h = h + o;
+        let (norm2, a2) = b.mlp_norm.forward(h.view(), eps, off);
         let gate = b.gate_proj.forward(a2.view());
         let up = b.up_proj.forward(a2.view());
-        let m = &gate.mapv(silu) * &up;
-        let h = h + b.down_proj.forward(m.view());
+        let m = &gate.mapv(act) * &up;
+        let down = b.down_proj.forward(m.view());
+        let (mlp_out_norm, down) = optional_norm(b.mlp_out_norm.as_ref(), down, eps, off);
+        let h = h + down;
         let cache = LlamaBlockCache {
             norm1,
             a1,
+            q_norm,
+            k_norm,
             q,
             k,
             v,
             probs,
             y,
+            attn_out_norm,
             norm2,
             a2,
             gate,
             up,
             m,
+            mlp_out_norm,
         };
         (cache, h)
     }
@@ -466,72 +623,126 @@ impl DecoderModel for Llama {
     ) -> Array2<f64> {
         let b = &self.params.layers[layer];
         let gb = &mut g.layers[layer];
-        // MLP: h_out = h_mid + down(silu(gate(x)) ⊙ up(x)), x = post_attention_layernorm(h_mid).
+        let off = self.norm_offset();
+        let (act, act_grad) = self.activation();
+        // MLP: h_out = h_mid + mlp_out_norm(down(act(gate(x)) ⊙ up(x))), x = mlp_norm(h_mid).
+        let d_down = optional_norm_backward(
+            b.mlp_out_norm.as_ref(),
+            c.mlp_out_norm.as_ref(),
+            &dh,
+            off,
+            gb.mlp_out_norm.as_mut(),
+        );
         let dm = b
             .down_proj
-            .backward(c.m.view(), dh.view(), &mut gb.down_proj);
+            .backward(c.m.view(), d_down.view(), &mut gb.down_proj);
         let mut dgate = &dm * &c.up;
-        dgate.zip_mut_with(&c.gate, |d, &x| *d *= silu_grad(x));
-        let dup = &dm * &c.gate.mapv(silu);
+        dgate.zip_mut_with(&c.gate, |d, &x| *d *= act_grad(x));
+        let dup = &dm * &c.gate.mapv(act);
         let da2 = b
             .gate_proj
             .backward(c.a2.view(), dgate.view(), &mut gb.gate_proj)
             + b.up_proj.backward(c.a2.view(), dup.view(), &mut gb.up_proj);
         let dh_mid = &dh
-            + &b.post_attention_layernorm.backward(
-                da2.view(),
-                &c.norm2,
-                &mut gb.post_attention_layernorm,
-            );
-        // Attention: h_mid = h_in + o_proj(attn(rope(q(a1)), rope(k(a1)), v(a1))).
-        let dy = b.o_proj.backward(c.y.view(), dh_mid.view(), &mut gb.o_proj);
-        let (mut dq, mut dk, dv) =
-            self.attention()
-                .backward((c.q.view(), c.k.view(), c.v.view()), &c.probs, dy.view());
-        let rope = self.rope(dh.nrows());
-        rope.rotate(&mut dq, true);
-        rope.rotate(&mut dk, true);
+            + &b.mlp_norm
+                .backward(da2.view(), &c.norm2, off, &mut gb.mlp_norm);
+        // Attention: h_mid = h_in + attn_out_norm(o_proj(attn(rope(q'), rope(k'), v))), with
+        // q' = q_norm(q(a1)), k' = k_norm(k(a1)), a1 = input_layernorm(h_in).
+        let d_o = optional_norm_backward(
+            b.attn_out_norm.as_ref(),
+            c.attn_out_norm.as_ref(),
+            &dh_mid,
+            off,
+            gb.attn_out_norm.as_mut(),
+        );
+        let dy = b.o_proj.backward(c.y.view(), d_o.view(), &mut gb.o_proj);
+        let (mut dq_normed, mut dk_normed, dv) = self.attention(layer).backward(
+            (c.q.view(), c.k.view(), c.v.view()),
+            &c.probs,
+            dy.view(),
+        );
+        let rope = self.rope(layer, dh.nrows());
+        rope.rotate(&mut dq_normed, true);
+        rope.rotate(&mut dk_normed, true);
+        // Through the per-head norms: their rows are (position, head) pairs.
+        let through_head_norm = |n: Option<&RmsNorm>,
+                                 cache: Option<&NormCache>,
+                                 g: Option<&mut RmsNorm>,
+                                 d: &Array2<f64>|
+         -> Array2<f64> {
+            match (n, cache, g) {
+                (Some(n), Some(cache), Some(g)) => {
+                    let rows = self.head_rows(d);
+                    n.backward(rows.view(), cache, off, g)
+                        .into_shape_with_order(d.dim())
+                        .expect("a norm's gradient is contiguous")
+                }
+                _ => d.clone(),
+            }
+        };
+        let dq = through_head_norm(
+            b.q_norm.as_ref(),
+            c.q_norm.as_ref(),
+            gb.q_norm.as_mut(),
+            &dq_normed,
+        );
+        let dk = through_head_norm(
+            b.k_norm.as_ref(),
+            c.k_norm.as_ref(),
+            gb.k_norm.as_mut(),
+            &dk_normed,
+        );
         let da1 = b.q_proj.backward(c.a1.view(), dq.view(), &mut gb.q_proj)
             + b.k_proj.backward(c.a1.view(), dk.view(), &mut gb.k_proj)
             + b.v_proj.backward(c.a1.view(), dv.view(), &mut gb.v_proj);
         let dh_in = &dh_mid
             + &b.input_layernorm
-                .backward(da1.view(), &c.norm1, &mut gb.input_layernorm);
+                .backward(da1.view(), &c.norm1, off, &mut gb.input_layernorm);
 
         let mut sites = Sites(sites);
         if sites.on() {
             let p = format!("model.layers.{layer}.");
-            sites.norm(&format!("{p}input_layernorm"), false, &c.norm1, da1.view());
-            let attn_factors = [(&c.a1, &dq), (&c.a1, &dk), (&c.a1, &dv), (&c.y, &dh_mid)];
-            for ((name, lin), (a, bp)) in b.attention_linears().into_iter().zip(attn_factors) {
-                sites.linear(
-                    &format!("{p}{name}"),
-                    lin.bias.is_some(),
-                    a.view(),
-                    bp.view(),
-                );
+            let linear =
+                |sites: &mut Sites, name: &str, lin: &Linear, a: &Array2<f64>, bp: &Array2<f64>| {
+                    sites.linear(
+                        &format!("{p}{name}"),
+                        lin.bias.is_some(),
+                        a.view(),
+                        bp.view(),
+                    );
+                };
+            sites.norm(&format!("{p}{INPUT_NORM}"), false, &c.norm1, da1.view());
+            linear(&mut sites, Q, &b.q_proj, &c.a1, &dq);
+            linear(&mut sites, K, &b.k_proj, &c.a1, &dk);
+            linear(&mut sites, V, &b.v_proj, &c.a1, &dv);
+            if let Some(cache) = &c.q_norm {
+                let bp = self.head_rows(&dq_normed);
+                sites.norm(&format!("{p}{Q_NORM}"), false, cache, bp.view());
             }
-            sites.norm(
-                &format!("{p}post_attention_layernorm"),
-                false,
-                &c.norm2,
-                da2.view(),
-            );
-            let mlp_factors = [(&c.a2, &dgate), (&c.a2, &dup), (&c.m, &dh)];
-            for ((name, lin), (a, bp)) in b.mlp_linears().into_iter().zip(mlp_factors) {
-                sites.linear(
-                    &format!("{p}{name}"),
-                    lin.bias.is_some(),
-                    a.view(),
-                    bp.view(),
-                );
+            if let Some(cache) = &c.k_norm {
+                let bp = self.head_rows(&dk_normed);
+                sites.norm(&format!("{p}{K_NORM}"), false, cache, bp.view());
+            }
+            linear(&mut sites, O, &b.o_proj, &c.y, &d_o);
+            if let Some(cache) = &c.attn_out_norm {
+                sites.norm(&format!("{p}{POST_ATTN_NORM}"), false, cache, dh_mid.view());
+            }
+            let mlp_norm = mlp_norm_name(self.params.norm_layout);
+            sites.norm(&format!("{p}{mlp_norm}"), false, &c.norm2, da2.view());
+            linear(&mut sites, GATE, &b.gate_proj, &c.a2, &dgate);
+            linear(&mut sites, UP, &b.up_proj, &c.a2, &dup);
+            linear(&mut sites, DOWN, &b.down_proj, &c.m, &d_down);
+            if let Some(cache) = &c.mlp_out_norm {
+                sites.norm(&format!("{p}{POST_FFN_NORM}"), false, cache, dh.view());
             }
         }
         dh_in
     }
 
     fn final_norm(&self, h: ArrayView2<f64>) -> (NormCache, Array2<f64>) {
-        self.params.norm.forward(h, self.config.rms_norm_eps)
+        self.params
+            .norm
+            .forward(h, self.config.rms_norm_eps, self.norm_offset())
     }
 
     fn final_norm_backward(
@@ -542,6 +753,8 @@ impl DecoderModel for Llama {
         sites: Option<&mut Vec<SiteRecord>>,
     ) -> Array2<f64> {
         Sites(sites).norm("model.norm", false, cache, dy);
-        self.params.norm.backward(dy, cache, &mut g.norm)
+        self.params
+            .norm
+            .backward(dy, cache, self.norm_offset(), &mut g.norm)
     }
 }

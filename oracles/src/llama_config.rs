@@ -1,50 +1,17 @@
-//! The hyper-parameters of the Llama family (`LlamaForCausalLM`, `Qwen2ForCausalLM`) as Hugging
+//! The hyper-parameters of the Llama-shaped families (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
+//! `Qwen3ForCausalLM` and the Gemma family, whose own keys `gemma_config.rs` reads) as Hugging
 //! Face's `config.json` writes them, old (`rope_theta` + `rope_scaling`) and new
 //! (`rope_parameters`) layouts alike. A value the reference does not model is an error naming the
 //! key, never ignored.
 
 use crate::error::{bail, Error, Result};
-use crate::keys::{check_parameter_count, positive_number, Keys, MAX_DIM};
-use serde_json::{Map, Value};
+use crate::gemma_config::{self, GemmaKeys};
+use crate::keys::{check_parameter_count, Keys};
+use serde_json::Value;
 
-/// Which member of the family: it fixes the biases and the keys that are read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LlamaFlavor {
-    /// `model_type: "llama"`: `attention_bias` on all four projections, `mlp_bias` on the MLP.
-    Llama,
-    /// `model_type: "qwen2"`: q/k/v biases always, no o_proj bias, no MLP bias.
-    Qwen2,
-}
-
-impl LlamaFlavor {
-    pub fn model_type(self) -> &'static str {
-        match self {
-            LlamaFlavor::Llama => "llama",
-            LlamaFlavor::Qwen2 => "qwen2",
-        }
-    }
-
-    pub fn from_model_type(s: &str) -> Option<Self> {
-        [LlamaFlavor::Llama, LlamaFlavor::Qwen2]
-            .into_iter()
-            .find(|f| f.model_type() == s)
-    }
-}
-
-/// How the rotary inverse frequencies are adjusted (`rope_scaling` / `rope_parameters`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum RopeScaling {
-    /// `null`, or `rope_type: "default"`.
-    None,
-    /// `rope_type: "llama3"` (Llama 3.1+): long wavelengths divided by `factor`, short ones kept,
-    /// a smooth interpolation in between.
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: usize,
-    },
-}
+pub use crate::flavor::{LayerType, LlamaFlavor, NormLayout};
+use crate::rope_config::rope;
+pub use crate::rope_config::RopeScaling;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
@@ -68,16 +35,23 @@ pub struct LlamaConfig {
     /// Llama only.
     pub mlp_bias: bool,
     pub tie_word_embeddings: bool,
+    /// Gemma 2, 3 and VaultGemma: attention scores are scaled by this^(-1/2) instead of
+    /// head_dim^(-1/2).
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Soft-capping of the scaled attention scores (Gemma 2, VaultGemma).
+    pub attn_logit_softcapping: Option<f64>,
+    /// Soft-capping of the final logits (Gemma 2, 3, VaultGemma).
+    pub final_logit_softcapping: Option<f64>,
+    /// Each layer's attention; `Sliding` layers see the last `sliding_window` positions.
+    pub layer_types: Vec<LayerType>,
+    pub sliding_window: Option<usize>,
+    /// Gemma 3: the rope base of sliding-window layers (`rope_parameters.sliding_attention`, or
+    /// the older `rope_local_base_freq`); `None` when every layer uses `rope_theta`.
+    pub local_rope_theta: Option<f64>,
+    /// HF builds the embedding as `nn.Embedding(…, padding_idx = pad_token_id)`: the padding
+    /// token's row gets no gradient from the input path.
+    pub pad_token_id: Option<usize>,
 }
-
-/// Keys a `rope_scaling` / `rope_parameters` object may hold for each `rope_type`.
-const ROPE_COMMON_KEYS: [&str; 3] = ["rope_type", "type", "rope_theta"];
-const LLAMA3_KEYS: [&str; 4] = [
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-];
 
 impl LlamaConfig {
     /// A small model for tests: `intermediate_size` = 2·hidden + 4, 64 positions, tied head, no
@@ -106,6 +80,13 @@ impl LlamaConfig {
             attention_bias: false,
             mlp_bias: false,
             tie_word_embeddings: true,
+            query_pre_attn_scalar: None,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+            layer_types: vec![LayerType::Full; num_hidden_layers],
+            sliding_window: None,
+            local_rope_theta: None,
+            pad_token_id: None,
         }
     }
 
@@ -117,16 +98,26 @@ impl LlamaConfig {
     /// Whether q_proj, k_proj and v_proj have biases.
     pub fn qkv_bias(&self) -> bool {
         match self.flavor {
-            LlamaFlavor::Llama => self.attention_bias,
             LlamaFlavor::Qwen2 => true,
+            LlamaFlavor::Llama
+            | LlamaFlavor::Qwen3
+            | LlamaFlavor::Gemma
+            | LlamaFlavor::Gemma2
+            | LlamaFlavor::Gemma3Text
+            | LlamaFlavor::VaultGemma => self.attention_bias,
         }
     }
 
     /// Whether o_proj has a bias.
     pub fn o_proj_bias(&self) -> bool {
         match self.flavor {
-            LlamaFlavor::Llama => self.attention_bias,
             LlamaFlavor::Qwen2 => false,
+            LlamaFlavor::Llama
+            | LlamaFlavor::Qwen3
+            | LlamaFlavor::Gemma
+            | LlamaFlavor::Gemma2
+            | LlamaFlavor::Gemma3Text
+            | LlamaFlavor::VaultGemma => self.attention_bias,
         }
     }
 
@@ -134,7 +125,38 @@ impl LlamaConfig {
     pub fn mlp_biases(&self) -> bool {
         match self.flavor {
             LlamaFlavor::Llama => self.mlp_bias,
-            LlamaFlavor::Qwen2 => false,
+            LlamaFlavor::Qwen2
+            | LlamaFlavor::Qwen3
+            | LlamaFlavor::Gemma
+            | LlamaFlavor::Gemma2
+            | LlamaFlavor::Gemma3Text
+            | LlamaFlavor::VaultGemma => false,
+        }
+    }
+
+    /// The factor attention scores are scaled by.
+    pub fn attention_scale(&self) -> f64 {
+        1.0 / self
+            .query_pre_attn_scalar
+            .unwrap_or(self.head_dim as f64)
+            .sqrt()
+    }
+
+    /// Layer `layer`'s window, when it is a sliding-window layer.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        match self.layer_types[layer] {
+            LayerType::Full => None,
+            LayerType::Sliding => self.sliding_window,
+        }
+    }
+
+    /// The embedding scale √d, rounded to `precision`'s mantissa as Hugging Face's
+    /// `embed_scale.to(weight.dtype)` does (1 for families that do not scale).
+    pub fn embedding_scale(&self, round: impl Fn(f64) -> f64) -> f64 {
+        if self.flavor.is_gemma() {
+            round((self.hidden_size as f64).sqrt())
+        } else {
+            1.0
         }
     }
 
@@ -143,13 +165,19 @@ impl LlamaConfig {
         self.num_attention_heads / self.num_key_value_heads
     }
 
+    /// Layer `layer`'s rotary inverse frequencies: Gemma 3's sliding-window layers have a base
+    /// of their own, unscaled.
+    pub fn layer_inverse_frequencies(&self, layer: usize) -> Vec<f64> {
+        match (self.layer_types[layer], self.local_rope_theta) {
+            (LayerType::Sliding, Some(theta)) => default_inverse_frequencies(theta, self.head_dim),
+            (LayerType::Sliding, None) | (LayerType::Full, _) => self.inverse_frequencies(),
+        }
+    }
+
     /// The rotary inverse frequencies θ^(-2i/head_dim), i < head_dim/2, after the scaling of
     /// `rope_scaling` (Hugging Face's `_compute_llama3_parameters`, evaluated in f64).
     pub fn inverse_frequencies(&self) -> Vec<f64> {
-        let dim = self.head_dim;
-        let base: Vec<f64> = (0..dim / 2)
-            .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim as f64))
-            .collect();
+        let base = default_inverse_frequencies(self.rope_theta, self.head_dim);
         match self.rope_scaling {
             RopeScaling::None => base,
             RopeScaling::Llama3 {
@@ -181,32 +209,35 @@ impl LlamaConfig {
 
     pub fn from_json_str(text: &str) -> Result<Self> {
         let keys = Keys::parse(text)?;
+        let accepted = LlamaFlavor::ALL
+            .map(|f| format!("\"{}\"", f.model_type()))
+            .join(", ");
         let flavor = match keys.value("model_type") {
-            None => bail!("`model_type` is missing; expected \"llama\" or \"qwen2\""),
+            None => bail!("`model_type` is missing; expected one of {accepted}"),
             Some(v) => match v.as_str().and_then(LlamaFlavor::from_model_type) {
                 Some(f) => f,
-                None => bail!("`model_type` is {v}; this loader reads \"llama\" and \"qwen2\""),
+                None => bail!("`model_type` is {v}; this loader reads {accepted}"),
             },
         };
-        // Hugging Face's defaults for absent keys differ between the two configs.
-        let (vocab, intermediate, max_pos) = match flavor {
-            LlamaFlavor::Llama => (32000, 11008, 2048),
-            LlamaFlavor::Qwen2 => (151936, 22016, 32768),
-        };
-        match keys.value("hidden_act") {
-            None => {}
-            Some(Value::String(s)) if s == "silu" => {}
-            Some(other) => bail!(
-                "`hidden_act` is {other}; only \"silu\" (SwiGLU: down(silu(gate(x)) * up(x))) is supported"
-            ),
+        let defaults = flavor.defaults();
+        if flavor.is_gemma() {
+            gemma_config::check_activation(&keys, flavor)?;
+        } else {
+            match keys.value("hidden_act") {
+                None => {}
+                Some(Value::String(s)) if s == "silu" => {}
+                Some(other) => bail!(
+                    "`hidden_act` is {other}; only \"silu\" (SwiGLU: down(silu(gate(x)) * up(x))) is supported"
+                ),
+            }
         }
-        let hidden_size = keys.usize("hidden_size", 4096)?;
-        let heads = keys.usize("num_attention_heads", 32)?;
-        let kv_heads = keys.usize("num_key_value_heads", heads)?;
+        let hidden_size = keys.usize("hidden_size", defaults.hidden)?;
+        let heads = keys.usize("num_attention_heads", defaults.heads)?;
+        let kv_heads = keys.usize("num_key_value_heads", defaults.kv_heads.unwrap_or(heads))?;
         if heads % kv_heads != 0 {
             bail!("`num_attention_heads` ({heads}) is not a multiple of `num_key_value_heads` ({kv_heads})");
         }
-        let head_dim = match keys.opt_usize("head_dim")? {
+        let head_dim = match keys.opt_usize("head_dim")?.or(defaults.head_dim) {
             Some(h) => h,
             None => {
                 if hidden_size % heads != 0 {
@@ -223,6 +254,7 @@ impl LlamaConfig {
                 bail!("`partial_rotary_factor` is {x}; only 1.0 (rotary on the whole head) is supported");
             }
         }
+        let layers = keys.layers("num_hidden_layers", defaults.layers)?;
         let (attention_bias, mlp_bias) = match flavor {
             LlamaFlavor::Llama => (
                 keys.bool("attention_bias", false)?,
@@ -234,32 +266,56 @@ impl LlamaConfig {
                 if keys.value("attention_bias").is_some() && !keys.bool("attention_bias", true)? {
                     bail!("`attention_bias` is false, but Qwen2 always has q/k/v biases");
                 }
-                if keys.bool("mlp_bias", false)? {
-                    bail!("`mlp_bias` is true, but Qwen2's MLP has no biases");
-                }
-                check_qwen2_sliding_window(&keys)?;
+                no_mlp_bias(&keys, flavor)?;
                 (false, false)
             }
+            LlamaFlavor::Qwen3
+            | LlamaFlavor::Gemma
+            | LlamaFlavor::Gemma2
+            | LlamaFlavor::Gemma3Text
+            | LlamaFlavor::VaultGemma => {
+                no_mlp_bias(&keys, flavor)?;
+                (keys.bool("attention_bias", false)?, false)
+            }
         };
-        let layers = keys.layers("num_hidden_layers", 32)?;
-        let (rope_theta, rope_scaling) = rope(&keys)?;
-        let cfg = LlamaConfig {
+        let mut cfg = LlamaConfig {
             flavor,
-            vocab_size: keys.usize("vocab_size", vocab)?,
+            vocab_size: keys.usize("vocab_size", defaults.vocab)?,
             hidden_size,
-            intermediate_size: keys.usize("intermediate_size", intermediate)?,
+            intermediate_size: keys.usize("intermediate_size", defaults.intermediate)?,
             num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
-            max_position_embeddings: keys.usize("max_position_embeddings", max_pos)?,
+            max_position_embeddings: keys.usize("max_position_embeddings", defaults.max_pos)?,
             rms_norm_eps: keys.positive("rms_norm_eps", 1e-6)?,
-            rope_theta,
-            rope_scaling,
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::None,
             attention_bias,
             mlp_bias,
-            tie_word_embeddings: keys.bool("tie_word_embeddings", false)?,
+            tie_word_embeddings: keys.bool("tie_word_embeddings", defaults.tie)?,
+            query_pre_attn_scalar: None,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+            layer_types: vec![LayerType::Full; layers],
+            sliding_window: None,
+            local_rope_theta: None,
+            pad_token_id: None,
         };
+        cfg.pad_token_id = pad_token_id(&keys, flavor, cfg.vocab_size)?;
+        if flavor.is_gemma() {
+            let g = gemma_config::read(&keys, flavor, layers)?;
+            cfg.query_pre_attn_scalar = g.query_pre_attn_scalar;
+            cfg.attn_logit_softcapping = g.attn_logit_softcapping;
+            cfg.final_logit_softcapping = g.final_logit_softcapping;
+            cfg.layer_types = g.layer_types;
+            cfg.sliding_window = g.sliding_window;
+            (cfg.rope_theta, cfg.rope_scaling) = (g.rope_theta, g.rope_scaling);
+            cfg.local_rope_theta = g.local_rope_theta;
+        } else {
+            check_no_sliding_window(&keys, layers)?;
+            (cfg.rope_theta, cfg.rope_scaling) = rope(&keys, 10000.0)?;
+        }
         check_parameter_count(cfg.parameter_count())?;
         Ok(cfg)
     }
@@ -274,7 +330,16 @@ impl LlamaConfig {
         let qkv_b = if self.qkv_bias() { q + 2 * kv } else { 0 };
         let o_b = if self.o_proj_bias() { d } else { 0 };
         let mlp_b = if self.mlp_biases() { 2 * i + d } else { 0 };
-        let layer = 2 * d + d * (q + 2 * kv) + qkv_b + q * d + o_b + 3 * d * i + mlp_b;
+        let norms = match self.flavor.norm_layout() {
+            NormLayout::PreNorm | NormLayout::PreFeedforward => 2 * d,
+            NormLayout::Sandwich => 4 * d,
+        };
+        let head_norms = if self.flavor.head_norms() {
+            2 * self.head_dim
+        } else {
+            0
+        };
+        let layer = norms + head_norms + d * (q + 2 * kv) + qkv_b + q * d + o_b + 3 * d * i + mlp_b;
         let head = if self.tie_word_embeddings {
             0
         } else {
@@ -304,6 +369,7 @@ impl LlamaConfig {
             }),
         };
         let mut v = serde_json::json!({
+            "architectures": [self.flavor.class_name()],
             "model_type": self.flavor.model_type(),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -315,25 +381,50 @@ impl LlamaConfig {
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_parameters": rope_parameters,
-            "hidden_act": "silu",
             "tie_word_embeddings": self.tie_word_embeddings,
+            "pad_token_id": self.pad_token_id,
         });
         match self.flavor {
             LlamaFlavor::Llama => {
+                v["hidden_act"] = "silu".into();
                 v["attention_bias"] = Value::Bool(self.attention_bias);
                 v["mlp_bias"] = Value::Bool(self.mlp_bias);
             }
             LlamaFlavor::Qwen2 => {
+                v["hidden_act"] = "silu".into();
                 v["use_sliding_window"] = Value::Bool(false);
+            }
+            LlamaFlavor::Qwen3 => {
+                v["hidden_act"] = "silu".into();
+                v["attention_bias"] = Value::Bool(self.attention_bias);
+                v["use_sliding_window"] = Value::Bool(false);
+            }
+            LlamaFlavor::Gemma
+            | LlamaFlavor::Gemma2
+            | LlamaFlavor::Gemma3Text
+            | LlamaFlavor::VaultGemma => {
+                v["attention_bias"] = Value::Bool(self.attention_bias);
+                let g = GemmaKeys {
+                    query_pre_attn_scalar: self.query_pre_attn_scalar,
+                    attn_logit_softcapping: self.attn_logit_softcapping,
+                    final_logit_softcapping: self.final_logit_softcapping,
+                    layer_types: self.layer_types.clone(),
+                    sliding_window: self.sliding_window,
+                    rope_theta: self.rope_theta,
+                    rope_scaling: self.rope_scaling,
+                    local_rope_theta: self.local_rope_theta,
+                };
+                gemma_config::write(&g, self.flavor, &mut v)
             }
         }
         v
     }
 }
 
-/// Qwen2 may restrict some layers to a sliding window; the reference models full causal
-/// attention only, so an active window is an error.
-fn check_qwen2_sliding_window(keys: &Keys) -> Result<()> {
+/// Llama and Qwen may restrict some layers to a sliding window, which the reference implements
+/// for the Gemma family only (the families whose golden files test it): an active window is an
+/// error here.
+fn check_no_sliding_window(keys: &Keys, layers: usize) -> Result<()> {
     if let Some(types) = keys.value("layer_types") {
         let Some(list) = types.as_array() else {
             bail!("`layer_types` must be a list, found {types}");
@@ -345,7 +436,6 @@ fn check_qwen2_sliding_window(keys: &Keys) -> Result<()> {
         }
     }
     if keys.bool("use_sliding_window", false)? && keys.value("sliding_window").is_some() {
-        let layers = keys.layers("num_hidden_layers", 32)?;
         let first = match keys.value("max_window_layers") {
             None => 28,
             Some(x) => x
@@ -367,89 +457,36 @@ fn check_qwen2_sliding_window(keys: &Keys) -> Result<()> {
     Ok(())
 }
 
-/// `rope_theta` and the scaling, from `rope_theta` + `rope_scaling` (transformers 4) or
-/// `rope_parameters` (transformers 5), which must agree where both are given.
-fn rope(keys: &Keys) -> Result<(f64, RopeScaling)> {
-    let mut merged: Map<String, Value> = Map::new();
-    for key in ["rope_scaling", "rope_parameters"] {
-        let Some(v) = keys.value(key) else { continue };
-        let Some(obj) = v.as_object() else {
-            bail!("`{key}` must be an object or null, found {v}");
-        };
-        for (k, x) in obj {
-            if let Some(prev) = merged.get(k) {
-                if prev != x {
-                    bail!("`rope_scaling.{k}` ({prev}) and `rope_parameters.{k}` ({x}) disagree");
-                }
-            }
-            merged.insert(k.clone(), x.clone());
-        }
-    }
-    let rope_type = match (merged.get("rope_type"), merged.get("type")) {
-        (Some(a), Some(b)) if a != b => {
-            bail!("`rope_type` ({a}) and `type` ({b}) of the rope parameters disagree")
-        }
-        (Some(a), _) | (None, Some(a)) => match a.as_str() {
-            Some(s) => s.to_string(),
-            None => bail!("`rope_type` must be a string, found {a}"),
+/// `pad_token_id` (Gemma's configs default to 0, the others to none), inside the vocabulary as
+/// `nn.Embedding` requires.
+fn pad_token_id(keys: &Keys, flavor: LlamaFlavor, vocab: usize) -> Result<Option<usize>> {
+    let default = flavor.is_gemma().then_some(0);
+    let id = match keys.v_raw("pad_token_id") {
+        None => default,
+        Some(Value::Null) => None,
+        Some(x) => match x.as_u64() {
+            Some(n) if (n as usize) < vocab => Some(n as usize),
+            _ => bail!(
+                "`pad_token_id` must be null or an id in 0..{vocab} (`vocab_size`), found {x}"
+            ),
         },
-        (None, None) => "default".to_string(),
     };
-    let theta = match (keys.value("rope_theta"), merged.get("rope_theta")) {
-        (Some(a), Some(b)) if positive_number(a) != positive_number(b) => {
-            bail!("`rope_theta` ({a}) and `rope_parameters.rope_theta` ({b}) disagree")
-        }
-        (Some(x), _) | (None, Some(x)) => positive_number(x).ok_or_else(|| {
-            Error::new(format!("`rope_theta` must be a positive number, found {x}"))
-        })?,
-        (None, None) => 10000.0,
-    };
-    let allowed: &[&str] = match rope_type.as_str() {
-        "default" => &[],
-        "llama3" => &LLAMA3_KEYS,
-        other => bail!(
-            "`rope_type` is \"{other}\"; supported: \"default\" (or rope_scaling null) and \"llama3\""
-        ),
-    };
-    for (k, x) in &merged {
-        if ROPE_COMMON_KEYS.contains(&k.as_str()) || allowed.contains(&k.as_str()) {
-            continue;
-        }
-        if k == "partial_rotary_factor" && x.as_f64() == Some(1.0) {
-            continue;
-        }
-        bail!("rope parameter `{k}` = {x} is not supported with rope_type \"{rope_type}\"");
+    Ok(id)
+}
+
+fn no_mlp_bias(keys: &Keys, flavor: LlamaFlavor) -> Result<()> {
+    if keys.bool("mlp_bias", false)? {
+        bail!(
+            "`mlp_bias` is true, but {}'s MLP has no biases",
+            flavor.class_name()
+        );
     }
-    if rope_type == "default" {
-        return Ok((theta, RopeScaling::None));
-    }
-    let num = |k: &str| -> Result<f64> {
-        match merged.get(k) {
-            None => bail!("rope_type \"llama3\" needs `{k}`"),
-            Some(x) => positive_number(x).ok_or_else(|| {
-                Error::new(format!(
-                    "rope parameter `{k}` must be a positive number, found {x}"
-                ))
-            }),
-        }
-    };
-    let factor = num("factor")?;
-    let low_freq_factor = num("low_freq_factor")?;
-    let high_freq_factor = num("high_freq_factor")?;
-    if high_freq_factor <= low_freq_factor {
-        bail!("rope parameter `high_freq_factor` ({high_freq_factor}) must exceed `low_freq_factor` ({low_freq_factor})");
-    }
-    let original = num("original_max_position_embeddings")?;
-    if original.fract() != 0.0 || original > MAX_DIM as f64 {
-        bail!("rope parameter `original_max_position_embeddings` must be an integer in 1..={}, found {original}", MAX_DIM);
-    }
-    Ok((
-        theta,
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings: original as usize,
-        },
-    ))
+    Ok(())
+}
+
+/// θ^(-2i/dim) for i < dim/2, in f64.
+fn default_inverse_frequencies(theta: f64, dim: usize) -> Vec<f64> {
+    (0..dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / dim as f64))
+        .collect()
 }

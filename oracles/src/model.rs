@@ -6,7 +6,7 @@ use crate::error::{bail, Error, Result};
 use crate::gpt2::Gpt2;
 use crate::gpt2_config::Gpt2Config;
 use crate::llama::Llama;
-use crate::llama_config::LlamaConfig;
+use crate::llama_config::{LlamaConfig, LlamaFlavor};
 use serde_json::Value;
 use std::path::Path;
 
@@ -15,12 +15,17 @@ use std::path::Path;
 #[derive(Clone, Debug, PartialEq)]
 pub enum Model {
     Gpt2(Gpt2),
-    /// `llama` and `qwen2`.
+    /// `llama`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text` and `vaultgemma`: one block
+    /// shape, its differences set by [`crate::LlamaFlavor`].
     Llama(Llama),
 }
 
-/// The `model_type` values a [`Model`] is loaded from.
-pub(crate) const MODEL_TYPES: [&str; 3] = ["gpt2", "llama", "qwen2"];
+/// The `model_type` values a [`Model`] is loaded from: `gpt2` and every [`LlamaFlavor`].
+pub(crate) fn model_types() -> Vec<&'static str> {
+    let mut out = vec!["gpt2"];
+    out.extend(LlamaFlavor::ALL.map(LlamaFlavor::model_type));
+    out
+}
 
 impl Model {
     /// The family's name as `config.json` writes it.
@@ -107,12 +112,16 @@ impl ModelConfig {
             Some(Value::String(t)) if t == "gpt2" => {
                 Ok(ModelConfig::Gpt2(Gpt2Config::from_json_str(text)?))
             }
-            Some(Value::String(t)) if t == "llama" || t == "qwen2" => {
+            Some(Value::String(t)) if LlamaFlavor::from_model_type(t).is_some() => {
                 Ok(ModelConfig::Llama(LlamaConfig::from_json_str(text)?))
             }
             Some(other) => bail!(
                 "`model_type` is {other}; supported: {}",
-                MODEL_TYPES.map(|t| format!("\"{t}\"")).join(", ")
+                model_types()
+                    .into_iter()
+                    .map(|t| format!("\"{t}\""))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         }
     }

@@ -73,30 +73,45 @@ impl SiteShape<'_> {
 /// site the same batch × sequence, a layernorm's input the width of its output, every id inside
 /// its table, and every site of a parameter a gradient of one shape. The first inconsistency is
 /// the error, naming the site and the tensor.
+///
+/// A layernorm site's rows may be any multiple k·T of the sequence: a norm applied to each of k
+/// heads at every position (Qwen3's and Gemma 3's q/k norms, one weight over head_dim) has one
+/// row per (position, head) pair, and its gradient is still the sum over its rows.
 pub fn validate_shapes(sites: &[SiteShape<'_>]) -> Result<()> {
-    let Some(first) = sites.first() else {
+    let Some(first) = sites
+        .iter()
+        .find(|s| s.spec.kind != SiteKind::LayerNorm)
+        .or(sites.first())
+    else {
         bail!("trace has no sites");
     };
-    let mut bt = None;
+    let [b0, t0, _] = dims3(first.backprops, &format!("{}.backprops", first.spec.name))?;
     for s in sites {
-        let (b, t) = check_site(s, bt.map(|(b, t)| (first.spec.name.as_str(), b, t)))?;
-        bt.get_or_insert((b, t));
+        check_site(s, (first.spec.name.as_str(), b0, t0))?;
     }
     check_parameters(sites)
 }
 
-/// One site's checks; `first` is the first site's name and batch × sequence, for every later one.
-fn check_site(s: &SiteShape<'_>, first: Option<(&str, usize, usize)>) -> Result<(usize, usize)> {
+/// One site's checks; `first` is the name and batch × sequence of the site the others are held to.
+fn check_site(s: &SiteShape<'_>, (first, b0, t0): (&str, usize, usize)) -> Result<()> {
     let n = &s.spec.name;
     let kind = s.spec.kind;
     let bp = format!("{n}.backprops");
     let [b, t, out] = dims3(s.backprops, &bp)?;
-    if let Some((first, b0, t0)) = first {
-        if (b0, t0) != (b, t) {
-            bail!(
-                "site `{n}`: `{bp}` is {b}×{t} in batch × sequence but site `{first}` is {b0}×{t0}"
-            );
-        }
+    let rows_fit = match kind {
+        SiteKind::LayerNorm => t == t0 || (t0 > 0 && t > 0 && t % t0 == 0),
+        SiteKind::Linear | SiteKind::Conv1d | SiteKind::Embedding | SiteKind::Bias => t == t0,
+    };
+    if b != b0 || !rows_fit {
+        let rows = match kind {
+            SiteKind::LayerNorm => format!(" (a layernorm may have any multiple of {t0} rows)"),
+            SiteKind::Linear | SiteKind::Conv1d | SiteKind::Embedding | SiteKind::Bias => {
+                String::new()
+            }
+        };
+        bail!(
+            "site `{n}`: `{bp}` is {b}×{t} in batch × sequence but site `{first}` is {b0}×{t0}{rows}"
+        );
     }
     if kind.needs_activations() {
         let an = format!("{n}.activations");
@@ -149,7 +164,7 @@ fn check_site(s: &SiteShape<'_>, first: Option<(&str, usize, usize)>) -> Result<
             }
         }
     }
-    Ok((b, t))
+    Ok(())
 }
 
 /// Every site of a parameter writes a gradient of the same shape (parameters in first-use order).

@@ -57,12 +57,16 @@ fn matches_pytorch_golden_files() {
         // Every case loads through the family dispatch, and the family is the one its name says.
         let model = load::<Model>(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let family = if name.starts_with("llama") {
-            "llama"
-        } else if name.starts_with("qwen2") {
-            "qwen2"
-        } else {
-            "gpt2"
+        // The family is the name's first word (`llama3` is Llama with llama3 rope scaling).
+        let family = match name.split('_').next().unwrap() {
+            "llama" | "llama3" => "llama",
+            "gemma3" => "gemma3_text",
+            "qwen2" => "qwen2",
+            "qwen3" => "qwen3",
+            "gemma" => "gemma",
+            "gemma2" => "gemma2",
+            "vaultgemma" => "vaultgemma",
+            _ => "gpt2",
         };
         assert_eq!(model.model_type(), family, "{name}");
         *families.entry(family).or_insert(0) += 1;
@@ -133,13 +137,20 @@ fn matches_pytorch_golden_files() {
         }
         cases += 1;
     }
-    assert!(cases >= 17 && tied_cases > 0, "{cases} golden cases found");
-    assert!(
-        families.get("gpt2") >= Some(&9)
-            && families.get("llama") >= Some(&6)
-            && families.get("qwen2") >= Some(&2),
-        "{families:?}"
-    );
+    assert!(cases >= 28 && tied_cases > 0, "{cases} golden cases found");
+    let want = [
+        ("gpt2", 9),
+        ("llama", 6),
+        ("qwen2", 2),
+        ("qwen3", 3),
+        ("gemma", 2),
+        ("gemma2", 2),
+        ("gemma3_text", 2),
+        ("vaultgemma", 2),
+    ];
+    for (family, n) in want {
+        assert!(families.get(family) >= Some(&n), "{family}: {families:?}");
+    }
 }
 
 #[test]

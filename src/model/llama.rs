@@ -14,7 +14,7 @@ use super::{
 use crate::error::Result;
 use crate::trace::SiteKind;
 use candle_core::{DType, Device, Tensor, D};
-use ghost_oracle_reference::{Batch, Llama, LlamaConfig, Reduction};
+use ghost_oracle_reference::{Batch, Llama, LlamaConfig, LlamaFlavor, Reduction};
 
 pub struct CandleLlama {
     config: LlamaConfig,
@@ -30,6 +30,20 @@ pub(crate) struct Rope {
 impl CandleLlama {
     /// The reference's weights rounded to `dtype` on `device`.
     pub fn from_reference(model: &Llama, dtype: DType, device: &Device) -> Result<Self> {
+        let flavor = model.config.flavor;
+        match flavor {
+            LlamaFlavor::Llama | LlamaFlavor::Qwen2 => {}
+            LlamaFlavor::Qwen3
+            | LlamaFlavor::Gemma
+            | LlamaFlavor::Gemma2
+            | LlamaFlavor::Gemma3Text
+            | LlamaFlavor::VaultGemma => {
+                return Err(crate::error::Error::input(format!(
+                    "the candle model does not implement `{}`; `reference` and `check` read it",
+                    flavor.model_type()
+                )))
+            }
+        }
         Ok(CandleLlama {
             config: model.config.clone(),
             core: Core::of(model, dtype, device)?,
