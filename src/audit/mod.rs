@@ -366,7 +366,7 @@ pub fn median(v: &[f64]) -> f64 {
 
 /// Tensors per parameter as the judge reads them: f64 values, row-major; each dropped as soon as
 /// it is converted.
-fn values_of(tensors: Vec<(String, candle_core::Tensor)>) -> Result<Vec<(String, Vec<f64>)>> {
+pub fn values_of(tensors: Vec<(String, candle_core::Tensor)>) -> Result<Vec<(String, Vec<f64>)>> {
     tensors
         .into_iter()
         .map(|(p, t)| Ok((p, t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)))
