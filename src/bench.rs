@@ -1,8 +1,10 @@
-//! Timing of per-example norm computation from a trace: the tied embedding / LM-head pair at
+//! Timing of per-example norm computation, and of the whole DP-SGD step (norms, the clipped sum
+//! from the factors, noise and the division), from a trace: the tied embedding / LM-head pair at
 //! GPT-2 shapes, or any trace file.
 
-use crate::clippers::Clipper;
+use crate::clippers::{Clipper, NoiseSpec};
 use crate::error::Result;
+use crate::options::ClipNorm;
 use crate::trace::Trace;
 use candle_core::{DType, Device, Tensor};
 use ghost_oracle_reference::{SiteKind, SiteSpec};
@@ -58,11 +60,19 @@ pub struct BenchResult {
     pub runs: usize,
     /// Largest extra memory held during a call, as measured by the caller's probe.
     pub peak_bytes: u64,
+    /// Median wall time of one `clip` (norms, coefficients and Σ c_i g_i from the factors: the
+    /// second pass).
+    pub clip_seconds: f64,
+    /// Median wall time of one whole `step` (`clip`, then noise N(0, C²) on every entry and the
+    /// division by B), and its peak memory.
+    pub step_seconds: f64,
+    pub step_peak_bytes: u64,
 }
 
-/// Times `norms` of every clipper on the trace: one warm-up each, then `runs` rounds in which
-/// every clipper runs once (interleaved, so that drifting machine load hits all alike); the
-/// median per clipper. `peak` resets and reads a peak-memory probe (e.g. a counting allocator).
+/// Times `norms` and `step` of every clipper on the trace: one warm-up each, then `runs` rounds
+/// in which every clipper runs each once (interleaved, so that drifting machine load hits all
+/// alike); the median per clipper. The step clips at the median norm with σ = 1. `peak` resets
+/// and reads a peak-memory probe (e.g. a counting allocator).
 pub fn bench(
     clippers: &[Box<dyn Clipper>],
     trace: &Trace,
@@ -72,37 +82,68 @@ pub fn bench(
 ) -> Result<Vec<BenchResult>> {
     let total = clippers.len() * (runs.max(1) + 1);
     let mut done = 0;
+    let mut norms = Vec::new();
     for c in clippers {
-        c.norms(trace)?;
+        norms = c.norms(trace)?.norms;
         done += 1;
         progress(done, total, &format!("{} warm-up", c.name()));
     }
-    let mut times = vec![Vec::with_capacity(runs); clippers.len()];
-    let mut peaks = vec![0; clippers.len()];
+    let mut sorted: Vec<f64> = norms.iter().copied().filter(|n| n.is_finite()).collect();
+    sorted.sort_by(f64::total_cmp);
+    let c = sorted
+        .get(sorted.len() / 2)
+        .and_then(|&m| ClipNorm::new(m).ok())
+        .unwrap_or(ClipNorm::new(1.0).expect("1 is a valid clipping norm"));
+    let noise = NoiseSpec {
+        std: c.get(),
+        divisor: trace.batch_size() as f64,
+        seed: 0xBE4C,
+    };
+    for cl in clippers {
+        cl.step(trace, c, &noise)?;
+    }
+    let mut times = vec![(Vec::new(), Vec::new(), Vec::new()); clippers.len()];
+    let mut peaks = vec![(0, 0); clippers.len()];
     for _ in 0..runs.max(1) {
-        for (k, c) in clippers.iter().enumerate() {
+        for (k, cl) in clippers.iter().enumerate() {
             peak(true);
             let t = Instant::now();
-            let r = c.norms(trace)?;
-            times[k].push(t.elapsed().as_secs_f64());
-            peaks[k] = peaks[k].max(peak(false));
+            let r = cl.norms(trace)?;
+            times[k].0.push(t.elapsed().as_secs_f64());
+            peaks[k].0 = peaks[k].0.max(peak(false));
+            drop(r);
+            let t = Instant::now();
+            let r = cl.clip(trace, c)?;
+            times[k].2.push(t.elapsed().as_secs_f64());
+            drop(r);
+            peak(true);
+            let t = Instant::now();
+            let r = cl.step(trace, c, &noise)?;
+            times[k].1.push(t.elapsed().as_secs_f64());
+            peaks[k].1 = peaks[k].1.max(peak(false));
             drop(r);
             done += 1;
-            progress(done, total, &c.name());
+            progress(done, total, &cl.name());
         }
     }
+    let median = |mut t: Vec<f64>| {
+        t.sort_by(|a, b| a.total_cmp(b));
+        t[t.len() / 2]
+    };
     Ok(clippers
         .iter()
         .zip(times)
         .zip(peaks)
-        .map(|((c, mut t), peak_bytes)| {
-            t.sort_by(|a, b| a.total_cmp(b));
-            BenchResult {
-                clipper: c.name(),
-                seconds: t[t.len() / 2],
-                runs: t.len(),
+        .map(
+            |((cl, (norm_t, step_t, clip_t)), (peak_bytes, step_peak_bytes))| BenchResult {
+                clipper: cl.name(),
+                runs: norm_t.len(),
+                seconds: median(norm_t),
                 peak_bytes,
-            }
-        })
+                clip_seconds: median(clip_t),
+                step_seconds: median(step_t),
+                step_peak_bytes,
+            },
+        )
         .collect())
 }

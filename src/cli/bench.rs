@@ -142,12 +142,16 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         ),
     };
     out(&format!(
-        "{shape}, {}, {} timed runs after a warm-up\n{:<14} {:>12} {:>14}\n",
+        "{shape}, {}, {} timed runs after a warm-up; the step clips at the median norm, σ = 1\n{:<14} {:>12} {:>14} {:>12} {:>12} {:>14} {:>11}\n",
         precision.name(),
         a.runs,
         "clipper",
-        "seconds",
-        "peak MiB"
+        "norms s",
+        "norms MiB",
+        "clip s",
+        "step s",
+        "step MiB",
+        "step/norms"
     ))?;
     let progress = Progress::new();
     let results = bench_clippers(
@@ -159,12 +163,17 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
     )?;
     let mut s = String::new();
     for r in &results {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
         let _ = writeln!(
             s,
-            "{:<14} {:>12.4} {:>14.1}",
+            "{:<14} {:>12.4} {:>14.1} {:>12.4} {:>12.4} {:>14.1} {:>11.3}",
             r.clipper,
             r.seconds,
-            r.peak_bytes as f64 / (1 << 20) as f64
+            mib(r.peak_bytes),
+            r.clip_seconds,
+            r.step_seconds,
+            mib(r.step_peak_bytes),
+            r.step_seconds / r.seconds
         );
     }
     let find = |n: &str| results.iter().find(|r| r.clipper == n);
@@ -174,6 +183,13 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
             "ghost-tied / ghost: time {:.3}, peak memory {:.3}",
             gt.seconds / g.seconds,
             gt.peak_bytes as f64 / g.peak_bytes as f64
+        );
+    }
+    if let (Some(g), Some(gt)) = (find("ghost"), find("ghost-tied")) {
+        let _ = writeln!(
+            s,
+            "ghost-tied step / ghost norms: time {:.3}",
+            gt.step_seconds / g.seconds
         );
     }
     if let (Some(gt), Some(m)) = (find("ghost-tied"), find("materialize")) {

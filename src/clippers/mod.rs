@@ -12,7 +12,7 @@ pub use tied::TiedGhostClipper;
 
 use crate::error::Result;
 use crate::options::ClipNorm;
-use crate::trace::Trace;
+use crate::trace::{Precision, Trace};
 use candle_core::{DType, Tensor};
 use gram::Factored;
 
@@ -81,22 +81,26 @@ pub(crate) fn noisy_update_by(
     draws: &dyn Fn(&str) -> usize,
     order: NoiseOrder,
 ) -> Result<Vec<(String, Tensor)>> {
-    use rand_chacha::rand_core::SeedableRng;
-    use rand_distr::Distribution;
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(noise.seed);
     clipped_sum
         .iter()
-        .map(|(p, k)| {
-            let mut xi = vec![0.0f64; k.elem_count()];
-            for _ in 0..draws(p) {
-                for x in xi.iter_mut() {
-                    let z: f64 = rand_distr::StandardNormal.sample(&mut rng);
-                    *x += noise.std * z;
+        .enumerate()
+        .map(|(index, (p, k))| {
+            let stream = (index as u64) << 32;
+            let shape = k.shape();
+            let cpu = &candle_core::Device::Cpu;
+            // Drawn in the sum's own width: an f32 step's noise needs no f64 draws, and half the
+            // random bits.
+            let n = k.elem_count();
+            let xi = match crate::trace::precision_of(k.dtype())? {
+                Precision::F64 => {
+                    Tensor::from_vec(gaussian::<f64>(n, noise, stream, draws(p)), shape, cpu)?
+                }
+                Precision::F32 | Precision::F16 | Precision::BF16 => {
+                    Tensor::from_vec(gaussian::<f32>(n, noise, stream, draws(p)), shape, cpu)?
+                        .to_dtype(k.dtype())?
                 }
             }
-            let xi = Tensor::from_vec(xi, k.shape(), &candle_core::Device::Cpu)?
-                .to_dtype(k.dtype())?
-                .to_device(k.device())?;
+            .to_device(k.device())?;
             let update = match order {
                 NoiseOrder::BeforeDivision => ((k + xi)? / noise.divisor)?,
                 NoiseOrder::AfterDivision => ((k / noise.divisor)? + xi)?,
@@ -104,6 +108,54 @@ pub(crate) fn noisy_update_by(
             Ok((p.clone(), update))
         })
         .collect()
+}
+
+/// Entries per chunk of noise: each chunk is its own ChaCha8 stream position, so the noise is
+/// the same whatever the number of threads that draw it.
+const NOISE_CHUNK: usize = 1 << 16;
+
+/// `n` values of σC·Σ_{k<draws} z_k, z ~ N(0, 1), chunk c drawn from the stream `stream + c` of
+/// the seed, chunks spread over the machine's cores: a V×d head's noise is tens of millions of
+/// draws.
+fn gaussian<T>(n: usize, noise: &NoiseSpec, stream: u64, draws: usize) -> Vec<T>
+where
+    T: candle_core::WithDType,
+    rand_distr::StandardNormal: rand_distr::Distribution<T>,
+{
+    use rand_chacha::rand_core::SeedableRng;
+    use rand_distr::Distribution;
+    let std = T::from_f64(noise.std);
+    let mut out = vec![T::zero(); n];
+    let fill = |c: usize, chunk: &mut [T]| {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(noise.seed);
+        rng.set_stream(stream + c as u64);
+        for _ in 0..draws {
+            for x in chunk.iter_mut() {
+                let z: T = rand_distr::StandardNormal.sample(&mut rng);
+                *x += std * z;
+            }
+        }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let chunks: Vec<(usize, &mut [T])> = out.chunks_mut(NOISE_CHUNK).enumerate().collect();
+    let per_thread = chunks.len().div_ceil(threads).max(1);
+    let mut groups: Vec<Vec<(usize, &mut [T])>> = Vec::new();
+    for (k, item) in chunks.into_iter().enumerate() {
+        if k % per_thread == 0 {
+            groups.push(Vec::new());
+        }
+        groups.last_mut().expect("pushed above").push(item);
+    }
+    std::thread::scope(|scope| {
+        for group in groups {
+            scope.spawn(move || {
+                for (c, chunk) in group {
+                    fill(c, chunk);
+                }
+            });
+        }
+    });
+    out
 }
 
 /// A clipper's DP-SGD step: what it clipped, and the update it steps with.
