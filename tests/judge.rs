@@ -75,6 +75,7 @@ fn claim(norms: &[f64], coefficients: &[f64]) -> Claim {
         norms: norms.to_vec(),
         coefficients: coefficients.to_vec(),
         clipped_sum: None,
+        clipping: Default::default(),
     }
 }
 
@@ -459,6 +460,7 @@ fn sum_claim(w: [f64; 2], b: f64) -> Claim {
             ("b".to_string(), vec![b]),
             ("w".to_string(), w.to_vec()),
         ]),
+        clipping: Default::default(),
     }
 }
 
@@ -804,6 +806,7 @@ fn the_true_clipped_sum_is_rebuilt_from_the_factors_in_the_parameters_layout() {
         norms: vec![n, 2.0 * n, 0.0],
         coefficients: vec![1.0, 0.5, 1.0],
         clipped_sum: Some(hand_sum(2.0)),
+        clipping: Default::default(),
     };
     let m = judge
         .evaluate("hand", &claim, cn(n), nm(1.0), Precision::F64)
@@ -957,6 +960,7 @@ fn an_example_with_a_zero_gradient_and_an_exact_zero_claim_passes() {
         norms: vec![n0, 0.0],
         coefficients: vec![1.0, 1.0],
         clipped_sum: None,
+        clipping: Default::default(),
     };
     let m = judge
         .evaluate("zero", &exact, cn(c), nm(1.0), Precision::F64)
@@ -1013,6 +1017,7 @@ fn a_table_larger_than_a_block_is_judged_block_by_block_with_every_row_in_its_pl
         norms: judge.truth.norms.clone(),
         coefficients: vec![1.0, 0.5],
         clipped_sum: Some(vec![("wte".to_string(), sum)]),
+        clipping: Default::default(),
     };
     let m = judge
         .evaluate("big", &claim, cn(c), nm(1.0), Precision::F64)

@@ -179,6 +179,7 @@ fn a_vacuous_bound_is_cannot_judge_never_a_pass() {
         norms: judge.truth.norms.clone(),
         coefficients: vec![1.0; judge.truth.norms.len()],
         clipped_sum: None,
+        clipping: Default::default(),
     };
     let c = cn(judge.truth.norms.iter().cloned().fold(0.0, f64::max) * 2.0);
     let m = judge

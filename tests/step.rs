@@ -107,13 +107,28 @@ fn write_step(
     divisor: Option<f64>,
     sigma: f64,
 ) -> PathBuf {
-    let (t, c, norms, _) = setup();
+    let (_, _, norms, _) = setup();
+    let rule = (Clipping::Flat, 0.0);
+    write_step_claiming(name, &norms, sum, update, divisor, sigma, rule)
+}
+
+/// [`write_step`] with claimed norms and a clipping rule (and its stabilizer γ).
+fn write_step_claiming(
+    name: &str,
+    norms: &[f64],
+    sum: Option<Vec<(String, Vec<f64>)>>,
+    update: Option<Vec<(String, Vec<f64>)>>,
+    divisor: Option<f64>,
+    sigma: f64,
+    (clipping, stabilizer): (Clipping, f64),
+) -> PathBuf {
+    let (t, c, _, _) = setup();
     let path = tmp(&format!("step-{name}")).join("t.safetensors");
     let meta = TraceMeta {
         max_grad_norm: c,
         noise_multiplier: Some(sigma),
         clipper: Some(name.into()),
-        claimed_norms: norms,
+        claimed_norms: norms.to_vec(),
         claimed_coefficients: None,
         dtype: Precision::F64,
         compute_dtype: None,
@@ -123,8 +138,8 @@ fn write_step(
             batch_divisor: divisor,
             clipped_sum: sum,
             update,
-            clip_stabilizer: 0.0,
-            clipping: Clipping::Flat,
+            clip_stabilizer: stabilizer,
+            clipping,
         }),
     };
     write_trace(&path, &t, &meta).unwrap();
@@ -595,4 +610,63 @@ fn per_tensor_noise_spends_privacy_by_how_each_example_divides_among_the_tensors
     assert!((a.privacy.worst_contribution.unwrap() - worst).abs() < 1e-9 * worst);
     // Less than treating every tensor as the least-noised one would say.
     assert!(worst < 1.0 / f_w);
+}
+
+/// Automatic clipping (fastDP's default), c_i = C/(n_i + γ): the exact sum under it passes, as
+/// does its update; a flat-clipped sum under an automatic header is off; norms under-estimated by
+/// more than γ push a contribution C·n*/(n + γ) above C; γ = 0 is refused, naming the key.
+#[test]
+fn automatic_clipping_is_judged_by_its_own_rule() {
+    let (t, c, norms, flat) = setup();
+    let gamma = 0.01;
+    let auto: Vec<f64> = norms.iter().map(|n| c / (n + gamma)).collect();
+    let rule = (Clipping::Automatic, gamma);
+    let k = weighted(&t, &auto);
+    let write = |name: &str, claimed: &[f64], sum: &[(String, Vec<f64>)]| {
+        write_step_claiming(
+            name,
+            claimed,
+            Some(sum.to_vec()),
+            Some(scaled(sum, 1.0 / DIVISOR)),
+            Some(DIVISOR),
+            0.0,
+            rule,
+        )
+    };
+    let a = judge(&write("auto", &norms, &k));
+    assert_eq!(a.verdict, Verdict::Pass, "{:?}", a.cases[0].step);
+    let step = a.cases[0].step.as_ref().unwrap();
+    assert!(step
+        .true_coefficients
+        .iter()
+        .zip(&auto)
+        .all(|(a, b)| (a - b).abs() < 1e-12 * b));
+    // Every example scaled, none to C: each contributes C·n/(n + γ) < C.
+    assert!(a.cases[0].max_sensitivity_ratio < 1.0);
+
+    let a = judge(&write("auto-flat", &norms, &weighted(&t, &flat)));
+    assert_ne!(a.verdict, Verdict::Pass);
+
+    let low: Vec<f64> = norms.iter().map(|n| 0.9 * n).collect();
+    let a = judge(&write("auto-low", &low, &weighted(&t, &auto)));
+    assert_eq!(a.verdict, Verdict::PrivacyViolation);
+    let want = norms
+        .iter()
+        .map(|n| n / (0.9 * n + gamma))
+        .fold(0.0, f64::max);
+    assert!((a.cases[0].max_sensitivity_ratio - want).abs() < 1e-9 * want);
+
+    let path = write_step_claiming(
+        "auto-no-gamma",
+        &norms,
+        Some(k.clone()),
+        None,
+        None,
+        0.0,
+        (Clipping::Automatic, 0.0),
+    );
+    expect_input_error(
+        &["check", path.to_str().unwrap()],
+        &["clip_stabilizer", "γ > 0"],
+    );
 }

@@ -3,7 +3,7 @@
 
 use super::ClipperAudit;
 use crate::error::{Error, Result};
-use crate::judge::{Arithmetic, Claim, Judge};
+use crate::judge::{Arithmetic, Claim, ClippingRule, Judge};
 use crate::options::{Accounting, ClipNorm, NoiseMultiplier};
 use crate::trace::Precision;
 use ghost_oracle_reference as reference;
@@ -40,19 +40,36 @@ pub fn check_trace(path: &Path, opts: &CheckOptions) -> Result<ClipperAudit> {
         Error::input(e.message(&format!("{}: `__metadata__.{key}`", path.display())))
     };
     let c = ClipNorm::new(meta.max_grad_norm).map_err(|e| invalid("max_grad_norm", e))?;
-    // A trace without coefficients is clipped the standard way by whoever reads it.
+    // The rule the step states (flat without one); automatic clipping's C/(n + γ) needs γ > 0,
+    // or a zero norm's coefficient is infinite.
+    let clipping = meta
+        .step
+        .as_ref()
+        .map_or(ClippingRule::default(), |s| ClippingRule {
+            clipping: s.clipping,
+            stabilizer: s.clip_stabilizer,
+        });
+    if clipping.clipping == Clipping::Automatic && clipping.stabilizer <= 0.0 {
+        return Err(Error::input(format!(
+            "{}: `__metadata__.clipping` is \"automatic\" with `clip_stabilizer` {}: automatic clipping C/(n + γ) needs γ > 0",
+            path.display(),
+            clipping.stabilizer
+        )));
+    }
+    // A trace without coefficients is clipped by that rule from its claimed norms.
     let coefficients = match &meta.claimed_coefficients {
         Some(cs) => cs.clone(),
         None => meta
             .claimed_norms
             .iter()
-            .map(|&n| if n > c.get() { c.get() / n } else { 1.0 })
+            .map(|&n| clipping.coefficient(n, c.get()))
             .collect(),
     };
     let claim = Claim {
         norms: meta.claimed_norms.clone(),
         coefficients,
         clipped_sum: None,
+        clipping,
     };
     // Each site judged at the coarser of how it is stored and how it was computed: factors of an
     // f32 model stored as f64 are still only f32-accurate, and under autocast only the matmuls
@@ -73,12 +90,6 @@ pub fn check_trace(path: &Path, opts: &CheckOptions) -> Result<ClipperAudit> {
         .map_or("trace".into(), |n| n.to_string_lossy().into_owned());
     let mut metrics = judge.evaluate_at(case.as_str(), &claim, c, sigma, &arithmetic)?;
     if let Some(step) = &meta.step {
-        if step.clipping == Clipping::Automatic {
-            return Err(Error::input(format!(
-                "{}: `__metadata__.clipping` is \"automatic\": this version judges flat clipping, min(1, C/(n + γ)), only",
-                path.display()
-            )));
-        }
         judge.judge_step(&mut metrics, step, c, sigma, &arithmetic)?;
     }
     ClipperAudit::new(

@@ -10,6 +10,7 @@ use super::truth::{for_each_param_block, Block, Truth};
 use super::verdict::Verdict;
 use crate::error::{Error, Result};
 use crate::options::{ClipNorm, NoiseMultiplier};
+use ghost_oracle_reference::Clipping;
 use ndarray::Array2;
 use serde::Serialize;
 
@@ -20,6 +21,43 @@ pub struct Claim {
     pub norms: Vec<f64>,
     pub coefficients: Vec<f64>,
     pub clipped_sum: Option<Vec<(String, Vec<f64>)>>,
+    /// How the library says it forms a coefficient from a norm; the true coefficients follow
+    /// the same rule from the true norms.
+    pub clipping: ClippingRule,
+}
+
+/// A coefficient rule and its stabilizer γ: flat min(1, C/(n + γ)), or automatic C/(n + γ)
+/// (fastDP's default), whose every contribution C·n/(n + γ) stays below C.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClippingRule {
+    pub clipping: Clipping,
+    pub stabilizer: f64,
+}
+
+impl Default for ClippingRule {
+    /// Flat clipping without a stabilizer, min(1, C/n): the built-in clippers'.
+    fn default() -> Self {
+        ClippingRule {
+            clipping: Clipping::Flat,
+            stabilizer: 0.0,
+        }
+    }
+}
+
+impl ClippingRule {
+    /// The coefficient of norm n at clipping norm C.
+    pub fn coefficient(&self, norm: f64, max_grad_norm: f64) -> f64 {
+        self.clipping
+            .coefficient(norm, max_grad_norm, self.stabilizer)
+    }
+
+    /// Whether a norm of n is clipped at all (automatic clipping scales every example).
+    fn clips(&self, norm: f64, max_grad_norm: f64) -> bool {
+        match self.clipping {
+            Clipping::Flat => norm + self.stabilizer > max_grad_norm,
+            Clipping::Automatic => true,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -165,10 +203,11 @@ pub fn evaluate(
             claim.coefficients.len()
         )));
     }
+    let rule = claim.clipping;
     let true_coefs: Vec<f64> = truth
         .norms
         .iter()
-        .map(|&n| if n > c { c / n } else { 1.0 })
+        .map(|&n| rule.coefficient(n, c))
         .collect();
     let mut examples = Vec::with_capacity(b);
     for (i, &true_coef) in true_coefs.iter().enumerate() {
@@ -201,7 +240,7 @@ pub fn evaluate(
             coefficient: coef,
             true_coefficient: true_coef,
             sensitivity: coef * nt / c,
-            flipped: (n > c) != (nt > c),
+            flipped: rule.clips(n, c) != rule.clips(nt, c),
             cross_share: truth.cross_share[i],
             invalid,
             // NaN is never within the threshold.

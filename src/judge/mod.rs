@@ -14,7 +14,7 @@ mod truth;
 mod verdict;
 
 pub(crate) use metrics::nan_max;
-pub use metrics::{evaluate, CaseLabel, CaseMetrics, Claim, ExampleMetrics};
+pub use metrics::{evaluate, CaseLabel, CaseMetrics, Claim, ClippingRule, ExampleMetrics};
 pub use privacy::PrivacyReport;
 pub use step::{evaluate_step, StepMetrics, SumCheck};
 pub use tolerance::{Arithmetic, Precision, Tolerance, JUDGEABLE_BOUND};
