@@ -207,9 +207,14 @@ class StepResult:
     - `noisy_update`: under σ > 0 without the clipped sum, the update judged by the
       coefficients it implies (`NoisyUpdateCheck`), or None;
     - `update_not_judged`: an update under noise that nothing could judge;
-    - `noise_fraction`: the smallest fraction of the stated σ some tensor's χ² allows (1: every
-      tensor got at least the stated noise); the run's ε is that of σ times it;
-    - `true_coefficients`: c*_i = min(1, C/(n*_i + γ)), from the true norms (read-only array).
+    - `noise_fraction`: the least noise any tensor got, as a fraction of the stated σ: 1 where
+      every tensor's χ² is consistent with it or above, else the low end √(χ²_p / high_p);
+    - `contributions`: per example, √(Σ_p ĉ_i²‖g*_{i,p}‖² / (f_p² C²)), its contribution in
+      units of what σ and C allow with each tensor's own noise (read-only array);
+    - `sigma_eff`: σ / max(1, max contribution), what the run's ε is computed from;
+    - `implied_divisor`: the divisor the update implies (None where it cannot be read), and
+      `data_dependent_divisor`: it is the batch's drawn size, not the stated one;
+    - `true_coefficients`: c*_i from the true norms by the trace's clipping rule (read-only array).
     """
 
     verdict: str
@@ -220,6 +225,10 @@ class StepResult:
     noisy_update: NoisyUpdateCheck | None = None
     update_not_judged: bool = False
     noise_fraction: float = 1.0
+    contributions: np.ndarray = field(default_factory=lambda: _array([]), repr=False)
+    sigma_eff: float = math.nan
+    implied_divisor: float | None = None
+    data_dependent_divisor: bool = False
     #: D, the divisor the trace states (`batch_divisor`), when the report was read from a trace
     #: file that states one.
     batch_divisor: float | None = None
@@ -243,7 +252,11 @@ class StepResult:
                    noise=tuple(NoiseCheck._from_native(n) for n in d.get("noise", [])),
                    noisy_update=NoisyUpdateCheck._from_native(d.get("noisy_update")),
                    update_not_judged=bool(d.get("update_not_judged", False)),
-                   noise_fraction=_f(d.get("noise_fraction", 1.0)))
+                   noise_fraction=_f(d.get("noise_fraction", 1.0)),
+                   contributions=_array([_f(x) for x in d.get("contributions", [])]),
+                   sigma_eff=_f(d.get("sigma_eff", math.nan)),
+                   implied_divisor=_opt((d.get("divisor") or {}).get("implied")),
+                   data_dependent_divisor=bool((d.get("divisor") or {}).get("data_dependent", False)))
 
 
 @dataclass(frozen=True)
@@ -680,15 +693,18 @@ class Report:
         lines.extend(self._step_checks(k, s))
         p = c.privacy
         sigma_eff = p.effective_noise_multiplier if p is not None else k.effective_noise_multiplier
-        implied = max((x.implied_sensitivity for x in s.sums if x.verdict == "privacy-violation"), default=1.0)
+        worst = max((float(x) for x in s.contributions), default=1.0)
         why = []
         if s.noise_fraction < 1:
-            why.append(f"σ·f, f = {s.noise_fraction:.4f}: the most noise the least-noised tensor's χ² allows, "
-                       "in units of the stated")
-        if implied > 1 and (s.noise_fraction >= 1 or implied * s.noise_fraction > 1):
-            why.append(f"σ / {implied:.4f}: the largest implied contribution is {implied:.4f}·C")
+            why.append(f"some tensor got as little as {s.noise_fraction:.4f}·σ (the low end its χ² allows)")
+        if worst > 1:
+            why.append(f"σ / {worst:.4f}: the largest contribution, each example weighed by the noise its "
+                       f"tensors got, is {worst:.4f}·C")
         lines.append(f"  σ_eff = {sigma_eff:.4f} (stated σ = {k.noise_multiplier:g}"
                      + (f"; {'; '.join(why)}" if why else "") + ")")
+        if s.implied_divisor is not None and s.data_dependent_divisor:
+            lines.append(f"  divisor: the update divides by the batch's drawn size ({s.implied_divisor:.4g}), not "
+                         f"the stated {s.batch_divisor}: its normalization depends on the data")
         lines.extend(self._epsilon_line(p))
         b = len(k.true_norms)
         if k.max_err_units <= 1 and not k.invalid_examples:
