@@ -1,5 +1,6 @@
-//! The candle models (autograd) against the reference (hand-written backward): GPT-2, Llama and
-//! Qwen2.
+//! The candle models (autograd) against the reference (hand-written backward): GPT-2, Llama,
+//! Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 and VaultGemma; `audit --model` on HF checkpoints of the
+//! newer families.
 
 use crate::common::*;
 use candle_core::{DType, Device, Tensor};
@@ -7,7 +8,8 @@ use ghost_oracle::model::{CandleGpt2, CandleModel};
 use ghost_oracle::trace::SiteSpec;
 use ghost_oracle::*;
 use ghost_oracle_reference::{
-    Batch, Llama, LlamaConfig, LlamaFlavor, Model, Reduction, RopeScaling, SiteKind, EMBED_TOKENS,
+    Batch, LayerType, Llama, LlamaConfig, LlamaFlavor, Model, Reduction, RopeScaling, SiteKind,
+    EMBED_TOKENS,
 };
 
 fn max_rel(a: &Tensor, b: &ndarray::ArrayD<f64>) -> f64 {
@@ -62,6 +64,18 @@ fn assert_matches_reference(
     reduction: Reduction,
     device: &Device,
 ) -> ghost_oracle_reference::Reference {
+    assert_matches_reference_at(label, model, b, reduction, device, 1e-5)
+}
+
+/// [`assert_matches_reference`] with `f32_tol` for the f32 run.
+fn assert_matches_reference_at(
+    label: &str,
+    model: &Model,
+    b: &Batch,
+    reduction: Reduction,
+    device: &Device,
+    f32_tol: f64,
+) -> ghost_oracle_reference::Reference {
     let opts = ghost_oracle_reference::Options {
         record_trace: true,
         keep_gradients: true,
@@ -69,7 +83,7 @@ fn assert_matches_reference(
     };
     let r = ghost_oracle_reference::compute(model, b, &opts, &mut |_, _| {}).unwrap();
     let rt = r.trace.as_ref().unwrap();
-    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, f32_tol)] {
         let ex = CandleModel::from_reference(model, dtype, device)
             .unwrap()
             .extract(b, reduction)
@@ -346,4 +360,133 @@ fn a_batch_that_does_not_fit_the_llama_is_an_error_not_a_panic() {
     let long = batch(1, 65, 19, 47);
     let err = m.extract(&long, Reduction::Mean).err().unwrap().to_string();
     assert!(err.contains("max_position_embeddings"), "{err}");
+}
+
+/// One tiny model of each newer family, with every feature it has switched on: Qwen3's per-head
+/// norms and biases; Gemma's √d, (1 + w) norms, GeGLU and padding row; Gemma 2's windows (3 < T)
+/// and both soft-caps, untied; Gemma 3's per-head norms, second rope and final cap; VaultGemma's
+/// two norms.
+fn newer_families() -> Vec<(&'static str, Llama)> {
+    let mut qwen3 = LlamaConfig::tiny(LlamaFlavor::Qwen3, 19, 12, 2, 4, 2);
+    qwen3.head_dim = 8;
+    qwen3.attention_bias = true;
+    let mut gemma = LlamaConfig::tiny(LlamaFlavor::Gemma, 19, 12, 1, 2, 1);
+    gemma.pad_token_id = Some(0);
+    let mut gemma2 = LlamaConfig::tiny(LlamaFlavor::Gemma2, 19, 12, 2, 2, 1).untied();
+    gemma2.sliding_window = Some(3);
+    gemma2.attn_logit_softcapping = Some(1.5);
+    gemma2.final_logit_softcapping = Some(2.0);
+    let mut gemma3 = LlamaConfig::tiny(LlamaFlavor::Gemma3Text, 19, 12, 3, 4, 2);
+    gemma3.head_dim = 4;
+    gemma3.sliding_window = Some(2);
+    gemma3.layer_types = vec![LayerType::Sliding, LayerType::Full, LayerType::Sliding];
+    gemma3.local_rope_theta = Some(10.0);
+    gemma3.final_logit_softcapping = Some(3.0);
+    let mut vault = LlamaConfig::tiny(LlamaFlavor::VaultGemma, 19, 12, 2, 2, 2);
+    vault.sliding_window = Some(4);
+    vault.attn_logit_softcapping = Some(2.0);
+    vec![
+        ("qwen3", Llama::random(qwen3, 51, 0.5)),
+        ("gemma", Llama::random(gemma, 52, 0.5)),
+        ("gemma2", Llama::random(gemma2, 53, 0.5)),
+        ("gemma3", Llama::random(gemma3, 54, 0.5)),
+        ("vaultgemma", Llama::random(vault, 55, 0.5)),
+    ]
+}
+
+crate::device_test!(
+    candle_qwen3_and_gemma_families_match_the_reference,
+    |device| {
+        for (label, m) in newer_families() {
+            // Token 0 (Gemma's padding row) is an input of every example.
+            let (mut ids, labels) = llama_batch(19, 46).into_parts();
+            ids.column_mut(2).fill(0);
+            let b = Batch::new(ids, Some(labels)).unwrap();
+            let heads = (m.config.num_attention_heads, m.config.num_key_value_heads);
+            // A per-head norm divides each 8-wide head by its own rms: where a head's
+            // projection is small, f32 rounding grows by the same factor. f64 still agrees to
+            // 1e-12.
+            let f32_tol = if m.config.flavor.head_norms() {
+                3e-5
+            } else {
+                1e-5
+            };
+            let r =
+                assert_matches_reference_at(label, &m.into(), &b, Reduction::Mean, device, f32_tol);
+            let rt = r.trace.as_ref().unwrap();
+            for site in &rt.sites {
+                let rows = site.backprops.dim().1;
+                let t = b.seq_len();
+                if site.spec.name.ends_with("q_norm.weight") {
+                    assert_eq!(rows, t * heads.0, "{label}");
+                } else if site.spec.name.ends_with("k_norm.weight") {
+                    assert_eq!(rows, t * heads.1, "{label}");
+                } else {
+                    assert_eq!(rows, t, "{label} {}", site.spec.name);
+                }
+            }
+        }
+    }
+);
+
+crate::device_test!(
+    exact_tied_clippers_on_candle_qwen3_and_gemma3_traces_give_the_reference_norms,
+    |device| {
+        for (label, m) in newer_families() {
+            if !m.config.tie_word_embeddings {
+                continue;
+            }
+            let model: Model = m.into();
+            let b = llama_batch(19, 47);
+            let r = ghost_oracle_reference::compute(
+                &model,
+                &b,
+                &ghost_oracle_reference::Options::default(),
+                &mut |_, _| {},
+            )
+            .unwrap();
+            let trace = CandleModel::from_reference(&model, DType::F64, device)
+                .unwrap()
+                .extract(&b, Reduction::Mean)
+                .unwrap()
+                .trace;
+            let truth: Vec<f64> = r.examples.iter().map(|e| e.norm).collect();
+            let rel = |n: &[f64]| -> f64 {
+                n.iter()
+                    .zip(&truth)
+                    .map(|(a, t)| (a - t).abs() / t)
+                    .fold(0.0, f64::max)
+            };
+            for clipper in [
+                Box::new(TiedGhostClipper) as Box<dyn Clipper>,
+                Box::new(MaterializeClipper),
+            ] {
+                let e = rel(&clipper.norms(&trace).unwrap().norms);
+                assert!(e < 1e-10, "{label} {}: norms off by {e:e}", clipper.name());
+            }
+            let e = rel(&GhostClipper.norms(&trace).unwrap().norms);
+            assert!(e > 1e-6, "{label} ghost: norms off by only {e:e}");
+        }
+    }
+);
+
+/// `audit --model` on checkpoints saved by transformers (the golden cases): the exact clippers
+/// pass, and standard ghost clipping, which drops the tied cross term, is flagged.
+#[test]
+fn audit_model_on_hf_checkpoints_of_the_newer_families() {
+    use crate::cli::gate_on_golden;
+    for case in [
+        "qwen3_tied_gqa_t2",
+        "gemma_tied_pad_t12",
+        "gemma2_tied_window_softcap_t34",
+        "gemma3_tied_window_t40",
+        "vaultgemma_tied_window_softcap_t33",
+    ] {
+        assert_eq!(gate_on_golden(case, "materialize"), Some(0), "{case}");
+        assert_eq!(gate_on_golden(case, "ghost-tied"), Some(0), "{case}");
+        assert_eq!(gate_on_golden(case, "ghost"), Some(1), "{case}");
+    }
+    for case in ["qwen3_untied_bias_ignored_t33", "gemma3_untied_bf16_t8"] {
+        assert_eq!(gate_on_golden(case, "ghost"), Some(0), "{case}");
+    }
 }

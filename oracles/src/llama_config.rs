@@ -64,7 +64,7 @@ impl LlamaConfig {
         num_attention_heads: usize,
         num_key_value_heads: usize,
     ) -> Self {
-        LlamaConfig {
+        let mut cfg = LlamaConfig {
             flavor,
             vocab_size,
             hidden_size,
@@ -87,7 +87,31 @@ impl LlamaConfig {
             sliding_window: None,
             local_rope_theta: None,
             pad_token_id: None,
+        };
+        // Gemma 2, 3 and VaultGemma as HF sets them up, sized for tests: layers alternate a
+        // window (as long as the context, so inactive until a test shortens it) and full
+        // attention; Gemma 3 rotates its windowed layers with a base of their own.
+        match flavor {
+            LlamaFlavor::Llama | LlamaFlavor::Qwen2 | LlamaFlavor::Qwen3 | LlamaFlavor::Gemma => {}
+            LlamaFlavor::Gemma2 | LlamaFlavor::Gemma3Text | LlamaFlavor::VaultGemma => {
+                cfg.query_pre_attn_scalar = Some(cfg.head_dim as f64);
+                cfg.sliding_window = Some(cfg.max_position_embeddings);
+                cfg.layer_types = (0..num_hidden_layers)
+                    .map(|i| {
+                        if i % 2 == 0 {
+                            LayerType::Sliding
+                        } else {
+                            LayerType::Full
+                        }
+                    })
+                    .collect();
+                if flavor == LlamaFlavor::Gemma3Text {
+                    cfg.rope_theta = 1e6;
+                    cfg.local_rope_theta = Some(10000.0);
+                }
+            }
         }
+        cfg
     }
 
     pub fn untied(mut self) -> Self {

@@ -9,9 +9,7 @@ pub use kill_matrix::{kill_matrix, KillMatrix, Row};
 
 use crate::clippers::{Clipped, Clipper, NoiseSpec};
 use crate::error::{Error, Result};
-use crate::judge::{
-    Arithmetic, CaseLabel, CaseMetrics, Claim, ClippingRule, Judge, PrivacyReport, Verdict,
-};
+use crate::judge::{Arithmetic, CaseLabel, CaseMetrics, Claim, Judge, PrivacyReport, Verdict};
 use crate::options::{Accounting, ClipNorm, NoiseMultiplier};
 use crate::trace::{candle_dtype, Precision, Trace};
 use candle_core::{DType, Device};
@@ -56,8 +54,8 @@ impl Case {
 #[derive(Clone, Copy)]
 enum Family {
     Gpt2,
-    /// Llama or Qwen2 with this many key/value heads (grouped-query attention when fewer than
-    /// the query heads).
+    /// A Llama-shaped family (Llama, Qwen2, Qwen3, Gemma 3, ...) with this many key/value heads
+    /// (grouped-query attention when fewer than the query heads).
     Llama(LlamaFlavor, usize),
 }
 
@@ -218,12 +216,40 @@ const SUITE: &[CaseSpec] = &[
         ignore: 0.0,
         init_std: 0.6,
     },
+    CaseSpec {
+        family: Family::Llama(LlamaFlavor::Qwen3, 2),
+        name: "qwen3-tied-qk-T16",
+        vocab: 31,
+        d: 16,
+        layers: 1,
+        heads: 4,
+        tied: true,
+        batch: 4,
+        seq: 16,
+        id_range: 10,
+        ignore: 0.0,
+        init_std: 0.6,
+    },
+    CaseSpec {
+        family: Family::Llama(LlamaFlavor::Gemma3Text, 2),
+        name: "gemma3-tied-swa-T24",
+        vocab: 37,
+        d: 16,
+        layers: 2,
+        heads: 4,
+        tied: true,
+        batch: 4,
+        seq: 24,
+        id_range: 12,
+        ignore: 0.1,
+        init_std: 0.2,
+    },
 ];
 
 /// C as multiples of the median true norm: most examples clipped, about half, almost none.
 pub const SUITE_C_MULTIPLIERS: [f64; 3] = [0.5, 1.0, 2.0];
 
-/// The built-in suite: seeded GPT-2, Llama and Qwen2 models and batches, no files. Sequence length 1 is
+/// The built-in suite: seeded GPT-2, Llama, Qwen2, Qwen3 and Gemma 3 models and batches, no files. Sequence length 1 is
 /// absent because a causal LM has no target there (the property tests cover T = 1 sites).
 pub fn builtin_suite() -> Vec<Case> {
     SUITE
@@ -241,6 +267,15 @@ pub fn builtin_suite() -> Vec<Case> {
                     let mut cfg =
                         LlamaConfig::tiny(flavor, s.vocab, s.d, s.layers, s.heads, kv_heads);
                     cfg.tie_word_embeddings = s.tied;
+                    if flavor.is_gemma() {
+                        // A window shorter than the sequence and a final soft-cap, both active.
+                        cfg.sliding_window = Some(s.seq / 3);
+                        cfg.final_logit_softcapping = Some(10.0);
+                    }
+                    if flavor.head_norms() {
+                        // `attention_bias` on, so that a wrong bias norm has a bias to get wrong.
+                        cfg.attention_bias = true;
+                    }
                     Llama::random(cfg, seed, s.init_std).into()
                 }
             };
@@ -388,7 +423,6 @@ pub fn claim_of(clipped: Clipped) -> Result<Claim> {
         norms: report.norms,
         coefficients,
         clipped_sum: Some(clipped_sum),
-        clipping: ClippingRule::default(),
     })
 }
 

@@ -4,7 +4,8 @@
 //! x̂) with their biases, and the position table `wpe` as a second embedding site.
 
 use super::{
-    causal_attention, decode, Architecture, BatchShape, Core, ExtraEmbedding, Extracted, Taps,
+    causal_attention, decode, Architecture, Attention, BatchShape, Core, ExtraEmbedding, Extracted,
+    Taps,
 };
 use crate::error::Result;
 use crate::trace::SiteKind;
@@ -138,7 +139,13 @@ impl Architecture for CandleGpt2 {
         if cfg.scale_attn_by_inverse_layer_idx {
             scale /= (l + 1) as f64;
         }
-        let y = causal_attention(&q, &k, &v, scale, shape, false)?;
+        let attention = Attention {
+            scale,
+            softcap: None,
+            mask: &shape.mask,
+            softmax_f32: false,
+        };
+        let y = causal_attention(&q, &k, &v, &attention)?;
         let x = (x + self.conv1d(&y, &p("attn.c_proj"), taps)?)?;
         let a2 = self.layernorm(&x, &p("ln_2"), taps)?;
         let f_pre = self.conv1d(&a2, &p("mlp.c_fc"), taps)?;

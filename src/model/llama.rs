@@ -1,20 +1,25 @@
-//! The Llama family (HF `LlamaForCausalLM`, `Qwen2ForCausalLM`) on candle: RMSNorm, rotary
-//! embeddings in the rotate-half layout (with the config's rope scaling), causal attention with
-//! grouped-query heads, a SwiGLU MLP, no position table.
+//! The Llama-shaped families (HF `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+//! `GemmaForCausalLM`, `Gemma2ForCausalLM`, `Gemma3ForCausalLM`, `VaultGemmaForCausalLM`) on
+//! candle: RMSNorm (x̂ ⊙ w, or x̂ ⊙ (1 + w) for Gemma), rotary embeddings in the rotate-half
+//! layout (with the config's rope scaling; Gemma 3's windowed layers with their own base), causal
+//! attention with grouped-query heads, optional soft-capping and sliding windows, a SwiGLU or
+//! GeGLU MLP, no position table. The reference's flavor decides each difference.
 //!
 //! Sites, in forward order per layer: `input_layernorm` (kind `layernorm`, activations
-//! x / rms(x)), q/k/v/o projections (kind `linear`, `y = W a`: activations a, backprops dL/dy),
-//! each followed by its `bias` site when the config gives it one (Qwen2: q/k/v; Llama:
-//! `attention_bias`, `mlp_bias`), `post_attention_layernorm`, then gate/up/down.
+//! x / rms(x)), q/k/v projections (kind `linear`, `y = W a`: activations a, backprops dL/dy),
+//! each followed by its `bias` site when the config gives it one (Qwen2: q/k/v; Llama, Qwen3,
+//! Gemma: `attention_bias`; Llama: `mlp_bias`), the per-head `q_norm` / `k_norm` (rows: the T·H
+//! position-head pairs), o, Gemma 2/3's `post_attention_layernorm`, the norm before the MLP,
+//! gate/up/down, Gemma 2/3's `post_feedforward_layernorm`.
 
 use super::{
-    causal_attention, decode, is_half, Architecture, BatchShape, Core, ExtraEmbedding, Extracted,
-    Taps,
+    causal_attention, decode, is_half, window_mask, Architecture, Attention, BatchShape, Core,
+    ExtraEmbedding, Extracted, Taps,
 };
 use crate::error::Result;
 use crate::trace::SiteKind;
 use candle_core::{DType, Device, Tensor, D};
-use ghost_oracle_reference::{Batch, Llama, LlamaConfig, LlamaFlavor, Reduction};
+use ghost_oracle_reference::{Batch, Llama, LlamaConfig, NormLayout, Reduction};
 
 pub struct CandleLlama {
     config: LlamaConfig,
@@ -30,20 +35,6 @@ pub(crate) struct Rope {
 impl CandleLlama {
     /// The reference's weights rounded to `dtype` on `device`.
     pub fn from_reference(model: &Llama, dtype: DType, device: &Device) -> Result<Self> {
-        let flavor = model.config.flavor;
-        match flavor {
-            LlamaFlavor::Llama | LlamaFlavor::Qwen2 => {}
-            LlamaFlavor::Qwen3
-            | LlamaFlavor::Gemma
-            | LlamaFlavor::Gemma2
-            | LlamaFlavor::Gemma3Text
-            | LlamaFlavor::VaultGemma => {
-                return Err(crate::error::Error::input(format!(
-                    "the candle model does not implement `{}`; `reference` and `check` read it",
-                    flavor.model_type()
-                )))
-            }
-        }
         Ok(CandleLlama {
             config: model.config.clone(),
             core: Core::of(model, dtype, device)?,
@@ -56,9 +47,10 @@ impl CandleLlama {
         decode(self, batch, reduction)
     }
 
-    /// RMSNorm `w ⊙ x / sqrt(mean(x²) + eps)`, tapped as a `layernorm` site (no bias) with
-    /// activations x̂ = x / rms(x). A half-precision model normalizes in f32 and rounds x̂ to its
-    /// dtype, as HF's `LlamaRMSNorm` does.
+    /// RMSNorm `(offset + w) ⊙ x / sqrt(mean(x²) + eps)` over the last axis, tapped as a
+    /// `layernorm` site (no bias) with activations x̂ = x / rms(x). A half-precision model
+    /// normalizes in f32, as HF's norms do: Llama's rounds x̂ to its dtype before the weight,
+    /// Gemma's scales by (1 + w) in f32 and rounds the output.
     fn rms_norm(&self, x: &Tensor, module: &str, taps: &mut Taps) -> Result<Tensor> {
         let dtype = x.dtype();
         let xf = if is_half(dtype) {
@@ -67,12 +59,39 @@ impl CandleLlama {
             x.clone()
         };
         let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
-        let xhat = xf
-            .broadcast_div(&(ms + self.config.rms_norm_eps)?.sqrt()?)?
-            .to_dtype(dtype)?;
+        let xhat_f = xf.broadcast_div(&(ms + self.config.rms_norm_eps)?.sqrt()?)?;
+        let xhat = xhat_f.to_dtype(dtype)?;
         let weight = format!("{module}.weight");
-        let out = xhat.broadcast_mul(self.core.w(&weight)?)?;
+        let w = self.core.w(&weight)?;
+        let out = if self.config.flavor.is_gemma() {
+            xhat_f
+                .broadcast_mul(&(w.to_dtype(xhat_f.dtype())? + 1.0)?)?
+                .to_dtype(dtype)?
+        } else {
+            xhat.broadcast_mul(w)?
+        };
         taps.tap(out, weight, SiteKind::LayerNorm, &xhat, None)
+    }
+
+    /// A per-head RMSNorm of a B×T×(heads·hd) projection: its rows are the T·heads (position,
+    /// head) pairs, as the reference lays them out. Returns B×heads×T×hd.
+    fn head_norm(
+        &self,
+        x: &Tensor,
+        module: &str,
+        shape: &BatchShape,
+        heads: usize,
+        taps: &mut Taps,
+    ) -> Result<Tensor> {
+        let hd = self.config.head_dim;
+        let rows = x.reshape((shape.b, shape.t * heads, hd))?;
+        let y = self.rms_norm(&rows, module, taps)?;
+        Self::heads(
+            &y.reshape((shape.b, shape.t, heads * hd))?,
+            shape,
+            heads,
+            hd,
+        )
     }
 
     /// `nn.Linear` `y = a Wᵀ (+ b)` (W out×in), tapped as a `linear` site with activations a,
@@ -90,6 +109,21 @@ impl CandleLlama {
     /// `silu(x) = x / (1 + e^(-x))` from primitive ops.
     fn silu(x: &Tensor) -> Result<Tensor> {
         Ok((x / (x.neg()?.exp()? + 1.0)?)?)
+    }
+
+    /// Gemma's `gelu_pytorch_tanh`, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), from primitive
+    /// ops.
+    fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+        let inner = ((x + (x.powf(3.0)? * 0.044715)?)? * (2.0 / std::f64::consts::PI).sqrt())?;
+        Ok(((x * 0.5)? * (inner.tanh()? + 1.0)?)?)
+    }
+
+    fn activation(&self, x: &Tensor) -> Result<Tensor> {
+        if self.config.flavor.is_gemma() {
+            Self::gelu_tanh(x)
+        } else {
+            Self::silu(x)
+        }
     }
 
     /// B×T×(heads·hd) → B×heads×T×hd.
@@ -122,16 +156,18 @@ impl CandleLlama {
     }
 }
 
-impl Architecture for CandleLlama {
-    type Context = Rope;
+/// What every block reads: the rotary tables of full-attention layers and, where they differ, of
+/// sliding-window layers, and each window's mask.
+pub(crate) struct LlamaContext {
+    rope: Rope,
+    local_rope: Option<Rope>,
+    /// (window, T×T additive mask) for every window a layer uses.
+    windows: Vec<(usize, Tensor)>,
+}
 
-    fn core(&self) -> &Core {
-        &self.core
-    }
-
-    /// The rotary tables in f64, rounded to the model's dtype.
-    fn context(&self, shape: &BatchShape) -> Result<Rope> {
-        let inv = self.config.inverse_frequencies();
+impl CandleLlama {
+    /// The rotary tables of these inverse frequencies in f64, rounded to the model's dtype.
+    fn rope_tables(&self, inv: &[f64], shape: &BatchShape) -> Result<Rope> {
         let half = inv.len();
         let dim = 2 * half;
         let (mut cos, mut sin) = (vec![0.0; shape.t * dim], vec![0.0; shape.t * dim]);
@@ -154,10 +190,55 @@ impl Architecture for CandleLlama {
             sin: table(sin)?,
         })
     }
+}
 
-    /// No position table: the token embedding is the first block's input.
+impl Architecture for CandleLlama {
+    type Context = LlamaContext;
+
+    fn core(&self) -> &Core {
+        &self.core
+    }
+
+    fn context(&self, shape: &BatchShape) -> Result<LlamaContext> {
+        let cfg = &self.config;
+        let rope = self.rope_tables(&cfg.inverse_frequencies(), shape)?;
+        let sliding = (0..cfg.num_hidden_layers).find(|&l| cfg.window(l).is_some());
+        let local_rope = match (sliding, cfg.local_rope_theta) {
+            (Some(l), Some(_)) => Some(self.rope_tables(&cfg.layer_inverse_frequencies(l), shape)?),
+            (None, _) | (_, None) => None,
+        };
+        let mut windows: Vec<(usize, Tensor)> = Vec::new();
+        for l in 0..cfg.num_hidden_layers {
+            if let Some(w) = cfg.window(l) {
+                if windows.iter().all(|(x, _)| *x != w) {
+                    windows.push((w, window_mask(w, shape, &self.core)?));
+                }
+            }
+        }
+        Ok(LlamaContext {
+            rope,
+            local_rope,
+            windows,
+        })
+    }
+
+    /// No position table: the token embedding, times √d rounded to the model's dtype for Gemma
+    /// (HF's `embed_scale.to(weight.dtype)`), is the first block's input.
     fn embed(&self, tokens: Tensor, _: &BatchShape) -> Result<(Tensor, Vec<ExtraEmbedding>)> {
-        Ok((tokens, Vec::new()))
+        if !self.config.flavor.is_gemma() {
+            return Ok((tokens, Vec::new()));
+        }
+        let scale = Tensor::new(self.config.embedding_scale(|x| x), &self.core.device)?
+            .to_dtype(self.core.dtype)?;
+        Ok((tokens.broadcast_mul(&scale)?, Vec::new()))
+    }
+
+    fn pad_token(&self) -> Option<usize> {
+        self.config.pad_token_id
+    }
+
+    fn final_logit_softcap(&self) -> Option<f64> {
+        self.config.final_logit_softcapping
     }
 
     fn block(
@@ -165,7 +246,7 @@ impl Architecture for CandleLlama {
         l: usize,
         x: Tensor,
         shape: &BatchShape,
-        rope: &Rope,
+        ctx: &LlamaContext,
         taps: &mut Taps,
     ) -> Result<Tensor> {
         let cfg = &self.config;
@@ -176,24 +257,70 @@ impl Architecture for CandleLlama {
         );
         let p = |s: &str| format!("model.layers.{l}.{s}");
         let (qkv_b, o_b, mlp_b) = (cfg.qkv_bias(), cfg.o_proj_bias(), cfg.mlp_biases());
-        // h += o_proj(attn(rope(q(a1)), rope(k(a1)), v(a1))), a1 = input_layernorm(h).
+        let layout = cfg.flavor.norm_layout();
+        let sandwich = layout == NormLayout::Sandwich;
+        let window = cfg.window(l);
+        let rope = match (window, &ctx.local_rope) {
+            (Some(_), Some(local)) => local,
+            (None, _) | (Some(_), None) => &ctx.rope,
+        };
+        // h += attn_out_norm(o_proj(attn(rope(q'), rope(k'), v))), q' = q_norm(q(a1)),
+        // k' = k_norm(k(a1)), a1 = input_layernorm(h).
         let a1 = self.rms_norm(&x, &p("input_layernorm"), taps)?;
         let q = self.linear(&a1, &p("self_attn.q_proj"), qkv_b, taps)?;
         let k = self.linear(&a1, &p("self_attn.k_proj"), qkv_b, taps)?;
         let v = self.linear(&a1, &p("self_attn.v_proj"), qkv_b, taps)?;
-        let q = Self::rotate(&Self::heads(&q, shape, h, hd)?, rope)?;
-        let k = Self::rotate(&Self::heads(&k, shape, kv, hd)?, rope)?;
+        let (q, k) = if cfg.flavor.head_norms() {
+            (
+                self.head_norm(&q, &p("self_attn.q_norm"), shape, h, taps)?,
+                self.head_norm(&k, &p("self_attn.k_norm"), shape, kv, taps)?,
+            )
+        } else {
+            (
+                Self::heads(&q, shape, h, hd)?,
+                Self::heads(&k, shape, kv, hd)?,
+            )
+        };
+        let q = Self::rotate(&q, rope)?;
+        let k = Self::rotate(&k, rope)?;
         let v = Self::heads(&v, shape, kv, hd)?;
         let group = cfg.group_size();
         let (k, v) = (Self::repeat_kv(&k, group)?, Self::repeat_kv(&v, group)?);
-        let y = causal_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), shape, true)?;
-        let x = (x + self.linear(&y, &p("self_attn.o_proj"), o_b, taps)?)?;
-        // h += down(silu(gate(a2)) ⊙ up(a2)), a2 = post_attention_layernorm(h).
-        let a2 = self.rms_norm(&x, &p("post_attention_layernorm"), taps)?;
+        let mask = match window {
+            Some(w) => ctx
+                .windows
+                .iter()
+                .find(|(x, _)| *x == w)
+                .map(|(_, m)| m)
+                .ok_or_else(|| crate::error::Error::internal(format!("no mask for window {w}")))?,
+            None => &shape.mask,
+        };
+        let attention = Attention {
+            scale: cfg.attention_scale(),
+            softcap: cfg.attn_logit_softcapping,
+            mask,
+            softmax_f32: true,
+        };
+        let y = causal_attention(&q, &k, &v, &attention)?;
+        let mut o = self.linear(&y, &p("self_attn.o_proj"), o_b, taps)?;
+        if sandwich {
+            o = self.rms_norm(&o, &p("post_attention_layernorm"), taps)?;
+        }
+        let x = (x + o)?;
+        // h += mlp_out_norm(down(act(gate(a2)) ⊙ up(a2))), a2 = the MLP's norm of h.
+        let mlp_norm = match layout {
+            NormLayout::PreNorm => "post_attention_layernorm",
+            NormLayout::Sandwich | NormLayout::PreFeedforward => "pre_feedforward_layernorm",
+        };
+        let a2 = self.rms_norm(&x, &p(mlp_norm), taps)?;
         let gate = self.linear(&a2, &p("mlp.gate_proj"), mlp_b, taps)?;
         let up = self.linear(&a2, &p("mlp.up_proj"), mlp_b, taps)?;
-        let m = (Self::silu(&gate)? * up)?;
-        Ok((x + self.linear(&m, &p("mlp.down_proj"), mlp_b, taps)?)?)
+        let m = (self.activation(&gate)? * up)?;
+        let mut down = self.linear(&m, &p("mlp.down_proj"), mlp_b, taps)?;
+        if sandwich {
+            down = self.rms_norm(&down, &p("post_feedforward_layernorm"), taps)?;
+        }
+        Ok((x + down)?)
     }
 
     fn final_norm(&self, x: &Tensor, taps: &mut Taps) -> Result<Tensor> {

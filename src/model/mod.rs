@@ -34,7 +34,8 @@ pub struct Extracted {
 /// family is a compile error wherever it is not handled.
 pub enum CandleModel {
     Gpt2(CandleGpt2),
-    /// `llama` and `qwen2`.
+    /// Every Llama-shaped family of the reference (`llama`, `qwen2`, `qwen3`, `gemma`, `gemma2`,
+    /// `gemma3_text`, `vaultgemma`).
     Llama(CandleLlama),
 }
 
@@ -215,6 +216,14 @@ pub(crate) trait Architecture {
     ) -> Result<Tensor>;
     /// The final normalization (the head's input), tapped.
     fn final_norm(&self, x: &Tensor, taps: &mut Taps) -> Result<Tensor>;
+    /// The token whose embedding row gets no gradient (HF's `padding_idx`), if any.
+    fn pad_token(&self) -> Option<usize> {
+        None
+    }
+    /// `cap` of the final-logit soft-capping `cap · tanh(z / cap)`, if any.
+    fn final_logit_softcap(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// `softmax` over the last dimension from primitive ops (with a backward).
@@ -224,21 +233,27 @@ fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
 }
 
+/// How a block's attention scores become probabilities.
+pub(crate) struct Attention<'a> {
+    pub scale: f64,
+    /// `cap · tanh(s / cap)` on the scaled scores, before the mask (Gemma 2, VaultGemma).
+    pub softcap: Option<f64>,
+    /// T×T additive mask: the causal one, or a sliding window's.
+    pub mask: &'a Tensor,
+    /// A half-precision model computes the softmax in f32 (as HF's Llama does).
+    pub softmax_f32: bool,
+}
+
 /// Causal softmax attention. q, k, v: B×H×T×hd (keys and values already one per query head).
-/// With `softmax_f32`, a half-precision model computes the softmax in f32 (as HF's Llama does).
 /// Returns B×T×(H·hd).
-fn causal_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f64,
-    shape: &BatchShape,
-    softmax_f32: bool,
-) -> Result<Tensor> {
+fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, how: &Attention<'_>) -> Result<Tensor> {
     let (b, h, t, hd) = q.dims4()?;
-    let scores =
-        (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * scale)?.broadcast_add(&shape.mask)?;
-    let probs = match (softmax_f32, is_half(scores.dtype())) {
+    let mut scores = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * how.scale)?;
+    if let Some(cap) = how.softcap {
+        scores = ((scores / cap)?.tanh()? * cap)?;
+    }
+    let scores = scores.broadcast_add(how.mask)?;
+    let probs = match (how.softmax_f32, is_half(scores.dtype())) {
         (true, true) => {
             softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(scores.dtype())?
         }
@@ -249,6 +264,23 @@ fn causal_attention(
         .transpose(1, 2)?
         .contiguous()?
         .reshape((b, t, h * hd))?)
+}
+
+/// The T×T additive mask of a sliding window of `window` positions: query t sees keys
+/// t − window < s ≤ t (HF's `kv_idx > q_idx - sliding_window`).
+fn window_mask(window: usize, shape: &BatchShape, core: &Core) -> Result<Tensor> {
+    let t = shape.t;
+    let mask: Vec<f64> = (0..t * t)
+        .map(|k| {
+            let (q, s) = (k / t, k % t);
+            if s > q || s + window <= q {
+                -1e30
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(mask, (t, t), &core.device)?.to_dtype(core.dtype)?)
 }
 
 fn is_half(dtype: DType) -> bool {
@@ -288,9 +320,22 @@ fn decode<F: Architecture>(family: &F, batch: &Batch, reduction: Reduction) -> R
         embedding
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, t, core.dims.hidden_size))?;
-    let (x, extra) = family.embed(tokens, &shape)?;
-    let emb_tap = Var::zeros(x.shape(), core.dtype, dev)?;
-    let mut x = (x + emb_tap.as_tensor())?;
+    // The tap sits on the lookup's own output, so that its backprops are what the table's
+    // input path accumulates (before Gemma's scale, and zero at a padding token, whose row HF's
+    // `padding_idx` leaves without gradient: there the lookup enters detached).
+    let emb_tap = Var::zeros(tokens.shape(), core.dtype, dev)?;
+    let mut tapped = (&tokens + emb_tap.as_tensor())?;
+    if let Some(pad) = family.pad_token() {
+        let keep: Vec<f64> = batch
+            .input_ids()
+            .iter()
+            .map(|&x| if x == pad as i64 { 0.0 } else { 1.0 })
+            .collect();
+        let keep = Tensor::from_vec(keep, (b, t, 1), dev)?.to_dtype(core.dtype)?;
+        let dropped = (1.0 - &keep)?;
+        tapped = (tapped.broadcast_mul(&keep)? + tokens.detach().broadcast_mul(&dropped)?)?;
+    }
+    let (mut x, extra) = family.embed(tapped, &shape)?;
     for l in 0..core.dims.layers {
         x = family.block(l, x, &shape, &ctx, &mut taps)?;
     }
@@ -302,7 +347,10 @@ fn decode<F: Architecture>(family: &F, batch: &Batch, reduction: Reduction) -> R
         kind: SiteKind::Linear,
         vocab: None,
     };
-    let logits = taps.tap_spec(logits, head, &af, None)?;
+    let mut logits = taps.tap_spec(logits, head, &af, None)?;
+    if let Some(cap) = family.final_logit_softcap() {
+        logits = ((logits / cap)?.tanh()? * cap)?;
+    }
     let losses = causal_lm_losses(&logits, batch, reduction, core.dtype)?;
     let grads = losses.sum_all()?.backward()?;
 
