@@ -9,7 +9,9 @@ pub use kill_matrix::{kill_matrix, KillMatrix, Row};
 
 use crate::clippers::{Clipped, Clipper, NoiseSpec};
 use crate::error::{Error, Result};
-use crate::judge::{Arithmetic, CaseLabel, CaseMetrics, Claim, Judge, PrivacyReport, Verdict};
+use crate::judge::{
+    Arithmetic, CaseLabel, CaseMetrics, Claim, ClippingRule, Judge, PrivacyReport, Verdict,
+};
 use crate::options::{Accounting, ClipNorm, NoiseMultiplier};
 use crate::trace::{candle_dtype, Precision, Trace};
 use candle_core::{DType, Device};
@@ -423,6 +425,7 @@ pub fn claim_of(clipped: Clipped) -> Result<Claim> {
         norms: report.norms,
         coefficients,
         clipped_sum: Some(clipped_sum),
+        clipping: ClippingRule::default(),
     })
 }
 
