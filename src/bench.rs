@@ -147,3 +147,22 @@ pub fn bench(
         )
         .collect())
 }
+
+/// Median wall time of the non-private gradient Σ_i g_i from the same factors (all coefficients
+/// 1): what one ordinary backward pass spends on the weight gradients, the yardstick for the
+/// step's second pass.
+pub fn plain_gradient_seconds(trace: &Trace, runs: usize) -> Result<f64> {
+    let ones = vec![1.0; trace.batch_size()];
+    crate::clippers::clipped_sum(trace, &ones)?;
+    let mut t: Vec<f64> = (0..runs.max(1))
+        .map(|_| {
+            let start = Instant::now();
+            crate::clippers::clipped_sum(trace, &ones).map(|s| {
+                drop(s);
+                start.elapsed().as_secs_f64()
+            })
+        })
+        .collect::<Result<_>>()?;
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}

@@ -1,7 +1,7 @@
 //! `bench`: clipper time and peak memory on a random tied LM head or a trace file.
 
 use super::{out, to_json, write_file, DeviceArg, PrecisionArg, Progress};
-use ghost_oracle::bench::{bench as bench_clippers, tied_head_trace};
+use ghost_oracle::bench::{bench as bench_clippers, plain_gradient_seconds, tied_head_trace};
 use ghost_oracle::trace::candle_dtype;
 use ghost_oracle::{registry, Error, Precision, Trace};
 use ghost_oracle_reference as reference;
@@ -185,11 +185,16 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
             gt.peak_bytes as f64 / g.peak_bytes as f64
         );
     }
-    if let (Some(g), Some(gt)) = (find("ghost"), find("ghost-tied")) {
+    let plain = plain_gradient_seconds(&t, a.runs)?;
+    let _ = writeln!(
+        s,
+        "plain gradient Σ g_i from the same factors (an ordinary backward's weight gradients): {plain:.4} s"
+    );
+    if let Some(gt) = find("ghost-tied") {
         let _ = writeln!(
             s,
-            "ghost-tied step / ghost norms: time {:.3}",
-            gt.step_seconds / g.seconds
+            "ghost-tied whole step / plain gradient: time {:.3}",
+            gt.step_seconds / plain
         );
     }
     if let (Some(gt), Some(m)) = (find("ghost-tied"), find("materialize")) {

@@ -86,26 +86,23 @@ pub(crate) fn noisy_update_by(
         .enumerate()
         .map(|(index, (p, k))| {
             let stream = (index as u64) << 32;
-            let shape = k.shape();
             let cpu = &candle_core::Device::Cpu;
-            // Drawn in the sum's own width: an f32 step's noise needs no f64 draws, and half the
-            // random bits.
-            let n = k.elem_count();
-            let xi = match crate::trace::precision_of(k.dtype())? {
+            let flat = k.flatten_all()?;
+            // One pass over the sum's values, in its own width (an f32 step's noise needs no f64
+            // draws, and half the random bits); f16 and bf16 sums are noised in f32 and the
+            // update rounded once.
+            let update = match crate::trace::precision_of(k.dtype())? {
                 Precision::F64 => {
-                    Tensor::from_vec(gaussian::<f64>(n, noise, stream, draws(p)), shape, cpu)?
+                    let v = noised(flat.to_vec1::<f64>()?, noise, stream, draws(p), order);
+                    Tensor::from_vec(v, k.shape(), cpu)?
                 }
                 Precision::F32 | Precision::F16 | Precision::BF16 => {
-                    Tensor::from_vec(gaussian::<f32>(n, noise, stream, draws(p)), shape, cpu)?
-                        .to_dtype(k.dtype())?
+                    let v = flat.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                    let v = noised(v, noise, stream, draws(p), order);
+                    Tensor::from_vec(v, k.shape(), cpu)?.to_dtype(k.dtype())?
                 }
-            }
-            .to_device(k.device())?;
-            let update = match order {
-                NoiseOrder::BeforeDivision => ((k + xi)? / noise.divisor)?,
-                NoiseOrder::AfterDivision => ((k / noise.divisor)? + xi)?,
             };
-            Ok((p.clone(), update))
+            Ok((p.clone(), update.to_device(k.device())?))
         })
         .collect()
 }
@@ -114,10 +111,16 @@ pub(crate) fn noisy_update_by(
 /// the same whatever the number of threads that draw it.
 const NOISE_CHUNK: usize = 1 << 16;
 
-/// `n` values of σC·Σ_{k<draws} z_k, z ~ N(0, 1), chunk c drawn from the stream `stream + c` of
-/// the seed, chunks spread over the machine's cores: a V×d head's noise is tens of millions of
-/// draws.
-fn gaussian<T>(n: usize, noise: &NoiseSpec, stream: u64, draws: usize) -> Vec<T>
+/// The update from a clipped sum's values, in place: (K + σC·Σ_{k<draws} z_k) / D (or the noise
+/// after the division), z ~ N(0, 1), chunk c drawn from the stream `stream + c` of the seed,
+/// chunks spread over the machine's cores: a V×d head's noise is tens of millions of draws.
+fn noised<T>(
+    mut values: Vec<T>,
+    noise: &NoiseSpec,
+    stream: u64,
+    draws: usize,
+    order: NoiseOrder,
+) -> Vec<T>
 where
     T: candle_core::WithDType,
     rand_distr::StandardNormal: rand_distr::Distribution<T>,
@@ -125,19 +128,24 @@ where
     use rand_chacha::rand_core::SeedableRng;
     use rand_distr::Distribution;
     let std = T::from_f64(noise.std);
-    let mut out = vec![T::zero(); n];
+    let inv = T::from_f64(1.0 / noise.divisor);
     let fill = |c: usize, chunk: &mut [T]| {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(noise.seed);
         rng.set_stream(stream + c as u64);
-        for _ in 0..draws {
-            for x in chunk.iter_mut() {
+        for x in chunk.iter_mut() {
+            let mut xi = T::zero();
+            for _ in 0..draws {
                 let z: T = rand_distr::StandardNormal.sample(&mut rng);
-                *x += std * z;
+                xi += std * z;
             }
+            *x = match order {
+                NoiseOrder::BeforeDivision => (*x + xi) * inv,
+                NoiseOrder::AfterDivision => *x * inv + xi,
+            };
         }
     };
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
-    let chunks: Vec<(usize, &mut [T])> = out.chunks_mut(NOISE_CHUNK).enumerate().collect();
+    let chunks: Vec<(usize, &mut [T])> = values.chunks_mut(NOISE_CHUNK).enumerate().collect();
     let per_thread = chunks.len().div_ceil(threads).max(1);
     let mut groups: Vec<Vec<(usize, &mut [T])>> = Vec::new();
     for (k, item) in chunks.into_iter().enumerate() {
@@ -155,7 +163,7 @@ where
             });
         }
     });
-    out
+    values
 }
 
 /// A clipper's DP-SGD step: what it clipped, and the update it steps with.
