@@ -723,6 +723,19 @@ const GRADIENT: [f64; 16] = [
     2.0, 6.0, 5.0, 5.0, 0.0, 0.0, -2.0, -1.0, 2.0, 2.0, 2.0, 4.0, 1.0, 1.0, 1.0, -2.0,
 ];
 
+/// A per-head norm (Qwen3's q/k norms) is a site of T·H rows: its weight gradient sums over every
+/// (position, head) pair, and the bound's accumulation length is that, not T.
+#[test]
+fn a_per_head_norm_site_sets_the_accumulation_length() {
+    let mut t = hand_trace(&[1.0, 2.0, 0.0]);
+    let ln = t.sites.iter_mut().find(|s| s.spec.name == "ln").unwrap();
+    let heads =
+        |a: &Array3<f64>| ndarray::concatenate(ndarray::Axis(1), &[a.view(), a.view()]).unwrap();
+    ln.activations = ln.activations.as_ref().map(heads);
+    ln.backprops = heads(&ln.backprops);
+    assert_eq!(Tolerance::from_trace(&t).unwrap().seq_len, 4);
+}
+
 #[test]
 fn the_tolerance_of_a_hand_built_trace() {
     let scales = [1.0, 2.0, 0.0];

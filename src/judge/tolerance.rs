@@ -109,6 +109,8 @@ pub struct Tolerance {
     pub dot_scale: Vec<f64>,
     /// max over sites of √p + √q (dot-product lengths).
     pub sqrt_width: f64,
+    /// The most rows any site sums over: T, or T·H for a per-head norm (Qwen3's q/k norms), whose
+    /// weight gradient accumulates over every (position, head) pair.
     pub seq_len: usize,
     /// Entries of the largest parameter: the reference's own f64 reduction length.
     pub largest_param: usize,
@@ -347,7 +349,12 @@ impl Tolerance {
             abs_terms,
             dot_scale,
             sqrt_width,
-            seq_len: trace.sites.first().map_or(0, |s| s.backprops.dim().1),
+            seq_len: trace
+                .sites
+                .iter()
+                .map(|s| s.backprops.dim().1)
+                .max()
+                .unwrap_or(0),
             largest_param,
             own,
             cross,
