@@ -478,11 +478,18 @@ fn expected_json(case: &str) -> serde_json::Value {
 }
 
 #[test]
-fn export_trace_of_llama_and_qwen2_checkpoints_passes_the_gate_with_exact_tied_norms_only() {
+fn export_trace_of_every_llama_family_checkpoint_passes_the_gate_with_exact_tied_norms_only() {
     for (case, tied) in [
         ("llama_tied_gqa_l2_t33", true),
         ("qwen2_tied_biases_t12", true),
         ("llama_untied_mha_biases_t8", false),
+        // Per-head q/k norms; sliding windows shorter than T and soft-capping; Gemma's padding row.
+        ("qwen3_tied_f32_t12", true),
+        ("qwen3_untied_bias_ignored_t33", false),
+        ("gemma_tied_pad_t12", true),
+        ("gemma2_tied_window_softcap_t34", true),
+        ("gemma3_tied_window_t40", true),
+        ("vaultgemma_tied_window_softcap_t33", true),
     ] {
         let cfg: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(golden(case).join("config.json")).unwrap(),
@@ -534,5 +541,26 @@ fn bench_times_every_clipper_on_a_trace_exported_from_a_qwen2_checkpoint() {
     assert_eq!(rt.sites.len(), 1 + 12 * layers + 2);
     for r in results {
         assert!(r["seconds"].as_f64().unwrap() > 0.0, "{doc}");
+    }
+}
+
+/// `bench --trace` on traces of the 2025–26 families: Qwen3's per-head norm sites (T·H rows) and
+/// Gemma 3's sandwich norms are timed like any other.
+#[test]
+fn bench_times_traces_exported_from_qwen3_and_gemma3_checkpoints() {
+    for case in ["qwen3_tied_f32_t12", "gemma3_tied_window_t40"] {
+        let trace = tmp(&format!("bench-trace-{case}")).join("trace.safetensors");
+        let o = run_on_golden("export-trace", case, &["--out", trace.to_str().unwrap()]);
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+        let doc = bench_json(
+            &format!("bench-{case}"),
+            &["--trace", trace.to_str().unwrap()],
+        );
+        let results = doc["results"].as_array().unwrap();
+        assert_eq!(results.len(), 3, "{doc}");
+        for r in results {
+            assert!(r["seconds"].as_f64().unwrap() > 0.0, "{case}: {doc}");
+            assert!(r["step_seconds"].as_f64().unwrap() > 0.0, "{case}: {doc}");
+        }
     }
 }
