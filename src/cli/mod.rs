@@ -275,7 +275,7 @@ impl Progress {
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = indicatif::ProgressBar::new(0);
             if let Ok(style) = indicatif::ProgressStyle::with_template(
-                "[{bar:30}] {pos}/{len} {elapsed_precise} {msg}",
+                "[{bar:30}] {pos}/{len} {elapsed_precise} (ETA {eta}) {msg}",
             ) {
                 bar.set_style(style.progress_chars("#>-"));
             }
@@ -304,7 +304,16 @@ impl Progress {
         let secs = self.start.elapsed().as_secs_f64();
         if secs >= 2.0 && (secs - self.last_line.get() >= 5.0 || done == total) {
             self.last_line.set(secs);
-            eprintln!("progress: {done}/{total} ({label}) after {secs:.0} s");
+            // Steps are alike (an example, a clipper on a case): the mean so far predicts the rest.
+            let eta = if done > 0 && done < total {
+                format!(
+                    ", about {:.0} s left",
+                    secs / done as f64 * (total - done) as f64
+                )
+            } else {
+                String::new()
+            };
+            eprintln!("progress: {done}/{total} ({label}) after {secs:.0} s{eta}");
         }
     }
 }
