@@ -20,17 +20,29 @@ Modelled:
   of the lookup, i.e. the output's gradient times the scale; OPT's learned positions
   (`OPTLearnedPositionalEmbedding`: ids = positions + 2). Rows at `padding_idx` receive no
   gradient from a lookup, so their backprops are zero;
-- `nn.LayerNorm` (kind `layernorm` for the weight, `bias` for the bias);
-- RMSNorms: `nn.RMSNorm` and any module whose class name ends in `RMSNorm` with a `weight` and an
-  `eps` or `variance_epsilon` (Llama's x̂ ⊙ w and Gemma's x̂ ⊙ (1 + w) alike: the gradient with
-  respect to w is Σ_t δ_t ⊙ x̂_t in both), kind `layernorm`, activations x̂ = x / rms(x).
+- norms, kind `layernorm` for the weight (`bias` for a bias): `nn.LayerNorm`, `nn.RMSNorm` and any
+  module whose class name ends in `RMSNorm` with a `weight` and an `eps` or `variance_epsilon`.
+  Llama's x̂ ⊙ w and Gemma's x̂ ⊙ (1 + w) alike: the gradient with respect to w is Σ δ ⊙ x̂. x̂
+  is what the module's own forward computes (replayed with the weight set to the identity of its
+  form), so a norm that upcasts to float32 inside a float64 model (every Hugging Face RMSNorm)
+  is traced with the float32 x̂ it really used; the site's precision is the one in which the
+  module multiplies x̂ by its weight (float64 for Llama's, float32 for Gemma's: `_normalized`).
+  A norm over the last axis of B×T×H×k (Qwen3's and Gemma 3's per-head q/k norms, whose one
+  weight is shared by every head and position) is one site with T·H rows per example;
+- any class declared with `register_module(cls, kind)` (`FalconLinear` as `"linear"`,
+  `CohereLayerNorm` as `"layernorm"`), traced as that kind and checked like the others.
+
+Refused, with the parameter named: mixture-of-experts layers whose experts are one fused 3-D
+tensor (Qwen3-MoE's), where each token uses the slices its
+router picked; freezing the experts and the router traces the rest.
 
 Factors are arranged as B×T×features: an output computed once for the batch (GPT-2's 1×T
 position embedding) is expanded to B×T first, so that its gradient stays per example, and
 activations flattened to B·T rows inside a block (OPT's MLP) are reshaped back.
 
 Precision is per site: each use is recorded in the dtype its module really computed in. That is
-the parameters' dtype (an f32, bf16 or f16 model), except where autocast lowered the module's op:
+the parameters' dtype (an f32, bf16 or f16 model; for a norm, the dtype of its own product with
+its weight, found by replaying it, as above), except where autocast lowered the module's op:
 when autocast is enabled for the output's device type inside the module's forward and the
 output comes out in autocast's dtype (not the weight's), the site computed in autocast's dtype.
 On CPU and CUDA that is true of `nn.Linear` and `Conv1D` (matmuls), not of embeddings or norms,
@@ -75,6 +87,7 @@ coefficients.
                  update={n: p.grad for n, p in model.named_parameters()},
                  batch_divisor=4, clip_stabilizer=1e-6)
 """
+import contextlib
 import json
 import math
 import os
@@ -100,13 +113,54 @@ class TraceExportError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Module kinds, by exact type.
+# Module kinds, by exact type, and the registry users extend.
+
+# The kinds a module can be declared to compute, by the names the trace format gives their sites.
+KINDS = ("linear", "conv1d", "embedding", "layernorm")
+
+_REGISTRY = {}
+
+
+def register_module(cls, kind):
+    """Declares that modules of exactly the class `cls` compute what the exporter's `kind`
+    computes, so that they are traced as such:
+
+    - `"linear"`: y = x Wᵀ (+ b), `weight` out×in (Falcon's `FalconLinear`);
+    - `"conv1d"`: y = x W (+ b), `weight` in×out (Hugging Face's Conv1D layout);
+    - `"embedding"`: y = W[ids], `weight` vocab×d, the ids the first argument;
+    - `"layernorm"`: y = x̂ ⊙ w (+ b) or x̂ ⊙ (1 + w) (+ b), x̂ a normalization of x over its last
+      axis that does not depend on w or b (a LayerNorm, an RMSNorm, `CohereLayerNorm`, a
+      LayerNorm without bias). x̂ is taken from the module's own forward, so its precision and
+      formula are the module's.
+
+    Subclasses are not covered: each class is declared on its own, as a subclass may change
+    `forward`. The declaration is not trusted: every trace is still checked against autograd
+    before it is written, so a class that does not compute what it is declared to makes
+    `export_trace` raise `TraceExportError`, never write a wrong trace. Declaring a class again
+    replaces its kind. Returns `cls`."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise TypeError(f"register_module: {cls!r} is not a torch.nn.Module class")
+    if kind not in KINDS:
+        hint = " (an RMSNorm is \"layernorm\": its weight's gradient has the same form)" if kind == "rmsnorm" else ""
+        raise ValueError(f"register_module({cls.__name__}, {kind!r}): the kind must be one of "
+                         f"{', '.join(repr(k) for k in KINDS)}{hint}")
+    _REGISTRY[cls] = kind
+    return cls
+
+
+def unregister_module(cls):
+    """Withdraws a `register_module` declaration (a no-op for a class never declared)."""
+    _REGISTRY.pop(cls, None)
 
 
 def _kind(module):
-    """The exporter's model of `module`, or None when it has none. Exact types only."""
+    """The exporter's model of `module`, or None when it has none. Exact types only. A norm of
+    any form is kind `norm` (its site kind is `layernorm`)."""
     t = type(module)
     name = t.__name__
+    declared = _REGISTRY.get(t)
+    if declared is not None:
+        return "norm" if declared == "layernorm" else declared
     if t is torch.nn.Linear:
         return "linear"
     if Conv1D is not None and t is Conv1D:
@@ -114,13 +168,13 @@ def _kind(module):
     if t is torch.nn.Embedding:
         return "embedding"
     if t is torch.nn.LayerNorm:
-        return "layernorm"
+        return "norm"
     if t is getattr(torch.nn, "RMSNorm", None):
-        return "rmsnorm"
+        return "norm"
     if name.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.nn.Parameter) and (
         hasattr(module, "eps") or hasattr(module, "variance_epsilon")
     ):
-        return "rmsnorm"
+        return "norm"
     if issubclass(t, torch.nn.Embedding) and name.endswith("ScaledWordEmbedding") and hasattr(module, "embed_scale"):
         return "scaled_embedding"
     if name == "OPTLearnedPositionalEmbedding" and issubclass(t, torch.nn.Embedding) and hasattr(module, "offset"):
@@ -135,15 +189,6 @@ def _embedding_scale(module):
     if torch.is_tensor(s):
         return s.to(module.weight.dtype)
     return float(s)
-
-
-def _rms_eps(module, x):
-    eps = getattr(module, "variance_epsilon", None)
-    if eps is None:
-        eps = getattr(module, "eps", None)
-    if eps is None:  # nn.RMSNorm(eps=None)
-        eps = torch.finfo(x.dtype).eps
-    return float(eps)
 
 
 def _opt_position_ids(module, args, kwargs):
@@ -175,11 +220,21 @@ def _autocast_dtype(device_type):
         return None
 
 
+def _autocast_state(device_type):
+    """(device type, dtype) of the autocast enabled at this point of the forward, else None: a
+    norm's forward is replayed under it."""
+    ac = _autocast_dtype(device_type)
+    return None if ac is None else (device_type, ac)
+
+
 def _site_dtype(module, output):
     """The dtype `module`'s use computed in: autocast's, where autocast lowered the op (enabled
     for the output's device type, and the output in autocast's dtype instead of the weight's),
     else the weight's."""
-    w = module.weight.dtype
+    weight = getattr(module, "weight", None)
+    if not torch.is_tensor(weight):
+        return output.dtype  # refused when its sites are built, naming the module
+    w = weight.dtype
     ac = _autocast_dtype(output.device.type)
     if ac is not None and ac != w and output.dtype == ac:
         return ac
@@ -246,12 +301,17 @@ def _record(model, batch_size):
         if x is None:
             raise TraceExportError(f"module `{mod_name}` ({type(module).__name__}) was called without an input")
         out = output
+        if type(module) in _REGISTRY and not torch.is_tensor(out):
+            raise TraceExportError(
+                f"module `{mod_name}` ({type(module).__name__}) is registered as \"{_REGISTRY[type(module)]}\" but its "
+                f"forward returns a {type(out).__name__}, not a tensor: a {_REGISTRY[type(module)]} returns its output")
         if not torch.is_tensor(out) or not out.requires_grad:
             return None  # not on a trainable path
         if out.dim() >= 1 and out.shape[0] == 1 and batch_size > 1:
             out = out.expand(batch_size, *out.shape[1:])  # a per-batch output: make its gradient per example
         entry = {"module": module, "name": mod_name, "cls": type(module).__name__, "kind": kind,
-                 "input": x.detach(), "grad": None, "dtype": _site_dtype(module, output)}
+                 "input": x.detach(), "grad": None, "dtype": _site_dtype(module, output),
+                 "autocast": _autocast_state(output.device.type)}
 
         def save_grad(g):
             entry["grad"] = g.detach()
@@ -268,59 +328,158 @@ def _record(model, batch_size):
     return entries, handles
 
 
+def _rows(t, b, tt, what, entry):
+    """A norm's input or output gradient as B×rows×features: B×T×features, or, for a norm applied
+    to every head at every position (Qwen3's B×T×H×k q/k norms, Gemma 3's B×H×T×k), B×(T·H)×k,
+    position-major: its rows are the (position, head) pairs. The weight's gradient is the sum
+    over rows either way; the example must be the leading axis (or flattened with the position)
+    so that every row is assigned to its own example."""
+    if t.dim() >= 3 and t.shape[0] in (b, 1):
+        pos = next((i for i in range(1, t.dim() - 1) if t.shape[i] == tt), None)
+        if pos is not None:
+            t = t.expand(b, *t.shape[1:]) if t.shape[0] != b else t
+            return t.movedim(pos, 1).reshape(b, -1, t.shape[-1])
+    if t.dim() >= 2 and t.shape[0] == b * tt:
+        return t.reshape(b, -1, t.shape[-1])
+    raise TraceExportError(
+        f"module `{entry['name']}` ({entry['cls']}): its {what} has shape {list(t.shape)}; the exporter needs "
+        f"{b}×{tt}×features (batch × sequence), {b}×{tt}×heads×features, {b}×heads×{tt}×features, or {b * tt} "
+        "flattened rows"
+    )
+
+
+# The finest precision first: the first in which a norm's product with its weight reproduces the
+# module's output is the precision its weight's gradient is computed in.
+_PRECISIONS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _replay(entry, x, params):
+    """The module's own forward on `x` with its direct parameters `params` substituted, under the
+    autocast the recorded forward ran in, without autograd."""
+    ac = entry["autocast"]
+    ctx = torch.autocast(ac[0], dtype=ac[1]) if ac is not None else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        y = torch.func.functional_call(entry["module"], params, (x,))
+    if not torch.is_tensor(y) or y.shape != x.shape:
+        shape = list(y.shape) if torch.is_tensor(y) else type(y).__name__
+        raise TraceExportError(f"module `{entry['name']}` ({entry['cls']}): traced as a norm, its forward on an "
+                               f"input of shape {list(x.shape)} returns {shape}, not a tensor of that shape")
+    return y
+
+
+def _normalized(entry, x):
+    """(x̂, precision) of a norm's use: x̂ as the module's own forward computes it (its upcasts,
+    formula and ε, cast back as it casts its output), and the precision in which it multiplies
+    x̂ by its weight, which is the precision of the weight's gradient.
+
+    Hugging Face's RMSNorms compute x̂ in float32 even in a float64 model: Llama's then
+    multiplies the float32 x̂, cast back to float64, by w in float64, while Gemma's multiplies x̂
+    by (1 + w) in float32. Neither is known by name. x̂ is the forward with the weight set to
+    the identity of its form (w = 1 for x̂ ⊙ w, w = 0 for x̂ ⊙ (1 + w); bias 0), which is exact;
+    the form and the precision are the first pair in which x̂ ⊙ w' (+ b') reproduces the forward
+    with a probe weight w' (and bias b'), finest precision first. A module that is neither form
+    is refused."""
+    m = entry["module"]
+    w = m.weight
+    extra = [k for k, v in m._parameters.items() if v is not None and k not in ("weight", "bias")]
+    if extra:
+        raise TraceExportError(f"module `{entry['name']}` ({entry['cls']}): traced as a norm (y = x̂ ⊙ w + b), it "
+                               f"holds other parameters too ({', '.join(extra)}), which that form has no place for")
+    k = x.shape[-1]
+    if w.dim() != 1 or w.shape[0] != k:
+        raise TraceExportError(
+            f"module `{entry['name']}` ({entry['cls']}): traced as a norm, its weight has shape {list(w.shape)}; the "
+            f"exporter models one weight over the input's last axis ({k} features), shared by every position and "
+            "head")
+    bias = m._parameters.get("bias")
+    gen = torch.Generator().manual_seed(20240607)
+    w_probe = (0.5 + 0.5 * torch.rand(k, generator=gen, dtype=torch.float64)).to(device=w.device, dtype=w.dtype)
+    params = {"weight": w_probe}
+    if bias is not None:
+        b_probe = (0.25 * torch.rand(k, generator=gen, dtype=torch.float64) - 0.125).to(device=bias.device,
+                                                                                       dtype=bias.dtype)
+        params["bias"] = b_probe
+    y = _replay(entry, x, params)
+    dts = {w.dtype, x.dtype, y.dtype, torch.float32} | ({bias.dtype} if bias is not None else set())
+    candidates = [d for d in _PRECISIONS if d in dts]
+    for form, identity in (("w", torch.ones_like(w)), ("1+w", torch.zeros_like(w))):
+        ident = {"weight": identity}
+        if bias is not None:
+            ident["bias"] = torch.zeros_like(bias)
+        xhat = _replay(entry, x, ident)
+        scale = w_probe if form == "w" else 1.0 + w_probe
+        for d in candidates:
+            want = xhat.to(d) * scale.to(d)
+            mag = want.abs()
+            if bias is not None:
+                want = want + params["bias"].to(d)
+                mag = mag + params["bias"].to(d).abs()
+            err = (y.to(torch.float64) - want.to(y.dtype).to(torch.float64)).abs()
+            u = torch.finfo(d).eps / 2
+            if bool((err <= 8.0 * u * mag.to(torch.float64) + torch.finfo(d).tiny).all()):
+                # A product in a finer precision than the output is rounded to the output's,
+                # and so is the weight's gradient (a bf16 Llama's norm: bf16 × bf16 products
+                # are exact in float32, so that candidate matches too).
+                return xhat, max(d, y.dtype, key=lambda t: torch.finfo(t).eps)
+    raise TraceExportError(
+        f"module `{entry['name']}` ({entry['cls']}): traced as a norm, its forward is neither y = x̂ ⊙ w nor "
+        f"y = x̂ ⊙ (1 + w){' (+ b)' if bias is not None else ''} with x̂ independent of the weight, in any of "
+        f"{', '.join(DTYPE_NAMES[d] for d in candidates)}: the exporter has no model of it")
+
+
 def _site_tensors(entry, names, dtype, b, tt):
     """Yields (spec, tensors) for the weight use and, where present, the bias use, stored in
     `dtype` (None: the use's own compute dtype)."""
     m, n, kind = entry["module"], entry["name"], entry["kind"]
     g = entry["grad"]
-    dtype = entry["dtype"] if dtype is None else dtype
     out = []
     if g is None:
         return out  # output not on the loss path
-    g = _btf(g, b, tt, "output gradient", entry)
 
     def trainable(p):
         return isinstance(p, torch.nn.Parameter) and p.requires_grad
 
+    weight = getattr(m, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter):
+        raise TraceExportError(f"module `{n}` ({entry['cls']}): traced as {kind}, it has no `weight` parameter")
     if kind in ("embedding", "scaled_embedding", "opt_positions"):
-        if m.max_norm is not None or m.scale_grad_by_freq:
+        dtype = entry["dtype"] if dtype is None else dtype
+        g = _btf(g, b, tt, "output gradient", entry)
+        if getattr(m, "max_norm", None) is not None or getattr(m, "scale_grad_by_freq", False):
             raise TraceExportError(f"module `{n}` ({entry['cls']}): max_norm / scale_grad_by_freq are not modelled")
         ids = _btf(entry["input"].to(torch.int64), b, tt, "ids", entry)
         if kind == "scaled_embedding":
             g = g * _embedding_scale(m)  # the gradient of the lookup, not of the scaled output
-        if m.padding_idx is not None:  # the padding row receives no gradient from a lookup
-            g = g.masked_fill((ids == m.padding_idx).unsqueeze(-1), 0)
-        if trainable(m.weight):
-            spec = {"name": f"{n}.weight", "param": names[id(m.weight)], "kind": "embedding",
-                    "vocab": m.num_embeddings}
+        padding_idx = getattr(m, "padding_idx", None)
+        if padding_idx is not None:  # the padding row receives no gradient from a lookup
+            g = g.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
+        if trainable(weight):
+            spec = {"name": f"{n}.weight", "param": names[id(weight)], "kind": "embedding",
+                    "vocab": weight.shape[0]}
             out.append((spec, {"ids": ids, "backprops": g.to(dtype)}))
         return out
-    x = _btf(entry["input"], b, tt, "input", entry)
-    if kind == "layernorm":
-        xf = x.to(torch.float64)
-        mean = xf.mean(-1, keepdim=True)
-        var = xf.var(-1, unbiased=False, keepdim=True)
-        xhat = ((xf - mean) / torch.sqrt(var + m.eps)).to(dtype)
-        if trainable(m.weight):
-            out.append(({"name": f"{n}.weight", "param": names[id(m.weight)], "kind": "layernorm"},
-                        {"activations": xhat, "backprops": g.to(dtype)}))
-    elif kind == "rmsnorm":
-        # x / rms(x) in the input's dtype (half types computed in float32 and rounded, as
-        # Hugging Face's RMSNorms do). For x̂ ⊙ w and x̂ ⊙ (1 + w) alike, dL/dw = Σ δ ⊙ x̂.
-        cd = torch.promote_types(x.dtype, torch.float32)
-        xc = x.to(cd)
-        xhat = (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + _rms_eps(m, x))).to(x.dtype)
-        if trainable(m.weight):
-            out.append(({"name": f"{n}.weight", "param": names[id(m.weight)], "kind": "layernorm"},
+    if kind == "norm":
+        if trainable(weight):
+            xhat, entry["dtype"] = _normalized(entry, entry["input"])
+        dtype = entry["dtype"] if dtype is None else dtype
+        g = _rows(g, b, tt, "output gradient", entry)
+        if trainable(weight):
+            # x̂ ⊙ w and x̂ ⊙ (1 + w) alike: dL/dw = Σ over rows of δ ⊙ x̂
+            xhat = _rows(xhat, b, tt, "input", entry)
+            out.append(({"name": f"{n}.weight", "param": names[id(weight)], "kind": "layernorm"},
                         {"activations": xhat.to(dtype), "backprops": g.to(dtype)}))
     else:
+        dtype = entry["dtype"] if dtype is None else dtype
+        g = _btf(g, b, tt, "output gradient", entry)
         # the input as the matmul saw it: under autocast, cast to autocast's dtype
-        x = x.to(entry["dtype"])
-        if trainable(m.weight):
-            out.append(({"name": f"{n}.weight", "param": names[id(m.weight)], "kind": kind},
+        x = _btf(entry["input"], b, tt, "input", entry).to(entry["dtype"])
+        if trainable(weight):
+            out.append(({"name": f"{n}.weight", "param": names[id(weight)], "kind": kind},
                         {"activations": x.to(dtype), "backprops": g.to(dtype)}))
     bias = getattr(m, "bias", None)
     if trainable(bias):
+        if g.shape[1] != tt:  # a per-head norm's bias: Σ over a position's heads, the rows the format has
+            g = g.to(torch.float64).reshape(b, tt, -1, g.shape[-1]).sum(2)
         out.append(({"name": f"{n}.bias", "param": names[id(bias)], "kind": "bias"}, {"backprops": g.to(dtype)}))
     return out
 
@@ -407,21 +566,40 @@ def _self_check(model, sites, names, owners, store_dtype, b, tt):
     by_param = {}
     for spec, ts, entry in sites:
         by_param.setdefault(spec["param"], []).append((spec, ts, entry))
-    n = b * tt
     seen = set()
+    params = []
     for _, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen or not p.requires_grad or p.grad is None:
             continue
         seen.add(id(p))
+        params.append(p)
+    def fused_experts(p):
+        """A 3-D tensor of stacked expert matrices, by its shape and its name or its module's."""
+        labels = [names[id(p)]] + [c for _, c in owners.get(id(p), [])]
+        return p.dim() == 3 and names[id(p)] not in by_param and any("expert" in s.lower() for s in labels)
+
+    # A fused expert tensor is named first: it is the reason the model cannot be traced, and
+    # its router (whose gradient flows through the routing weights) has no site either.
+    params.sort(key=lambda p: 0 if fused_experts(p) else 1)
+    for p in params:
         name = names[id(p)]
         mods = ", ".join(f"`{m}` ({c})" for m, c in owners.get(id(p), []))
         uses = by_param.get(name)
+        if fused_experts(p):
+            raise TraceExportError(
+                f"parameter `{name}` (module {mods}) is a {p.dim()}-D tensor {list(p.shape)}, one matrix per "
+                "expert of a mixture of experts: each token is multiplied by the slices its router picked, a "
+                "per-token choice of matrix that no site kind (linear, conv1d, embedding, bias, layernorm) "
+                "represents, so the exporter refuses it rather than write a trace without it. To trace the "
+                "dense parts, freeze the experts and the router (requires_grad=False)"
+            )
         if not uses:
             raise TraceExportError(
                 f"parameter `{name}` (module {mods}) received a gradient but has no site: the exporter "
-                "models nn.Linear, Conv1D, nn.Embedding, nn.LayerNorm, RMSNorms and scaled embeddings by "
-                "exact type, and this module is none of them (or its output is not what the forward "
-                "hook sees)"
+                "models nn.Linear, Conv1D, nn.Embedding, nn.LayerNorm, RMSNorms, scaled embeddings and the "
+                "classes declared with register_module by exact type, and this module is none of them (or "
+                "its output is not what the forward hook sees). If its class computes what one of those "
+                "computes, declare it: ghost_oracle.torch.register_module(cls, kind)"
             )
         rebuilt = torch.zeros(p.numel(), dtype=torch.float64)
         absum = torch.zeros(p.numel(), dtype=torch.float64)
@@ -436,7 +614,8 @@ def _self_check(model, sites, names, owners, store_dtype, b, tt):
             rebuilt += r
             absum += a
             store = entry["dtype"] if store_dtype is None else store_dtype
-            tol += _site_tolerance(spec, ts, a, entry["dtype"], store, n)
+            rows = ts["backprops"].shape[0] * ts["backprops"].shape[1]  # B·T, or B·T·H for a per-head norm
+            tol += _site_tolerance(spec, ts, a, entry["dtype"], store, rows)
         # autograd adds the uses of a tied parameter into p.grad in the parameter's dtype
         tol += 2.0 * (len(uses) - 1) * _unit_roundoff(p.dtype) * absum + torch.finfo(p.dtype).tiny
         want = p.grad.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
@@ -451,8 +630,8 @@ def _self_check(model, sites, names, owners, store_dtype, b, tt):
                 f"from autograd's at {int(bad.sum())} of {p.numel()} entries; worst entry {k}: rebuilt "
                 f"{float(rebuilt[k]):.6e}, autograd {float(want[k]):.6e}, |error| {float(err[k]):.3e} > "
                 f"tolerance {float(tol[k]):.3e}. The module's forward is not what the exporter models "
-                "(a subclass that changes forward, a scale or cast inside it, an RMSNorm computing in "
-                "another precision than its input)"
+                "(a subclass that changes forward, a scale or cast inside it, a class declared with "
+                "register_module that does not compute what its kind computes)"
             )
 
 

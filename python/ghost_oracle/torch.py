@@ -17,6 +17,15 @@ the embedding) becomes two sites of one parameter. It refuses, with `TraceExport
 it cannot trace faithfully: every trainable parameter must have a site, and the batch gradient
 rebuilt from the sites must match autograd's.
 
+A class the exporter does not know but that computes what one of its kinds computes is declared
+once, and is then traced as that kind (and still checked against autograd, so a wrong
+declaration raises):
+
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    register_module(FalconLinear, "linear")
+    register_module(CohereLayerNorm, "layernorm")       # a LayerNorm without bias
+
 Low precision: a bf16 or f16 model (`model.to(torch.bfloat16)`, `model.half()`) is traced in
 its dtype, and a float32 model whose `per_example_loss` runs the forward under `torch.autocast`
 is traced per site: the matmuls autocast lowered (linear layers) in autocast's dtype, the rest
@@ -51,12 +60,13 @@ from typing import Any, Union
 import torch
 
 from ._api import check
-from ._export import FORMAT, TraceExportError, _batch_shape, export_trace
+from ._export import FORMAT, KINDS, TraceExportError, _batch_shape, export_trace, register_module, unregister_module
 from ._report import Report
 
 Inputs = Union[torch.Tensor, Mapping[str, torch.Tensor]]
 
-__all__ = ["FORMAT", "TraceExportError", "assert_norms", "assert_update", "export_trace"]
+__all__ = ["FORMAT", "KINDS", "TraceExportError", "assert_norms", "assert_update", "export_trace", "register_module",
+           "unregister_module"]
 
 
 def assert_norms(

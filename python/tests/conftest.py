@@ -72,14 +72,15 @@ def gpt2_loss(model, ids):
 
 
 # ---------------------------------------------------------------------------------------------
-# A tiny tied Llama (HF LlamaForCausalLM) in float64.
+# A tiny tied Llama (HF LlamaForCausalLM) in float64, as Hugging Face computes it (its RMSNorms
+# compute x̂ in float32: the exporter records the x̂ they used).
 
 
 def llama_rmsnorm_in_input_dtype(model):
-    """Hugging Face's LlamaRMSNorm computes x̂ in float32 even in a float64 model, so that
-    model's norms would not be float64-accurate (and the exporter refuses the trace: its
-    self-check sees the float32 x̂). In these float64 test models every RMSNorm computes x̂ ⊙ w
-    in its input's dtype instead (oracles/python/make_family_traces.py does the same)."""
+    """Hugging Face's LlamaRMSNorm computes x̂ in float32 even in a float64 model. For a ground
+    truth computed in float64 throughout (a float64 copy of a float32 model), every RMSNorm of
+    `model` computes x̂ ⊙ w in its input's dtype instead. The exporter needs no such patch: it
+    records the x̂ a norm really used."""
     for m in model.modules():
         if type(m).__name__ == "LlamaRMSNorm":
             eps = float(m.variance_epsilon)
@@ -102,7 +103,6 @@ def llama():
     torch.manual_seed(3)
     model = transformers.LlamaForCausalLM(cfg).to(torch.float64).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    llama_rmsnorm_in_input_dtype(model)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -199,7 +199,11 @@ def test_the_parameters_precision_alone_refuses_autocast(tmp_path, monkeypatch):
 def test_the_bf16_self_check_still_catches_a_wrong_rmsnorm(tmp_path, monkeypatch):
     # bf16 tolerances follow the arithmetic (f32 accumulation), so they are a small fraction of
     # Σ|terms|: an RMSNorm rebuilt with the wrong ε is refused, not waved through.
-    monkeypatch.setattr(X, "_rms_eps", lambda module, x: 1.0)
+    def wrong_eps(entry, x):
+        xc = x.float()
+        return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1.0)).to(x.dtype), x.dtype
+
+    monkeypatch.setattr(X, "_normalized", wrong_eps)
     with pytest.raises(TraceExportError) as e:
         export("bf16", tmp_path / "t.safetensors")
     assert "layernorm.weight`" in str(e.value) and "LlamaRMSNorm" in str(e.value) and "computed in bf16" in str(e.value)

@@ -41,11 +41,19 @@ class ToyRMSNorm(torch.nn.Module):
 
 
 class MeanCenteredRMSNorm(ToyRMSNorm):
-    """Named like an RMSNorm, but subtracts the mean first: not what the exporter models."""
+    """Named like an RMSNorm, but subtracts the mean first: still x̂ ⊙ (1 + w), with another x̂,
+    which the exporter takes from the forward."""
 
     def forward(self, x):
         x = x - x.mean(-1, keepdim=True)
         return super().forward(x)
+
+
+class SquaredRMSNorm(ToyRMSNorm):
+    """Named like an RMSNorm, but x̂ ⊙ w²: not what the exporter models."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight ** 2
 
 
 class Gain(torch.nn.Module):
@@ -133,9 +141,20 @@ def test_a_missing_embedding_scale_is_refused_naming_the_parameter(tmp_path, mon
 
 
 def test_a_module_whose_forward_is_not_modelled_is_refused(tmp_path):
+    path = tmp_path / "bad.safetensors"
     with pytest.raises(E.TraceExportError) as e:
-        export(Toy(norm=MeanCenteredRMSNorm), tmp_path / "bad.safetensors")
-    assert "parameter `norm.weight`" in str(e.value) and "MeanCenteredRMSNorm" in str(e.value)
+        export(Toy(norm=SquaredRMSNorm), path)
+    assert "module `norm` (SquaredRMSNorm)" in str(e.value) and "neither y = x̂ ⊙ w nor" in str(e.value)
+    assert not path.exists()
+
+
+def test_a_norms_xhat_is_the_one_its_forward_computes(tmp_path):
+    # A mean-centred x̂ is recorded as centred: the norm's own forward, with w at the identity.
+    path = tmp_path / "t.safetensors"
+    export(Toy(norm=MeanCenteredRMSNorm), path)
+    with safe_open(str(path), "pt") as f:
+        a = f.get_tensor("norm.weight.activations")
+    assert torch.allclose(a.mean(-1), torch.zeros(B, T, dtype=a.dtype), atol=1e-12)
 
 
 def test_a_parameter_without_a_site_is_refused_naming_it_and_its_class(tmp_path):
@@ -175,15 +194,14 @@ import make_family_traces as F  # noqa: E402
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "llama", "gemma"])
 def test_family_models_pass_the_self_check(tmp_path, family):
-    model, _ = F.build(family)
+    model = F.build(family)
     specs = E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
                            claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
     assert any(s["kind"] == "embedding" for s in specs)
 
 
 def test_gemma_without_its_embedding_scale_is_refused(tmp_path, monkeypatch):
-    model, forms = F.build("gemma")
-    assert forms == {"GemmaRMSNorm": "1+w"}
+    model = F.build("gemma")
     monkeypatch.setattr(E, "_embedding_scale", lambda m: 1.0)
     with pytest.raises(E.TraceExportError) as e:
         E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
@@ -192,12 +210,13 @@ def test_gemma_without_its_embedding_scale_is_refused(tmp_path, monkeypatch):
     assert "GemmaTextScaledWordEmbedding" in str(e.value)
 
 
-def test_an_unpatched_float32_rmsnorm_in_a_float64_model_is_refused(tmp_path):
-    cls, cfg = F.configs()["llama"]
-    torch.manual_seed(3)
-    model = cls(cfg).to(torch.float64).eval()
-    F.randomize(model, {"LlamaRMSNorm": "w"})  # Hugging Face's forward: x̂ in float32
-    with pytest.raises(E.TraceExportError) as e:
-        E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
-                       claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
-    assert "LlamaRMSNorm" in str(e.value) and "layernorm.weight`" in str(e.value)
+def test_a_stock_float64_llama_records_the_float32_xhat_its_norms_use(tmp_path):
+    # LlamaRMSNorm normalizes in float32 even in a float64 model: the site holds that x̂ (float32
+    # values), and its float64 product with w makes it a float64 site.
+    model = F.build("llama")
+    path = tmp_path / "t.safetensors"
+    E.export_trace(model, F.per_example_loss, F.batch(), str(path), claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata()["compute_dtype"] == "f64"
+        a = f.get_tensor("model.layers.0.input_layernorm.weight.activations")
+    assert a.dtype == torch.float64 and torch.equal(a, a.float().double())
