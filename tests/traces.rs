@@ -301,13 +301,28 @@ fn family_trace(name: &str) -> PathBuf {
         .join(format!("{name}.safetensors"))
 }
 
+/// The families of oracles/python/make_family_traces.py, one trace each.
+const FAMILIES: [&str; 13] = [
+    "gpt2",
+    "gpt_neo",
+    "gpt_neox",
+    "phi",
+    "opt",
+    "llama",
+    "qwen2",
+    "gemma",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "vaultgemma",
+    "qwen3_moe",
+];
+
 #[test]
-fn exported_traces_of_eight_model_families_with_exact_norms_pass_check() {
+fn exported_traces_of_thirteen_model_families_with_exact_norms_pass_check() {
     // Tiny random HF models exported by oracles/python/make_family_traces.py, with torch.func's
     // exact per-example norms as the claim.
-    for family in [
-        "gpt2", "gpt_neo", "gpt_neox", "phi", "opt", "llama", "qwen2", "gemma",
-    ] {
+    for family in FAMILIES {
         let doc = check_json(&family_trace(family), 0);
         assert_eq!(doc["passed"], true, "{family}");
         assert_eq!(doc["clippers"][0]["verdict"], "pass", "{family}");
@@ -325,6 +340,39 @@ fn exported_traces_of_eight_model_families_with_exact_norms_pass_check() {
     assert_eq!(dropped.len(), meta.claimed_norms.len());
     let doc = check_json(&with_claims("gemma", &|_| dropped.clone()), 1);
     assert_ne!(doc["clippers"][0]["verdict"], "pass");
+}
+
+#[test]
+fn a_per_head_norm_is_one_site_whose_rows_are_positions_times_heads_and_counts_in_the_norm() {
+    // Qwen3's q/k norms act on B×T×H×head_dim, Gemma 3's on B×H×T×head_dim: one weight over
+    // head_dim, shared by every head and position. Each is one site with T·H rows.
+    for (family, heads) in [("qwen3", [4, 2]), ("gemma3_text", [2, 1])] {
+        let (rt, meta) = read_trace(&family_trace(family)).unwrap();
+        let t = rt.sites[0].backprops.dim().1;
+        for (norm, h) in [("q_norm", heads[0]), ("k_norm", heads[1])] {
+            let name = format!("model.layers.0.self_attn.{norm}.weight");
+            let j = rt.sites.iter().position(|s| s.spec.name == name).unwrap();
+            let site = &rt.sites[j];
+            assert_eq!(site.backprops.dim().1, t * h, "{family} {name}");
+            assert_eq!(rt.site_gradient_shape(j), (site.backprops.dim().2, 1));
+        }
+        // A clipper that leaves the per-head norm out (e.g. one that only reads B×T×features
+        // inputs) is caught: its norms lack that site's part.
+        let j = rt
+            .sites
+            .iter()
+            .position(|s| s.spec.name == "model.layers.1.self_attn.q_norm.weight")
+            .unwrap();
+        let m = rt.materialized_norms().unwrap();
+        let without: Vec<f64> = (0..meta.claimed_norms.len())
+            .map(|i| {
+                let g = rt.site_gradient(j, i).unwrap();
+                (m[i].total_sq - g.iter().map(|x| x * x).sum::<f64>()).sqrt()
+            })
+            .collect();
+        let doc = check_json(&with_claims(family, &|_| without.clone()), 1);
+        assert_ne!(doc["clippers"][0]["verdict"], "pass", "{family}");
+    }
 }
 
 #[test]

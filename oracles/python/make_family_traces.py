@@ -1,23 +1,31 @@
 #!/usr/bin/env python3
-"""Traces of tiny random Hugging Face models of eight families, with exact per-example norms as
-the claim: `ghost-oracle check --gate` must pass every one of them.
+"""Traces of tiny random Hugging Face models of thirteen families, with exact per-example norms
+as the claim: `ghost-oracle check --gate` must pass every one of them.
 
-For each family (GPT-2, GPT-Neo, GPT-NeoX, Phi, OPT, Llama, Qwen2, Gemma; the embedding tied to
-the head where the family ties it, and for Qwen2 as its small checkpoints do) a model with
-vocab 64, hidden 16, 2 layers, in float64, weights drawn large enough that the tied cross
-term is a visible part of the norm; a batch B = 3, T = 7 with a repeated token. The claim is
-the exact per-example norm from torch.func (vmap over grad of each example's own loss, the same
-loss whose backprops the trace holds). export_trace.py checks each trace against autograd before
-writing it.
+For each family (GPT-2, GPT-Neo, GPT-NeoX, Phi, OPT, Llama, Qwen2, Gemma, and the tied models of
+2025: Qwen3, Gemma 2, Gemma 3, VaultGemma, Qwen3-MoE; the embedding tied to the head where the
+family ties it, and for Qwen2 as its small checkpoints do) a model with vocab 64, hidden 16, 2
+layers, in float64, weights drawn large enough that the tied cross term is a visible part of the
+norm; a batch B = 3, T = 7 with a repeated token. The models are stock: Hugging Face's norms,
+rotary tables and eager softmax keep their float32 islands, which the exporter models (a
+Gemma-family norm, which multiplies by its weight in float32, is a float32 site of an otherwise
+float64 trace). The Gemma 2, Gemma 3 and VaultGemma models soft-cap their logits at caps the
+tiny model reaches and attend through a sliding window shorter than T; Qwen3's and Gemma 3's
+q/k norms are per-head sites (one row per position and head). Qwen3-MoE's experts are fused 3-D
+tensors the exporter refuses: its trace is of the dense parts, with the experts and the router
+frozen.
+
+The claim is the exact per-example norm from torch.func (vmap over grad of each example's own
+loss, the same loss whose backprops the trace holds; for Qwen3-MoE, whose routing vmap cannot
+batch, autograd of each example's loss in turn). export_trace.py checks each trace against
+autograd before writing it.
 
     pip install torch transformers safetensors
     python3 oracles/python/make_family_traces.py
     cargo run --release -- check oracles/golden/traces/families/llama.safetensors --gate
 """
-import copy
 import os
 import sys
-import types
 import warnings
 
 import torch
@@ -66,59 +74,45 @@ def configs():
             max_position_embeddings=16, hidden_size=D, intermediate_size=FF, num_hidden_layers=L,
             num_attention_heads=2, num_key_value_heads=1, head_dim=8, pad_token_id=0,
             tie_word_embeddings=True, **COMMON)),
+        "qwen3": (t.Qwen3ForCausalLM, t.Qwen3Config(
+            max_position_embeddings=16, hidden_size=D, intermediate_size=FF, num_hidden_layers=L,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4, tie_word_embeddings=True, **COMMON)),
+        "gemma2": (t.Gemma2ForCausalLM, t.Gemma2Config(
+            max_position_embeddings=16, hidden_size=D, intermediate_size=FF, num_hidden_layers=L,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
+            sliding_window=4, layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0, pad_token_id=0, tie_word_embeddings=True, **COMMON)),
+        "gemma3_text": (t.Gemma3ForCausalLM, t.Gemma3TextConfig(
+            max_position_embeddings=16, hidden_size=D, intermediate_size=FF, num_hidden_layers=L,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
+            sliding_window=4, layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
+            pad_token_id=0, tie_word_embeddings=True, **COMMON)),
+        "vaultgemma": (t.VaultGemmaForCausalLM, t.VaultGemmaConfig(
+            max_position_embeddings=16, hidden_size=D, intermediate_size=FF, num_hidden_layers=L,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
+            sliding_window=4, layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0, pad_token_id=0, tie_word_embeddings=True, **COMMON)),
+        "qwen3_moe": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
+            max_position_embeddings=16, hidden_size=D, intermediate_size=FF, num_hidden_layers=L,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=8, mlp_only_layers=[0], experts_implementation="eager", tie_word_embeddings=True,
+            **COMMON)),
     }
 
 
-def _rms_forms(module):
-    """Which function of x̂ = x / rms(x) and w a class's own forward computes: 'w' (x̂ ⊙ w, Llama)
-    or '1+w' (x̂ ⊙ (1 + w), Gemma). Decided by running the forward, not by the class name."""
-    probe = copy.deepcopy(module).float()
-    with torch.no_grad():
-        probe.weight.copy_(0.3 * torch.randn(probe.weight.shape))
-    x = torch.randn(5, module.weight.shape[0], dtype=torch.float32)
-    with torch.no_grad():
-        y = type(module).forward(probe, x)
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-        xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        w = probe.weight
-        for form, want in (("w", xhat * w), ("1+w", xhat * (1 + w))):
-            if torch.allclose(y, want, rtol=1e-5, atol=1e-6):
-                return form
-    raise RuntimeError(f"{type(module).__name__}: forward is neither x̂ ⊙ w nor x̂ ⊙ (1 + w)")
-
-
-def patch_rmsnorms(model):
-    """Hugging Face's RMSNorms cast to float32 inside forward even in a float64 model, which
-    would make this float64 model compute its norms in float32 (and the exporter's self-check
-    refuse the trace). For these float64 golden models, every RMSNorm computes in its input's
-    dtype instead, in the form its class uses. Returns {class name: form}."""
-    forms = {}
-    for m in model.modules():
-        if not type(m).__name__.endswith("RMSNorm"):
-            continue
-        form = forms.setdefault(type(m).__name__, _rms_forms(m))
-        eps = float(getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6)))
-
-        def forward(self, x, eps=eps, form=form):
-            xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-            return xhat * (1 + self.weight if form == "1+w" else self.weight)
-
-        m.forward = types.MethodType(forward, m)
-    return forms
-
-
-def randomize(model, forms):
+def randomize(model):
     """Weights large enough that every path, the tied head's included, carries a visible part
-    of the gradient: matrices N(0, 0.35²), biases N(0, 0.1²), norm scales 1 + N(0, 0.1²)."""
+    of the gradient: matrices N(0, 0.35²), biases N(0, 0.1²), norm scales their initial value
+    (1 for x̂ ⊙ w, 0 for Gemma's x̂ ⊙ (1 + w)) + N(0, 0.1²). Frozen parameters stay frozen and
+    are drawn all the same."""
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for mod_name, m in model.named_modules():
-            cls = type(m).__name__
+            norm = type(m).__name__.endswith("RMSNorm") or isinstance(m, torch.nn.LayerNorm)
             for pname, p in m.named_parameters(recurse=False):
                 r = torch.randn(p.shape, generator=g, dtype=torch.float64)
-                if cls.endswith("RMSNorm") or isinstance(m, torch.nn.LayerNorm):
-                    one = 0.0 if forms.get(cls) == "1+w" or pname == "bias" else 1.0
-                    p.copy_(one + 0.1 * r)
+                if norm:
+                    p.copy_(p + 0.1 * r)
                 elif pname == "bias":
                     p.copy_(0.1 * r)
                 else:
@@ -138,10 +132,18 @@ def per_example_loss(forward, ids):
     return losses.view(ids.shape[0], -1).mean(1)
 
 
-def exact_norms(model, ids):
-    """‖∇ loss_i‖ for every example: torch.func grad of each example's own loss, vmapped; a tied
-    parameter is one entry of `params`, so its gradient sums both uses."""
-    params = {k: v.detach() for k, v in model.named_parameters()}
+def exact_norms(model, ids, batched=True):
+    """‖∇ loss_i‖ for every example over the trainable parameters: torch.func grad of each
+    example's own loss, vmapped (a tied parameter is one entry of `params`, so its gradient sums
+    both uses); with `batched=False`, autograd of each example's loss in turn."""
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    if not batched:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        out = []
+        for i in range(ids.shape[0]):
+            gs = torch.autograd.grad(per_example_loss(model, ids[i:i + 1])[0], trainable)
+            out.append(sum((g.double() ** 2).sum() for g in gs).sqrt())
+        return torch.stack(out)
 
     def loss(p, x):
         return per_example_loss(lambda i: functional_call(model, p, (i,), tie_weights=True), x.unsqueeze(0))[0]
@@ -154,9 +156,12 @@ def build(family):
     cls, cfg = configs()[family]
     torch.manual_seed(3)
     model = cls(cfg).to(torch.float64).eval()
-    forms = patch_rmsnorms(model)
-    randomize(model, forms)
-    return model, forms
+    randomize(model)
+    if family == "qwen3_moe":
+        for name, p in model.named_parameters():
+            if ".mlp.experts." in name or ".mlp.gate." in name:
+                p.requires_grad_(False)
+    return model
 
 
 def batch():
@@ -172,15 +177,16 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     ids = batch()
     for family in configs():
-        model, forms = build(family)
-        norms = exact_norms(model, ids)
+        model = build(family)
+        norms = exact_norms(model, ids, batched=family != "qwen3_moe")
         c = float(norms.median()) * 0.8
         path = os.path.join(OUT, f"{family}.safetensors")
         specs = export_trace(model, lambda m, x: per_example_loss(m, x), ids, path, claimed_norms=norms,
                              max_grad_norm=c, clipper=f"torch.func-exact-{family}")
         tied = {s["param"] for s in specs if sum(t["param"] == s["param"] for t in specs) > 1}
-        print(f"{family:9s} {os.path.getsize(path) / 1024:6.1f} KB  {len(specs)} sites  tied {sorted(tied)}  "
-              f"rmsnorm forms {forms}  norms {[round(float(n), 4) for n in norms]}")
+        f32 = [s["name"] for s in specs if s.get("compute_dtype") == "f32"]
+        print(f"{family:10s} {os.path.getsize(path) / 1024:6.1f} KB  {len(specs)} sites  tied {sorted(tied)}  "
+              f"f32 sites {len(f32)}  norms {[round(float(n), 4) for n in norms]}")
 
 
 if __name__ == "__main__":

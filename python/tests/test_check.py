@@ -17,8 +17,11 @@ FLAGGED = {"opacus_ghost_untied", "embedding_only", "batch_mean_loss"}
 
 def test_the_golden_traces_are_all_there():
     names = {p.stem for p in GOLDEN}
-    assert FLAGGED | {"opacus_per_sample", "gpt2", "llama", "qwen2", "gemma"} <= names
-    assert len(GOLDEN) >= 12
+    families = {"gpt2", "gpt_neo", "gpt_neox", "phi", "opt", "llama", "qwen2", "gemma", "qwen3", "gemma2",
+                "gemma3_text", "vaultgemma", "qwen3_moe"}
+    assert {p.stem for p in (TRACES / "families").glob("*.safetensors")} == families
+    assert FLAGGED | {"opacus_per_sample"} | families <= names
+    assert len(GOLDEN) >= 17
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.stem)
