@@ -6,6 +6,7 @@
 //! Gram-kernel or mutant code, and no candle type reaches it (`tests/layout.rs` checks the
 //! imports), so no bug planted in a clipper can move a bound.
 
+mod inner;
 mod metrics;
 mod privacy;
 mod step;
