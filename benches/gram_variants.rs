@@ -4,19 +4,10 @@
 
 use candle_core::{DType, Device, Tensor};
 use ghost_oracle::clippers::gram::{gram, Factor};
-use std::time::Instant;
+mod common;
 
-fn median<F: FnMut()>(mut f: F) -> f64 {
-    f();
-    let mut v: Vec<f64> = (0..7)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+fn median<F: FnMut()>(f: F) -> f64 {
+    common::median_time(7, f)
 }
 
 fn main() {

@@ -3,24 +3,11 @@
 
 use candle_core::{DType, Device, Tensor};
 use ndarray::Array2;
-use std::time::Instant;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
+mod common;
 
-fn time<F: FnMut()>(mut f: F) -> f64 {
-    f();
-    median(
-        (0..5)
-            .map(|_| {
-                let t = Instant::now();
-                f();
-                t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    )
+fn time<F: FnMut()>(f: F) -> f64 {
+    common::median_time(5, f)
 }
 
 fn main() {

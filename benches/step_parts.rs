@@ -8,19 +8,11 @@ use ghost_oracle::clippers::{clip_coefficients, clipped_sum, noisy_update, Noise
 use ghost_oracle::{ClipNorm, Clipper, TiedGhostClipper};
 use rand_chacha::rand_core::SeedableRng;
 use rand_distr::Distribution;
-use std::time::Instant;
 
-fn time<F: FnMut()>(mut f: F) -> f64 {
-    f();
-    let mut v: Vec<f64> = (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+mod common;
+
+fn time<F: FnMut()>(f: F) -> f64 {
+    common::median_time(5, f)
 }
 
 fn main() {
