@@ -137,6 +137,9 @@ mutants! {
 /// How many draws of noise a parameter gets, by name.
 type Draws<'a> = &'a dyn Fn(&str) -> usize;
 
+/// A clipped sum per parameter from the coefficients.
+type SumOf<'a> = &'a dyn Fn(&[f64]) -> Result<Vec<(String, Tensor)>>;
+
 /// A clipper with one seeded bug; otherwise exact tied ghost clipping.
 #[derive(Clone, Copy, Debug)]
 pub struct MutantClipper(pub Mutant);
@@ -326,34 +329,33 @@ impl Clipper for MutantClipper {
     }
 
     fn clip(&self, trace: &Trace, max_grad_norm: ClipNorm) -> Result<Clipped> {
+        // This mutant's norms and coefficients, with the sum `sum` forms from the coefficients.
+        let with_sum = |sum: SumOf<'_>| {
+            let report = self.norms(trace)?;
+            let coefficients = clip_coefficients(&report.norms, max_grad_norm);
+            let clipped_sum = sum(&coefficients)?;
+            Ok(Clipped {
+                report,
+                coefficients,
+                clipped_sum,
+            })
+        };
         match self.0 {
             // Norms and sum of another loss: the per-example mean over all T positions.
             Mutant::IgnoredTokenMean => {
                 TiedGhostClipper.clip(&mean_over_all_positions(trace)?, max_grad_norm)
             }
-            Mutant::TiedHeadUnclipped => {
-                let report = self.norms(trace)?;
-                let coefficients = clip_coefficients(&report.norms, max_grad_norm);
-                let clipped_sum = head_path_unclipped(trace, &coefficients)?;
-                Ok(Clipped {
-                    report,
-                    coefficients,
-                    clipped_sum,
-                })
-            }
+            Mutant::TiedHeadUnclipped => with_sum(&|c| head_path_unclipped(trace, c)),
             Mutant::DefaultClipNorm => {
                 let one = ClipNorm::new(1.0).expect("1 is a valid clipping norm");
                 TiedGhostClipper.clip(trace, one)
             }
-            Mutant::MicrobatchOverwrite => {
-                let mut clipped = TiedGhostClipper.clip(trace, max_grad_norm)?;
-                // Two micro-batches, the first half and the rest; only the last one's sum is kept.
-                let first = trace.batch_size() / 2;
-                let mut kept = clipped.coefficients.clone();
-                kept[..first].iter_mut().for_each(|c| *c = 0.0);
-                clipped.clipped_sum = crate::clippers::clipped_sum(trace, &kept)?;
-                Ok(clipped)
-            }
+            // Two micro-batches, the first half and the rest; only the last one's sum is kept.
+            Mutant::MicrobatchOverwrite => with_sum(&|c| {
+                let mut kept = c.to_vec();
+                kept[..trace.batch_size() / 2].fill(0.0);
+                crate::clippers::clipped_sum(trace, &kept)
+            }),
             Mutant::DropCross
             | Mutant::LastWriter
             | Mutant::FirstWriter
@@ -368,31 +370,16 @@ impl Clipper for MutantClipper {
             | Mutant::TiedNoisePerUse
             | Mutant::NoTiedNoise
             | Mutant::ActualBatchDivisor
-            | Mutant::NoiseAfterDivision => {
-                let report = self.norms(trace)?;
-                let coefficients = clip_coefficients(&report.norms, max_grad_norm);
-                let clipped_sum = crate::clippers::clipped_sum(trace, &coefficients)?;
-                Ok(Clipped {
-                    report,
-                    coefficients,
-                    clipped_sum,
-                })
-            }
+            | Mutant::NoiseAfterDivision => with_sum(&|c| crate::clippers::clipped_sum(trace, c)),
         }
     }
 
     fn step(&self, trace: &Trace, max_grad_norm: ClipNorm, noise: &NoiseSpec) -> Result<Stepped> {
         let clipped = self.clip(trace, max_grad_norm)?;
-        let shared: Vec<String> = trace
-            .params()
-            .into_iter()
-            .filter(|p| p.sites.len() > 1)
-            .map(|p| p.param)
-            .collect();
+        let params = trace.params();
         let uses = |param: &str| {
-            trace
-                .params()
-                .into_iter()
+            params
+                .iter()
                 .find(|p| p.param == param)
                 .map_or(1, |p| p.sites.len())
         };
@@ -400,7 +387,7 @@ impl Clipper for MutantClipper {
         let (draws, order, divisor): (Draws<'_>, NoiseOrder, f64) = match self.0 {
             Mutant::TiedNoisePerUse => (&uses, NoiseOrder::BeforeDivision, noise.divisor),
             Mutant::NoTiedNoise => (
-                &|p: &str| usize::from(!shared.iter().any(|s| s == p)),
+                &|p: &str| usize::from(uses(p) == 1),
                 NoiseOrder::BeforeDivision,
                 noise.divisor,
             ),
