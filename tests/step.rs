@@ -507,13 +507,17 @@ fn the_divisor_an_update_applied_is_read_from_it_and_a_drawn_size_is_named() {
     let (t, c, _, coefs) = setup();
     let k = weighted(&t, &coefs);
     let stated = DIVISOR + 1.0;
-    let a = judge(&write_step(
-        "drawn",
-        None,
-        Some(scaled(&k, 1.0 / DIVISOR)),
-        Some(stated),
-        0.0,
-    ));
+    // The update divided by `applied`, stated as divided by `stated`, without noise.
+    let divided_by = |name: &str, applied: f64| {
+        judge(&write_step(
+            name,
+            None,
+            Some(scaled(&k, 1.0 / applied)),
+            Some(stated),
+            0.0,
+        ))
+    };
+    let a = divided_by("drawn", DIVISOR);
     let step = a.cases[0].step.as_ref().unwrap();
     let check = step.update.as_ref().unwrap();
     assert!(check.shared_scale, "{check:?}");
@@ -523,13 +527,7 @@ fn the_divisor_an_update_applied_is_read_from_it_and_a_drawn_size_is_named() {
     assert!(d.data_dependent && d.drawn == B && d.stated == stated);
 
     // The stated divisor, applied: read back, nothing said.
-    let a = judge(&write_step(
-        "stated",
-        None,
-        Some(scaled(&k, 1.0 / stated)),
-        Some(stated),
-        0.0,
-    ));
+    let a = divided_by("stated", stated);
     let step = a.cases[0].step.as_ref().unwrap();
     let d = step.divisor.as_ref().unwrap();
     assert_eq!(a.verdict, Verdict::Pass);
