@@ -4,9 +4,10 @@
 
 use crate::decoder::{DecoderModel, ParamSet, LM_HEAD};
 use crate::error::{bail, Error, Result};
-use crate::tensors;
-use ndarray::ArrayViewD;
-use safetensors::SafeTensors;
+use crate::io::RawTensor;
+use crate::precision::Precision;
+use crate::stored::StoredBlocks;
+use crate::tensors::{self, TensorFile, TensorSource};
 use serde_json::Value;
 use std::path::Path;
 
@@ -17,12 +18,49 @@ pub trait FromCheckpoint: Sized {
     fn parse_config(text: &str) -> Result<Self::Config>;
     /// Builds the model from its config and the contents of `model.safetensors`; `label` names
     /// the file in messages.
-    fn build(config: Self::Config, bytes: &[u8], label: &str) -> Result<Self>;
+    fn build(config: Self::Config, bytes: &[u8], label: &str) -> Result<Self> {
+        Self::build_from(
+            config,
+            &tensors::parse(bytes, label)?,
+            label,
+            Blocks::Resident,
+        )
+    }
+    /// Builds the model from a checkpoint's tensors, its blocks kept as `blocks` says.
+    #[doc(hidden)]
+    fn build_from(
+        config: Self::Config,
+        src: &dyn TensorSource,
+        label: &str,
+        blocks: Blocks,
+    ) -> Result<Self>;
+}
+
+/// How a loaded model keeps its blocks' weights.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Blocks {
+    /// In f64, in `params()`: they can be read and changed in place.
+    Resident,
+    /// In the checkpoint's dtype, widened a block at a time (families that support it;
+    /// the others keep theirs resident).
+    Stored,
 }
 
 /// Loads `config.json` and `model.safetensors` from an HF checkpoint directory: a
 /// [`Model`](crate::Model) of whichever family `model_type` names, or one family's own type.
+/// The file is read tensor by tensor, never whole; the Llama-shaped families keep their blocks
+/// in the checkpoint's dtype (see [`crate::StoredBlocks`]).
 pub fn load<M: FromCheckpoint>(dir: &Path) -> Result<M> {
+    load_as(dir, Blocks::Stored)
+}
+
+/// [`load`] with every weight resident in f64, for callers that change weights in place.
+pub fn load_resident<M: FromCheckpoint>(dir: &Path) -> Result<M> {
+    load_as(dir, Blocks::Resident)
+}
+
+fn load_as<M: FromCheckpoint>(dir: &Path, blocks: Blocks) -> Result<M> {
     if !dir.is_dir() {
         bail!(
             "model directory {} does not exist or is not a directory",
@@ -36,52 +74,71 @@ pub fn load<M: FromCheckpoint>(dir: &Path) -> Result<M> {
     let config = M::parse_config(&text)
         .map_err(|e| Error::new(format!("config {}: {e}", cfg_path.display())))?;
     let path = dir.join("model.safetensors");
-    let bytes = tensors::read_bytes(&path, "checkpoint")?;
-    M::build(config, &bytes, &path.display().to_string())
+    let file = TensorFile::open(&path, "checkpoint")?;
+    M::build_from(config, &file, &path.display().to_string(), blocks)
 }
 
-/// Reads the tensors of `layout` ((checkpoint name, shape) in the `ParamSet`'s `tensors_mut`
-/// order) from a parsed checkpoint. Every tensor is checked against the header before anything
-/// is allocated: a config can claim any size, but only tensors actually present in the file (so
-/// bounded by its length) are ever built. A tensor the family does not know is an error unless
-/// `ignored` accepts it (buffers); with `tied_embedding` (the embedding's checkpoint name), a
-/// tied checkpoint may still carry `lm_head.weight`, but only as an exact copy.
+/// What [`read_checkpoint`] reads: the whole layout ((checkpoint name, shape) in the
+/// `ParamSet`'s `tensors_mut` order) and, when the blocks are stored, how they are named.
+pub(crate) struct CheckpointLayout<'a> {
+    pub layout: &'a [(String, Vec<usize>)],
+    pub layers: usize,
+    /// A block's tensors, named relative to the block, with their shapes.
+    pub block: Vec<(String, Vec<usize>)>,
+    /// Checkpoint name of block `layer`'s tensor `local`.
+    pub block_name: &'a dyn Fn(usize, &str) -> String,
+}
+
+/// Reads a checkpoint's tensors: the blocks into `params` (from `zeros(true)`) when resident, or
+/// into [`StoredBlocks`] (with `zeros(false)` holding the rest) when stored. Every tensor is
+/// checked against the header before anything is allocated: a config can claim any size, but
+/// only tensors actually present in the file (so bounded by its length) are ever built. A
+/// tensor the family does not know is an error unless `ignored` accepts it (buffers); with
+/// `tied_embedding` (the embedding's checkpoint name), a tied checkpoint may still carry
+/// `lm_head.weight`, but only as an exact copy.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn read_checkpoint<P: ParamSet>(
-    st: &SafeTensors,
+    src: &dyn TensorSource,
     label: &str,
-    layout: &[(String, Vec<usize>)],
-    zeros: impl FnOnce() -> P,
+    spec: &CheckpointLayout,
+    blocks: Blocks,
+    zeros: impl FnOnce(bool) -> P,
     ignored: impl Fn(&str) -> bool,
     tied_embedding: Option<String>,
     family: &str,
-) -> Result<P> {
-    if tied_embedding.is_none() && !tensors::has(st, LM_HEAD) {
+) -> Result<(P, Option<StoredBlocks>)> {
+    if tied_embedding.is_none() && !src.has(LM_HEAD) {
         bail!("{label}: config says tie_word_embeddings = false but tensor `{LM_HEAD}` is missing");
     }
-    for (name, shape) in layout {
-        let view = st
-            .tensor(name)
-            .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
-        if view.shape() != shape.as_slice() {
-            bail!(
-                "{label}: tensor `{name}` has shape {:?}; config.json implies {:?}",
-                view.shape(),
-                shape
-            );
+    for (name, shape) in spec.layout {
+        let (_, got) = src
+            .info(name)
+            .ok_or_else(|| Error::new(format!("{label}: tensor `{name}` is missing")))?;
+        if &got != shape {
+            bail!("{label}: tensor `{name}` has shape {got:?}; config.json implies {shape:?}");
         }
     }
-    let mut params = zeros();
+    let stored = blocks == Blocks::Stored;
+    let block_names: std::collections::HashSet<String> = (0..spec.layers)
+        .flat_map(|l| spec.block.iter().map(move |(n, _)| (spec.block_name)(l, n)))
+        .collect();
+    let mut params = zeros(!stored);
     {
+        let wanted: Vec<&(String, Vec<usize>)> = spec
+            .layout
+            .iter()
+            .filter(|(n, _)| !stored || !block_names.contains(n))
+            .collect();
         let slots = params.tensors_mut();
-        if slots.len() != layout.len() {
+        if slots.len() != wanted.len() {
             return Err(Error::internal(format!(
                 "{label}: internal error: {} tensors laid out, {} allocated",
-                layout.len(),
+                wanted.len(),
                 slots.len()
             )));
         }
-        for ((name, _), (_, mut slot)) in layout.iter().zip(slots) {
-            let t = tensors::to_f64(st, name, label)?;
+        for ((name, _), (_, mut slot)) in wanted.into_iter().zip(slots) {
+            let t = src.f64(name, label)?;
             if t.shape() != slot.shape() {
                 bail!(
                     "{label}: tensor `{name}` has shape {:?}; config.json implies {:?}",
@@ -92,12 +149,23 @@ pub(crate) fn read_checkpoint<P: ParamSet>(
             slot.assign(&t);
         }
     }
-    for name in st.names() {
-        if layout.iter().any(|(n, _)| n == name) || ignored(name) {
+    let stored = stored
+        .then(|| {
+            StoredBlocks::read(
+                spec.layers,
+                &spec.block,
+                spec.block_name,
+                |n| src.raw(n, label),
+                label,
+            )
+        })
+        .transpose()?;
+    for name in src.names() {
+        if spec.layout.iter().any(|(n, _)| *n == name) || ignored(&name) {
             continue;
         }
         if let (true, Some(emb)) = (name == LM_HEAD, &tied_embedding) {
-            let head = tensors::to_f64(st, LM_HEAD, label)?;
+            let head = src.f64(LM_HEAD, label)?;
             if head.view() != params.token_embedding().view().into_dyn() {
                 bail!("{label}: tie_word_embeddings is true but `{LM_HEAD}` differs from `{emb}`");
             }
@@ -105,7 +173,7 @@ pub(crate) fn read_checkpoint<P: ParamSet>(
         }
         bail!("{label}: unexpected tensor `{name}` (not a {family} parameter of this config)");
     }
-    Ok(params)
+    Ok((params, stored))
 }
 
 /// Writes `config.json` and `model.safetensors` (f64 or f32) the way `save_pretrained` lays them
@@ -122,11 +190,12 @@ pub(crate) fn write_checkpoint<M: DecoderModel>(
     let cfg_path = dir.join("config.json");
     std::fs::write(&cfg_path, cfg)
         .map_err(|e| Error::new(format!("cannot write {}: {e}", cfg_path.display())))?;
-    let named: Vec<(String, ArrayViewD<f64>)> = model
-        .params()
-        .tensors()
-        .into_iter()
-        .map(|(local, t)| (model.param_name(&local), t))
-        .collect();
-    crate::io::write_f64_tensors(&dir.join("model.safetensors"), &named, f32_weights, None)
+    let precision = if f32_weights {
+        Precision::F32
+    } else {
+        Precision::F64
+    };
+    let mut raw = Vec::new();
+    model.visit_weights(&mut |name, t| raw.push((name, RawTensor::from_f64(&t, precision))));
+    crate::io::write_raw(&dir.join("model.safetensors"), &raw, None)
 }

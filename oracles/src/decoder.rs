@@ -5,6 +5,7 @@
 //! embedding, its block and its final norm, each with an explicit backward pass.
 
 use crate::layers::NormCache;
+use crate::stored::StoredBlocks;
 use crate::trace::SiteRecord;
 use ndarray::{Array2, ArrayView2, ArrayViewD, ArrayViewMutD};
 
@@ -35,10 +36,27 @@ impl HasDims for Dims {
     }
 }
 
+/// One block's parameter tensors (weights or gradient), the unit the reference widens to f64 and
+/// reduces to norms one at a time.
+pub trait BlockParams: Clone + Send + Sync {
+    /// Every tensor with its name relative to the block (`self_attn.q_proj.weight`), in
+    /// checkpoint order.
+    fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)>;
+    fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)>;
+}
+
 /// A family's parameter tensors. The same type holds weights and gradients; in a gradient the
 /// token embedding holds the input-embedding path and `lm_head` the head path, even when the
 /// model is tied, which is how the reference reports the split.
 pub trait ParamSet: Clone {
+    type Block: BlockParams;
+    /// How many tensors come before the first block in [`ParamSet::tensors`] (the token
+    /// embedding, and GPT-2's position table).
+    const STEM_TENSORS: usize;
+    /// The family-local name of block `layer`'s tensors: `model.layers.{layer}.`, `h.{layer}.`.
+    fn block_prefix(layer: usize) -> String;
+    fn blocks(&self) -> &[Self::Block];
+    fn blocks_mut(&mut self) -> &mut [Self::Block];
     /// Every tensor with its family-local name (what `DecoderModel::param_name` turns into the
     /// checkpoint name), token embedding first and `lm_head.weight` last.
     fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)>;
@@ -64,29 +82,107 @@ pub trait DecoderModel: HasDims {
     fn params_mut(&mut self) -> &mut Self::Params;
     /// A zero gradient; `lm_head` is `None` (the skeleton fills it with the head path).
     fn zero_gradient(&self) -> Self::Params;
+    /// A zero gradient of the tensors outside the blocks, with an empty (0×d) token embedding
+    /// and no head: what the streamed reference keeps, the table's rows being few and the
+    /// blocks reduced one at a time.
+    fn zero_stem_gradient(&self) -> Self::Params;
+    /// A zero gradient (or weight buffer) of one block.
+    fn zero_block(&self) -> <Self::Params as ParamSet>::Block;
+    /// The blocks' weights when they are kept in the checkpoint's dtype rather than in
+    /// `params()` (whose blocks are then empty).
+    fn stored_blocks(&self) -> Option<&StoredBlocks> {
+        None
+    }
+
+    /// Block `layer`'s weights in f64: borrowed when resident, widened into `scratch` (reused
+    /// from block to block) when stored.
+    fn block_weights<'a>(
+        &'a self,
+        layer: usize,
+        scratch: &'a mut Option<<Self::Params as ParamSet>::Block>,
+    ) -> &'a <Self::Params as ParamSet>::Block {
+        match self.stored_blocks() {
+            None => &self.params().blocks()[layer],
+            Some(stored) => {
+                let buffer = scratch.get_or_insert_with(|| self.zero_block());
+                stored.widen_into(layer, buffer.tensors_mut());
+                buffer
+            }
+        }
+    }
+
+    /// Every weight in f64 by checkpoint name, in [`ParamSet::tensors`] order, stored blocks
+    /// widened one at a time (so a caller that copies them never holds two f64 models).
+    fn visit_weights(&self, visit: &mut dyn FnMut(String, ArrayViewD<'_, f64>)) {
+        let params = self.params();
+        let stem = params.tensors();
+        let blocks_len: usize = params.blocks().iter().map(|b| b.tensors().len()).sum();
+        let stem_end = <Self::Params as ParamSet>::STEM_TENSORS;
+        let mut rest = stem.into_iter();
+        for (local, t) in rest.by_ref().take(stem_end) {
+            visit(self.param_name(&local), t);
+        }
+        // Resident blocks are listed in `tensors()` itself; stored ones are widened here.
+        let mut rest: Vec<_> = rest.collect();
+        let resident: Vec<_> = rest.drain(..blocks_len).collect();
+        for (local, t) in resident {
+            visit(self.param_name(&local), t);
+        }
+        if self.stored_blocks().is_some() {
+            let mut scratch = None;
+            for l in 0..self.dims().layers {
+                let w = self.block_weights(l, &mut scratch);
+                for (local, t) in w.tensors() {
+                    visit(self.block_param_name(l, &local), t);
+                }
+            }
+        }
+        for (local, t) in rest {
+            visit(self.param_name(&local), t);
+        }
+    }
+
+    /// Checkpoint name of block `layer`'s tensor `local` (named relative to the block).
+    fn block_param_name(&self, layer: usize, local: &str) -> String {
+        self.param_name(&format!("{}{local}", Self::Params::block_prefix(layer)))
+    }
     /// Checkpoint name of a tensor given its `ParamSet` name.
     fn param_name(&self, local: &str) -> String;
+    /// (checkpoint name, shape) of every parameter in [`ParamSet::tensors`] order (the head
+    /// only when untied), from the config: nothing is allocated.
+    fn layout(&self) -> Vec<(String, Vec<usize>)>;
     /// `ParamSet` name of the token embedding.
     fn embedding_local_name(&self) -> &'static str;
 
     /// The input of the first block (T×d).
     fn embed(&self, ids: &[usize]) -> Array2<f64>;
-    /// Accumulates the embedding gradients from the gradient of the first block's input.
+    /// Accumulates the gradients of the embedding stage's tensors other than the token table
+    /// (GPT-2's positions) and records their sites; the skeleton handles the token table, whose
+    /// gradient is [`DecoderModel::embedding_backprops`] row by row.
     fn embed_backward(
         &self,
-        ids: &[usize],
-        dh: ArrayView2<f64>,
-        g: &mut Self::Params,
-        sites: Option<&mut Vec<SiteRecord>>,
-    );
-    fn block_forward(&self, layer: usize, h: Array2<f64>) -> (Self::BlockCache, Array2<f64>);
-    /// The gradient of the block's input from the gradient of its output.
+        _ids: &[usize],
+        _dh: ArrayView2<f64>,
+        _g: &mut Self::Params,
+        _sites: Option<&mut Vec<SiteRecord>>,
+    ) {
+    }
+    /// Block `layer` with weights `w` (from [`DecoderModel::block_weights`]).
+    fn block_forward(
+        &self,
+        layer: usize,
+        w: &<Self::Params as ParamSet>::Block,
+        h: Array2<f64>,
+    ) -> (Self::BlockCache, Array2<f64>);
+    /// The gradient of the block's input from the gradient of its output; the weights'
+    /// gradients accumulate into `g`.
     fn block_backward(
         &self,
         layer: usize,
+        w: &<Self::Params as ParamSet>::Block,
         cache: &Self::BlockCache,
         dh: Array2<f64>,
-        g: &mut Self::Params,
+        g: &mut <Self::Params as ParamSet>::Block,
         sites: Option<&mut Vec<SiteRecord>>,
     ) -> Array2<f64>;
     fn final_norm(&self, h: ArrayView2<f64>) -> (NormCache, Array2<f64>);

@@ -2,14 +2,16 @@
 //! names Hugging Face gives them, learned positions, LayerNorm, fused-QKV Conv1D attention and a
 //! `gelu_new` MLP.
 
-use crate::checkpoint::{read_checkpoint, write_checkpoint, FromCheckpoint};
-use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
+use crate::checkpoint::{
+    read_checkpoint, write_checkpoint, Blocks, CheckpointLayout, FromCheckpoint,
+};
+use crate::decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 use crate::error::{bail, Result};
 use crate::gpt2_config::Gpt2Config;
 use crate::layers::{gelu_new, gelu_new_grad, Attention, Conv1d, LayerNorm, NormCache, Sites};
 use crate::rng::SplitMix64;
 use crate::site::SiteKind;
-use crate::tensors;
+use crate::tensors::TensorSource;
 use crate::trace::SiteRecord;
 use ndarray::{s, Array2, ArrayView2, ArrayViewD, ArrayViewMutD};
 use std::path::Path;
@@ -66,20 +68,11 @@ const WTE: &str = "wte.weight";
 
 impl Gpt2Params {
     pub fn zeros(cfg: &Gpt2Config, with_head: bool) -> Self {
-        let (d, i) = (cfg.n_embd, cfg.n_inner);
+        let d = cfg.n_embd;
         Gpt2Params {
             wte: Array2::zeros((cfg.vocab_size, d)),
             wpe: Array2::zeros((cfg.n_positions, d)),
-            blocks: (0..cfg.n_layer)
-                .map(|_| Block {
-                    ln_1: LayerNorm::zeros(d),
-                    c_attn: Conv1d::zeros(d, 3 * d),
-                    attn_proj: Conv1d::zeros(d, d),
-                    ln_2: LayerNorm::zeros(d),
-                    c_fc: Conv1d::zeros(d, i),
-                    mlp_proj: Conv1d::zeros(i, d),
-                })
-                .collect(),
+            blocks: (0..cfg.n_layer).map(|_| Block::zeros(cfg)).collect(),
             ln_f: LayerNorm::zeros(d),
             lm_head: with_head.then(|| Array2::zeros((cfg.vocab_size, d))),
         }
@@ -121,27 +114,88 @@ impl Gpt2Params {
 
     /// Every tensor with its name relative to the transformer (`lm_head.weight` last).
     pub fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
+        ParamSet::tensors(self)
+    }
+
+    pub fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
+        ParamSet::tensors_mut(self)
+    }
+}
+
+impl Block {
+    fn zeros(cfg: &Gpt2Config) -> Self {
+        let (d, i) = (cfg.n_embd, cfg.n_inner);
+        Block {
+            ln_1: LayerNorm::zeros(d),
+            c_attn: Conv1d::zeros(d, 3 * d),
+            attn_proj: Conv1d::zeros(d, d),
+            ln_2: LayerNorm::zeros(d),
+            c_fc: Conv1d::zeros(d, i),
+            mlp_proj: Conv1d::zeros(i, d),
+        }
+    }
+}
+
+/// A block's tensors in [`BLOCK_PARTS`] order; `$view` is `view` or `view_mut`.
+macro_rules! block_tensors {
+    ($b:expr, $view:ident) => {{
+        let b = $b;
+        let views = [
+            b.ln_1.weight.$view().into_dyn(),
+            b.ln_1.bias.$view().into_dyn(),
+            b.c_attn.weight.$view().into_dyn(),
+            b.c_attn.bias.$view().into_dyn(),
+            b.attn_proj.weight.$view().into_dyn(),
+            b.attn_proj.bias.$view().into_dyn(),
+            b.ln_2.weight.$view().into_dyn(),
+            b.ln_2.bias.$view().into_dyn(),
+            b.c_fc.weight.$view().into_dyn(),
+            b.c_fc.bias.$view().into_dyn(),
+            b.mlp_proj.weight.$view().into_dyn(),
+            b.mlp_proj.bias.$view().into_dyn(),
+        ];
+        BLOCK_PARTS
+            .iter()
+            .zip(views)
+            .map(|(n, v)| (n.to_string(), v))
+            .collect()
+    }};
+}
+
+impl BlockParams for Block {
+    fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
+        block_tensors!(self, view)
+    }
+
+    fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
+        block_tensors!(self, view_mut)
+    }
+}
+
+impl ParamSet for Gpt2Params {
+    type Block = Block;
+    const STEM_TENSORS: usize = 2;
+
+    fn block_prefix(layer: usize) -> String {
+        format!("h.{layer}.")
+    }
+
+    fn blocks(&self) -> &[Block] {
+        &self.blocks
+    }
+
+    fn blocks_mut(&mut self) -> &mut [Block] {
+        &mut self.blocks
+    }
+
+    fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
         let mut out = vec![
             (WTE.to_string(), self.wte.view().into_dyn()),
             ("wpe.weight".to_string(), self.wpe.view().into_dyn()),
         ];
         for (l, b) in self.blocks.iter().enumerate() {
-            let views: [ArrayViewD<f64>; 12] = [
-                b.ln_1.weight.view().into_dyn(),
-                b.ln_1.bias.view().into_dyn(),
-                b.c_attn.weight.view().into_dyn(),
-                b.c_attn.bias.view().into_dyn(),
-                b.attn_proj.weight.view().into_dyn(),
-                b.attn_proj.bias.view().into_dyn(),
-                b.ln_2.weight.view().into_dyn(),
-                b.ln_2.bias.view().into_dyn(),
-                b.c_fc.weight.view().into_dyn(),
-                b.c_fc.bias.view().into_dyn(),
-                b.mlp_proj.weight.view().into_dyn(),
-                b.mlp_proj.bias.view().into_dyn(),
-            ];
-            for (local, w) in BLOCK_PARTS.iter().zip(views) {
-                out.push((format!("h.{l}.{local}"), w));
+            for (n, t) in b.tensors() {
+                out.push((format!("{}{n}", Self::block_prefix(l)), t));
             }
         }
         out.push(("ln_f.weight".into(), self.ln_f.weight.view().into_dyn()));
@@ -152,28 +206,14 @@ impl Gpt2Params {
         out
     }
 
-    pub fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
+    fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
         let mut out = vec![
             (WTE.to_string(), self.wte.view_mut().into_dyn()),
             ("wpe.weight".to_string(), self.wpe.view_mut().into_dyn()),
         ];
         for (l, b) in self.blocks.iter_mut().enumerate() {
-            let parts: [ArrayViewMutD<f64>; 12] = [
-                b.ln_1.weight.view_mut().into_dyn(),
-                b.ln_1.bias.view_mut().into_dyn(),
-                b.c_attn.weight.view_mut().into_dyn(),
-                b.c_attn.bias.view_mut().into_dyn(),
-                b.attn_proj.weight.view_mut().into_dyn(),
-                b.attn_proj.bias.view_mut().into_dyn(),
-                b.ln_2.weight.view_mut().into_dyn(),
-                b.ln_2.bias.view_mut().into_dyn(),
-                b.c_fc.weight.view_mut().into_dyn(),
-                b.c_fc.bias.view_mut().into_dyn(),
-                b.mlp_proj.weight.view_mut().into_dyn(),
-                b.mlp_proj.bias.view_mut().into_dyn(),
-            ];
-            for (local, w) in BLOCK_PARTS.iter().zip(parts) {
-                out.push((format!("h.{l}.{local}"), w));
+            for (n, t) in b.tensors_mut() {
+                out.push((format!("{}{n}", Self::block_prefix(l)), t));
             }
         }
         out.push(("ln_f.weight".into(), self.ln_f.weight.view_mut().into_dyn()));
@@ -182,16 +222,6 @@ impl Gpt2Params {
             out.push((LM_HEAD.into(), h.view_mut().into_dyn()));
         }
         out
-    }
-}
-
-impl ParamSet for Gpt2Params {
-    fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
-        Gpt2Params::tensors(self)
-    }
-
-    fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
-        Gpt2Params::tensors_mut(self)
     }
 
     fn token_embedding(&self) -> &Array2<f64> {
@@ -258,10 +288,14 @@ impl Gpt2 {
 
     /// Builds a model from a parsed config and the contents of `model.safetensors`.
     pub fn from_parts(config: Gpt2Config, bytes: &[u8], label: &str) -> Result<Self> {
-        let st = tensors::parse(bytes, label)?;
-        let prefix = if tensors::has(&st, "transformer.wte.weight") {
+        Self::build(config, bytes, label)
+    }
+
+    /// GPT-2 keeps its blocks resident whatever `Blocks` asks: its largest sizes fit in f64.
+    fn from_source(config: Gpt2Config, st: &dyn TensorSource, label: &str) -> Result<Self> {
+        let prefix = if st.has("transformer.wte.weight") {
             "transformer."
-        } else if tensors::has(&st, "wte.weight") {
+        } else if st.has("wte.weight") {
             ""
         } else {
             bail!("{label}: neither `transformer.wte.weight` nor `wte.weight` is present; is this a GPT-2 checkpoint?");
@@ -278,11 +312,18 @@ impl Gpt2 {
             .into_iter()
             .map(|(local, shape)| (name(&local), shape))
             .collect();
-        let params = read_checkpoint(
-            &st,
+        let spec = CheckpointLayout {
+            layout: &layout,
+            layers: config.n_layer,
+            block: Vec::new(),
+            block_name: &|_, n| n.to_string(),
+        };
+        let (params, _) = read_checkpoint(
+            st,
             label,
-            &layout,
-            || Gpt2Params::zeros(&config, untied),
+            &spec,
+            Blocks::Resident,
+            |_| Gpt2Params::zeros(&config, untied),
             |n| n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias"),
             config.tie_word_embeddings.then(|| name(WTE)),
             "GPT-2",
@@ -346,8 +387,13 @@ impl FromCheckpoint for Gpt2 {
         Gpt2Config::from_json_str(text)
     }
 
-    fn build(config: Gpt2Config, bytes: &[u8], label: &str) -> Result<Gpt2> {
-        Gpt2::from_parts(config, bytes, label)
+    fn build_from(
+        config: Gpt2Config,
+        src: &dyn TensorSource,
+        label: &str,
+        _blocks: Blocks,
+    ) -> Result<Gpt2> {
+        Gpt2::from_source(config, src, label)
     }
 }
 
@@ -380,8 +426,30 @@ impl DecoderModel for Gpt2 {
         Gpt2Params::zeros(&self.config, false)
     }
 
+    fn zero_stem_gradient(&self) -> Gpt2Params {
+        let d = self.config.n_embd;
+        Gpt2Params {
+            wte: Array2::zeros((0, d)),
+            wpe: Array2::zeros((self.config.n_positions, d)),
+            blocks: Vec::new(),
+            ln_f: LayerNorm::zeros(d),
+            lm_head: None,
+        }
+    }
+
+    fn zero_block(&self) -> Block {
+        Block::zeros(&self.config)
+    }
+
     fn param_name(&self, local: &str) -> String {
         Gpt2::param_name(self, local)
+    }
+
+    fn layout(&self) -> Vec<(String, Vec<usize>)> {
+        Gpt2Params::layout(&self.config, !self.config.tie_word_embeddings)
+            .into_iter()
+            .map(|(local, shape)| (self.param_name(&local), shape))
+            .collect()
     }
 
     fn embedding_local_name(&self) -> &'static str {
@@ -398,6 +466,7 @@ impl DecoderModel for Gpt2 {
         h
     }
 
+    /// The position table (the skeleton handles `wte`).
     fn embed_backward(
         &self,
         ids: &[usize],
@@ -405,25 +474,13 @@ impl DecoderModel for Gpt2 {
         g: &mut Gpt2Params,
         sites: Option<&mut Vec<SiteRecord>>,
     ) {
-        for (t, &x) in ids.iter().enumerate() {
-            let mut r = g.wte.row_mut(x);
-            r += &dh.row(t);
+        for t in 0..ids.len() {
             let mut r = g.wpe.row_mut(t);
             r += &dh.row(t);
         }
-        let mut sites = Sites(sites);
-        let (wte, wpe) = (self.param_name(WTE), self.param_name("wpe.weight"));
+        let wpe = self.param_name("wpe.weight");
         let positions: Vec<usize> = (0..ids.len()).collect();
-        sites.push(|| {
-            SiteRecord::embedding(
-                wte.clone(),
-                wte,
-                self.config.vocab_size,
-                ids.to_vec(),
-                dh.to_owned(),
-            )
-        });
-        sites.push(|| {
+        Sites(sites).push(|| {
             SiteRecord::embedding(
                 wpe.clone(),
                 wpe,
@@ -434,8 +491,12 @@ impl DecoderModel for Gpt2 {
         });
     }
 
-    fn block_forward(&self, layer: usize, h: Array2<f64>) -> (Gpt2BlockCache, Array2<f64>) {
-        let b = &self.params.blocks[layer];
+    fn block_forward(
+        &self,
+        layer: usize,
+        b: &Block,
+        h: Array2<f64>,
+    ) -> (Gpt2BlockCache, Array2<f64>) {
         let eps = self.config.layer_norm_epsilon;
         let d = self.config.n_embd;
         let (ln1, a1) = b.ln_1.forward(h.view(), eps);
@@ -467,13 +528,12 @@ impl DecoderModel for Gpt2 {
     fn block_backward(
         &self,
         layer: usize,
+        b: &Block,
         c: &Gpt2BlockCache,
         dh: Array2<f64>,
-        g: &mut Gpt2Params,
+        gb: &mut Block,
         sites: Option<&mut Vec<SiteRecord>>,
     ) -> Array2<f64> {
-        let b = &self.params.blocks[layer];
-        let gb = &mut g.blocks[layer];
         let d = self.config.n_embd;
         // MLP: h_out = h_mid + c_proj(gelu(c_fc(ln_2(h_mid)))).
         let df = b.mlp_proj.backward(c.f.view(), dh.view(), &mut gb.mlp_proj);
@@ -503,7 +563,7 @@ impl DecoderModel for Gpt2 {
 
         let mut sites = Sites(sites);
         if sites.on() {
-            let h = |n: &str| self.param_name(&format!("h.{layer}.{n}"));
+            let h = |n: &str| self.block_param_name(layer, n);
             sites.norm(&h("ln_1"), true, &c.ln1, da1.view());
             let conv = |sites: &mut Sites, n: &str, a: &Array2<f64>, bp: &Array2<f64>| {
                 sites.weight(

@@ -4,13 +4,13 @@
 //! line against the definition and against finite differences.
 
 use crate::batch::Batch;
-use crate::decoder::{DecoderModel, ParamSet, LM_HEAD};
+use crate::decoder::{BlockParams, DecoderModel, ParamSet, LM_HEAD};
 use crate::error::Result;
 use crate::layers::NormCache;
 use crate::site::SiteKind;
 use crate::trace::SiteRecord;
 use ndarray::linalg::general_mat_mul;
-use ndarray::{Array1, Array2, ArrayView1, ArrayView2};
+use ndarray::{s, Array1, Array2, ArrayView1, ArrayView2, ArrayViewD};
 use std::collections::BTreeMap;
 
 /// How an example's token losses combine into its loss.
@@ -50,6 +50,25 @@ pub enum HeadPath {
     Folded,
 }
 
+/// A family's block type.
+pub type BlockOf<M> = <<M as DecoderModel>::Params as ParamSet>::Block;
+
+/// The buffers the reference reuses from block to block and example to example: one block's
+/// weights widened to f64 (for stored models) and one block's gradient (for the streamed path).
+pub struct Workspace<B> {
+    weights: Option<B>,
+    gradient: Option<B>,
+}
+
+impl<B> Default for Workspace<B> {
+    fn default() -> Self {
+        Workspace {
+            weights: None,
+            gradient: None,
+        }
+    }
+}
+
 struct Forward<C> {
     blocks: Vec<C>,
     norm: NormCache,
@@ -69,14 +88,31 @@ pub struct ExampleGradient<P> {
     pub sites: Option<Vec<SiteRecord>>,
 }
 
-fn forward<M: DecoderModel + ?Sized>(model: &M, ids: &[usize]) -> Forward<M::BlockCache> {
+/// One example's squared gradient norms, taken block by block as the gradient is produced.
+pub struct ExampleNorms {
+    pub loss: f64,
+    /// (checkpoint name, squared norm) in checkpoint order; a tied table once, both uses summed.
+    pub squares: Vec<(String, f64)>,
+    /// The split of a tied table.
+    pub split: Option<SharedSplit>,
+    pub sites: Option<Vec<SiteRecord>>,
+}
+
+fn forward<M: DecoderModel + ?Sized>(
+    model: &M,
+    ids: &[usize],
+    weights: &mut Option<BlockOf<M>>,
+    tick: &mut dyn FnMut(),
+) -> Forward<M::BlockCache> {
     let mut h = model.embed(ids);
     let layers = model.dims().layers;
     let mut blocks = Vec::with_capacity(layers);
     for l in 0..layers {
-        let (cache, out) = model.block_forward(l, h);
+        let w = model.block_weights(l, weights);
+        let (cache, out) = model.block_forward(l, w, h);
         blocks.push(cache);
         h = out;
+        tick();
     }
     let (norm, af) = model.final_norm(h.view());
     let mut logits = af.dot(&model.head().t());
@@ -103,6 +139,44 @@ fn loss_weight(targets: &[(usize, usize)], reduction: Reduction) -> f64 {
     }
 }
 
+/// The loss and the gradient of the head's (uncapped) output, formed in place of the logits:
+/// softmax·w minus w at the target on rows with a target, zero elsewhere.
+fn loss_and_dlogits<M: DecoderModel + ?Sized>(
+    model: &M,
+    logits: Array2<f64>,
+    targets: &[(usize, usize)],
+    reduction: Reduction,
+) -> (f64, Array2<f64>) {
+    let w = loss_weight(targets, reduction);
+    let capped = match model.final_logit_softcap() {
+        Some(_) => logits.clone(),
+        None => Array2::zeros((0, 0)),
+    };
+    let mut loss = 0.0;
+    let mut target_of = vec![None; logits.nrows()];
+    for &(t, y) in targets {
+        target_of[t] = Some(y);
+    }
+    let mut dlogits = logits;
+    for (mut row, target) in dlogits.rows_mut().into_iter().zip(target_of) {
+        match target {
+            Some(y) => {
+                let lse = log_sum_exp(row.view());
+                loss += lse - row[y];
+                row.mapv_inplace(|v| (v - lse).exp() * w);
+                row[y] -= w;
+            }
+            None => row.fill(0.0),
+        }
+    }
+    if let Some(cap) = model.final_logit_softcap() {
+        // Back through cap·tanh(z/cap): 1 − tanh² = 1 − (capped / cap)², at the capped logits
+        // the forward pass kept.
+        dlogits.zip_mut_with(&capped, |d, &c| *d *= 1.0 - (c / cap).powi(2));
+    }
+    (loss * w, dlogits)
+}
+
 /// Example `example`'s loss only (used by the finite-difference checks). A batch that does not
 /// fit the model is an error.
 pub fn example_loss<M: DecoderModel + ?Sized>(
@@ -114,7 +188,7 @@ pub fn example_loss<M: DecoderModel + ?Sized>(
     batch.check_example(&model.dims(), example)?;
     let ids = batch.ids(example);
     let targets = batch.targets(example);
-    let fw = forward(model, &ids);
+    let fw = forward(model, &ids, &mut None, &mut || {});
     let w = loss_weight(&targets, reduction);
     Ok(targets
         .iter()
@@ -147,12 +221,63 @@ pub fn example_gradient<M: DecoderModel + ?Sized>(
     Ok(ExampleGradient { loss, grad, sites })
 }
 
+/// The sites of one example in site order, from the pieces the backward pass recorded.
+struct SiteParts {
+    on: bool,
+    embedding: Vec<SiteRecord>,
+    /// In backward order (last block first).
+    blocks: Vec<Vec<SiteRecord>>,
+    final_norm: Vec<SiteRecord>,
+}
+
+impl SiteParts {
+    fn new(on: bool) -> Self {
+        SiteParts {
+            on,
+            embedding: Vec::new(),
+            blocks: Vec::new(),
+            final_norm: Vec::new(),
+        }
+    }
+
+    fn finish<M: DecoderModel + ?Sized>(
+        self,
+        model: &M,
+        af: Array2<f64>,
+        dlogits: Array2<f64>,
+    ) -> Option<Vec<SiteRecord>> {
+        if !self.on {
+            return None;
+        }
+        let mut sites = self.embedding;
+        for rec in self.blocks.into_iter().rev() {
+            sites.extend(rec);
+        }
+        sites.extend(self.final_norm);
+        let mut head = SiteRecord::dense(LM_HEAD.into(), SiteKind::Linear, af, dlogits);
+        head.param = model.head_param_name();
+        sites.push(head);
+        Some(sites)
+    }
+}
+
+/// The token table's site: its rows of `de` (the gradient of the lookup's output) at the ids.
+fn table_site<M: DecoderModel + ?Sized>(model: &M, ids: &[usize], de: Array2<f64>) -> SiteRecord {
+    let name = model.param_name(model.embedding_local_name());
+    SiteRecord::embedding(
+        name.clone(),
+        name,
+        model.dims().vocab_size,
+        ids.to_vec(),
+        de,
+    )
+}
+
 /// [`example_gradient`] into a gradient buffer that is reused from one example to the next
 /// (`zero_gradient()` the first time): every tensor is reset here. The head path goes into
 /// `lm_head` (allocated when absent), or, for a tied model with [`HeadPath::Folded`], into the
-/// token embedding, whose split is then returned. A model the size of Qwen2.5-0.5B has a 4 GB
-/// gradient; reusing the buffer saves mapping fresh memory for every example. Returns the loss,
-/// the sites and the split; a batch that does not fit the model is an error.
+/// token embedding, whose split is then returned. Returns the loss, the sites and the split; a
+/// batch that does not fit the model is an error.
 pub fn example_gradient_into<M: DecoderModel + ?Sized>(
     model: &M,
     batch: &Batch,
@@ -166,43 +291,14 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
     let folded = head_path == HeadPath::Folded && model.dims().tie_word_embeddings;
     let ids = batch.ids(example);
     let targets = batch.targets(example);
+    let mut weights = None;
     let Forward {
         mut blocks,
         norm,
         af,
         logits,
-    } = forward(model, &ids);
-    let w = loss_weight(&targets, reduction);
-    let capped = match model.final_logit_softcap() {
-        Some(_) => logits.clone(),
-        None => Array2::zeros((0, 0)),
-    };
-
-    // The logits become their gradient in place: softmax·w minus w at the target on rows with
-    // a target, zero elsewhere.
-    let mut loss = 0.0;
-    let mut target_of = vec![None; logits.nrows()];
-    for &(t, y) in &targets {
-        target_of[t] = Some(y);
-    }
-    let mut dlogits = logits;
-    for (mut row, target) in dlogits.rows_mut().into_iter().zip(target_of) {
-        match target {
-            Some(y) => {
-                let lse = log_sum_exp(row.view());
-                loss += lse - row[y];
-                row.mapv_inplace(|v| (v - lse).exp() * w);
-                row[y] -= w;
-            }
-            None => row.fill(0.0),
-        }
-    }
-    loss *= w;
-    if let Some(cap) = model.final_logit_softcap() {
-        // Back through cap·tanh(z/cap): 1 − tanh² = 1 − (capped / cap)², at the capped logits
-        // the forward pass kept.
-        dlogits.zip_mut_with(&capped, |d, &c| *d *= 1.0 - (c / cap).powi(2));
-    }
+    } = forward(model, &ids, &mut weights, &mut || {});
+    let (loss, dlogits) = loss_and_dlogits(model, logits, &targets, reduction);
 
     for (name, mut t) in g.tensors_mut() {
         if name != LM_HEAD {
@@ -222,55 +318,205 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
     }
     let d_af = dlogits.dot(model.head());
 
-    let mut final_sites = Vec::new();
+    let mut sites = SiteParts::new(record_sites);
     let mut dh = model.final_norm_backward(
         d_af.view(),
         &norm,
         g,
-        record_sites.then_some(&mut final_sites),
+        record_sites.then_some(&mut sites.final_norm),
     );
-    let mut block_sites: Vec<Vec<SiteRecord>> = Vec::new();
     // Each block's cache is dropped once its backward has run, so the recorded sites grow as
-    // the caches shrink (at the Qwen2.5-0.5B shape either is ~0.6 GB an example).
+    // the caches shrink.
     while let Some(cache) = blocks.pop() {
         let l = blocks.len();
         let mut rec = Vec::new();
-        dh = model.block_backward(l, &cache, dh, g, record_sites.then_some(&mut rec));
-        block_sites.push(rec);
+        let w = model.block_weights(l, &mut weights);
+        dh = model.block_backward(
+            l,
+            w,
+            &cache,
+            dh,
+            &mut g.blocks_mut()[l],
+            record_sites.then_some(&mut rec),
+        );
+        sites.blocks.push(rec);
     }
+    let de = model.embedding_backprops(&ids, dh.view());
     let split = folded.then(|| {
-        tied_split(
-            &ids,
-            model.embedding_backprops(&ids, dh.view()).view(),
-            g.token_embedding(),
-        )
-    });
-    let mut sites = Vec::new();
-    model.embed_backward(&ids, dh.view(), g, record_sites.then_some(&mut sites));
-
-    if record_sites {
-        for rec in block_sites.into_iter().rev() {
-            sites.extend(rec);
+        let rows = table_rows(&ids, de.view());
+        let head = g.token_embedding();
+        SharedSplit {
+            input_sq: rows.values().map(|r| r.dot(r)).sum(),
+            output_sq: head.iter().map(|v| v * v).sum(),
+            cross: rows.iter().map(|(&x, r)| r.dot(&head.row(x))).sum(),
         }
-        sites.extend(final_sites);
-        let mut head = SiteRecord::dense(LM_HEAD.into(), SiteKind::Linear, af, dlogits);
-        head.param = model.head_param_name();
-        sites.push(head);
+    });
+    {
+        let table = g.token_embedding_mut();
+        for (t, &x) in ids.iter().enumerate() {
+            let mut r = table.row_mut(x);
+            r += &de.row(t);
+        }
     }
-    Ok((loss, record_sites.then_some(sites), split))
+    if record_sites {
+        sites.embedding.push(table_site(model, &ids, de));
+    }
+    model.embed_backward(
+        &ids,
+        dh.view(),
+        g,
+        record_sites.then_some(&mut sites.embedding),
+    );
+    Ok((loss, sites.finish(model, af, dlogits), split))
 }
 
-/// The split of a tied table whose buffer holds the head path: the input path Σ_t e_{x_t} ⊗ de_t
-/// (`de` the gradient of the lookup's output, [`DecoderModel::embedding_backprops`]) touches only
-/// the rows of the example's ids, so ‖g_in‖² and ⟨g_in, g_out⟩ are sums over those rows.
-fn tied_split(ids: &[usize], de: ArrayView2<f64>, head: &Array2<f64>) -> SharedSplit {
+/// Rows of the head's gradient formed at a time: a 4096×d f64 buffer instead of V×d.
+const HEAD_CHUNK: usize = 4096;
+
+/// ‖dlogitsᵀ · af‖², the head path's squared norm, materialized a vocabulary chunk at a time.
+fn head_square(dlogits: &Array2<f64>, af: &Array2<f64>) -> f64 {
+    let v = dlogits.ncols();
+    let mut buffer = Array2::<f64>::zeros((HEAD_CHUNK.min(v), af.ncols()));
+    let mut total = 0.0;
+    for start in (0..v).step_by(HEAD_CHUNK) {
+        let end = (start + HEAD_CHUNK).min(v);
+        let mut chunk = buffer.slice_mut(s![..end - start, ..]);
+        general_mat_mul(
+            1.0,
+            &dlogits.slice(s![.., start..end]).t(),
+            af,
+            0.0,
+            &mut chunk,
+        );
+        total += square(chunk.view().into_dyn());
+    }
+    total
+}
+
+fn square(t: ArrayViewD<f64>) -> f64 {
+    t.iter().map(|v| v * v).sum()
+}
+
+/// Example `example`'s loss, squared norms and split, streamed: each block's weights are
+/// widened (when stored) and its gradient formed into one reused buffer, reduced to squared
+/// norms and dropped; the head's gradient is formed a vocabulary chunk at a time and the tied
+/// table's input path is kept as the few rows the example's ids touch. Nothing model-sized is
+/// allocated. `tick` is called after every block forward and backward and after the head.
+/// A batch that does not fit the model is an error.
+pub fn example_norms<M: DecoderModel + ?Sized>(
+    model: &M,
+    batch: &Batch,
+    example: usize,
+    reduction: Reduction,
+    record_sites: bool,
+    workspace: &mut Workspace<BlockOf<M>>,
+    tick: &mut dyn FnMut(),
+) -> Result<ExampleNorms> {
+    batch.check_example(&model.dims(), example)?;
+    let tied = model.dims().tie_word_embeddings;
+    let ids = batch.ids(example);
+    let targets = batch.targets(example);
+    let Workspace { weights, gradient } = workspace;
+    let Forward {
+        mut blocks,
+        norm,
+        af,
+        logits,
+    } = forward(model, &ids, weights, tick);
+    let (loss, dlogits) = loss_and_dlogits(model, logits, &targets, reduction);
+    let output_sq = head_square(&dlogits, &af);
+    let d_af = dlogits.dot(model.head());
+    tick();
+
+    let mut stem = model.zero_stem_gradient();
+    let mut sites = SiteParts::new(record_sites);
+    let mut dh = model.final_norm_backward(
+        d_af.view(),
+        &norm,
+        &mut stem,
+        record_sites.then_some(&mut sites.final_norm),
+    );
+    let g = gradient.get_or_insert_with(|| model.zero_block());
+    let mut block_squares = Vec::with_capacity(blocks.len());
+    while let Some(cache) = blocks.pop() {
+        let l = blocks.len();
+        for (_, mut t) in g.tensors_mut() {
+            t.fill(0.0);
+        }
+        let mut rec = Vec::new();
+        let w = model.block_weights(l, weights);
+        dh = model.block_backward(l, w, &cache, dh, g, record_sites.then_some(&mut rec));
+        drop(cache);
+        sites.blocks.push(rec);
+        let squares: Vec<(String, f64)> = g
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (model.block_param_name(l, &n), square(t)))
+            .collect();
+        block_squares.push(squares);
+        tick();
+    }
+
+    let de = model.embedding_backprops(&ids, dh.view());
+    let rows = table_rows(&ids, de.view());
+    let input_sq: f64 = rows.values().map(|r| r.dot(r)).sum();
+    let split = tied.then(|| SharedSplit {
+        input_sq,
+        output_sq,
+        // ⟨g_in, g_out⟩ only reads the head path's rows at the example's ids: row x of
+        // dlogitsᵀ·af is Σ_t dlogits[t, x] af_t.
+        cross: rows
+            .iter()
+            .map(|(&x, r)| r.dot(&af.t().dot(&dlogits.column(x))))
+            .sum(),
+    });
+    if record_sites {
+        sites.embedding.push(table_site(model, &ids, de));
+    }
+    model.embed_backward(
+        &ids,
+        dh.view(),
+        &mut stem,
+        record_sites.then_some(&mut sites.embedding),
+    );
+
+    // Checkpoint order: the stem's tensors before the blocks (the token table first), the
+    // blocks, the rest of the stem, an untied head.
+    let table_sq = match split {
+        Some(s) => s.input_sq + s.output_sq + 2.0 * s.cross,
+        None => input_sq,
+    };
+    let stem_squares: Vec<(String, f64)> = stem
+        .tensors()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (local, t))| {
+            let sq = if i == 0 { table_sq } else { square(t) };
+            (model.param_name(&local), sq)
+        })
+        .collect();
+    let (before, after) = stem_squares.split_at(<M::Params as ParamSet>::STEM_TENSORS);
+    let mut squares = before.to_vec();
+    squares.extend(block_squares.into_iter().rev().flatten());
+    squares.extend_from_slice(after);
+    if !tied {
+        squares.push((LM_HEAD.to_string(), output_sq));
+    }
+    Ok(ExampleNorms {
+        loss,
+        squares,
+        split,
+        sites: sites.finish(model, af, dlogits),
+    })
+}
+
+/// The input path of a token table, Σ_t e_{x_t} ⊗ de_t (`de` the gradient of the lookup's
+/// output, [`DecoderModel::embedding_backprops`]), as the rows it touches: only the example's
+/// ids, so ‖g_in‖² and ⟨g_in, g_out⟩ are sums over those rows.
+fn table_rows(ids: &[usize], de: ArrayView2<f64>) -> BTreeMap<usize, Array1<f64>> {
     let mut rows: BTreeMap<usize, Array1<f64>> = BTreeMap::new();
     for (t, &x) in ids.iter().enumerate() {
         *rows.entry(x).or_insert_with(|| Array1::zeros(de.ncols())) += &de.row(t);
     }
-    SharedSplit {
-        input_sq: rows.values().map(|r| r.dot(r)).sum(),
-        output_sq: head.iter().map(|v| v * v).sum(),
-        cross: rows.iter().map(|(&x, r)| r.dot(&head.row(x))).sum(),
-    }
+    rows
 }

@@ -36,7 +36,7 @@
 //!
 //! let model = Gpt2::random(Gpt2Config::tiny(11, 8, 8, 1, 2), 7, 0.5);
 //! let batch = Batch::new(array![[1_i64, 4, 1, 9]], None).unwrap();
-//! let r = compute(&model, &batch, &Options::default(), &mut |_, _| {}).unwrap();
+//! let r = compute(&model, &batch, &Options::default(), &mut |_| {}).unwrap();
 //! let split = r.examples[0].shared[0].1;
 //! let wte = r.examples[0].params[0].1;
 //! // The tied parameter's norm is the norm of the sum of both uses.
@@ -64,27 +64,32 @@ mod reference;
 mod rng;
 mod rope_config;
 mod site;
+mod stored;
 mod tensors;
 mod trace;
 mod trace_file;
 mod trace_shape;
 
 pub use batch::{Batch, IGNORE};
-pub use checkpoint::{load, FromCheckpoint};
-pub use decoder::{DecoderModel, Dims, ParamSet, LM_HEAD};
+pub use checkpoint::{load, load_resident, Blocks, FromCheckpoint};
+pub use decoder::{BlockParams, DecoderModel, Dims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
 pub use gpt2::Gpt2;
 pub use gpt2_config::Gpt2Config;
-pub use gradient::{example_gradient, example_gradient_into, example_loss, HeadPath, Reduction};
+pub use gradient::{
+    example_gradient, example_gradient_into, example_loss, example_norms, ExampleNorms, HeadPath,
+    Reduction, Workspace,
+};
 pub use io::{write_f64_tensors, write_raw, RawTensor};
 pub use llama::{Llama, LlamaLayer, LlamaParams, EMBED_TOKENS};
 pub use llama_config::{LayerType, LlamaConfig, LlamaFlavor, NormLayout, RopeScaling};
 pub use model::{Model, ModelConfig};
 pub use precision::Precision;
-pub use reference::{compute, ExampleReport, Options, Reference};
+pub use reference::{compute, ExampleReport, Options, Progress, Reference};
 pub use rng::SplitMix64;
 pub use safetensors::Dtype;
 pub use site::{SiteKind, SiteSpec};
+pub use stored::StoredBlocks;
 pub use trace::{Site, Trace};
 pub use trace_file::{
     read_trace, read_trace_bytes, write_trace, Clipping, ParamValues, StepClaim, TraceMeta,

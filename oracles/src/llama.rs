@@ -6,15 +6,18 @@
 //! SwiGLU or GeGLU, the embedding scale, soft-capping, sliding windows, a second rope. Tensors
 //! carry their full checkpoint names (`model.layers.N.self_attn.q_proj.weight`, ...).
 
-use crate::checkpoint::{read_checkpoint, write_checkpoint, FromCheckpoint};
-use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
+use crate::checkpoint::{
+    read_checkpoint, write_checkpoint, Blocks, CheckpointLayout, FromCheckpoint,
+};
+use crate::decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 use crate::error::{bail, Result};
 use crate::layers::{
     gelu_new, gelu_new_grad, silu, silu_grad, Attention, Linear, NormCache, RmsNorm, Rope, Sites,
 };
 use crate::llama_config::{LlamaConfig, NormLayout};
 use crate::rng::SplitMix64;
-use crate::tensors;
+use crate::stored::StoredBlocks;
+use crate::tensors::TensorSource;
 use crate::trace::SiteRecord;
 use ndarray::{Array2, ArrayView2, ArrayViewD, ArrayViewMutD};
 use std::path::Path;
@@ -25,6 +28,8 @@ use std::path::Path;
 /// `x = mlp_norm(h)`; the optional pieces are absent where the flavor has none.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaLayer {
+    /// Fixes the checkpoint name of `mlp_norm`.
+    pub norm_layout: NormLayout,
     pub input_layernorm: RmsNorm,
     pub q_proj: Linear,
     pub k_proj: Linear,
@@ -49,8 +54,6 @@ pub struct LlamaLayer {
 /// The weights (or one example's gradient) of a Llama-family model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaParams {
-    /// Fixes the checkpoint name of each layer's `mlp_norm`.
-    pub norm_layout: NormLayout,
     /// `model.embed_tokens.weight`, V×d.
     pub embed_tokens: Array2<f64>,
     pub layers: Vec<LlamaLayer>,
@@ -63,7 +66,10 @@ pub struct LlamaParams {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Llama {
     pub config: LlamaConfig,
+    /// The weights; their `layers` are empty when the blocks are `stored`.
     pub params: LlamaParams,
+    /// The blocks in the checkpoint's dtype, widened one at a time ([`Llama::load_stored`]).
+    pub stored: Option<StoredBlocks>,
 }
 
 /// A scalar function (an activation or its derivative).
@@ -177,8 +183,8 @@ fn layer_layout(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
     out
 }
 
-impl LlamaParams {
-    pub fn zeros(cfg: &LlamaConfig, with_head: bool) -> Self {
+impl LlamaLayer {
+    pub fn zeros(cfg: &LlamaConfig) -> Self {
         let (d, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let q = cfg.num_attention_heads * hd;
         let kv = cfg.num_key_value_heads * hd;
@@ -186,29 +192,57 @@ impl LlamaParams {
         let layout = cfg.flavor.norm_layout();
         let sandwich = layout == NormLayout::Sandwich;
         let head_norms = cfg.flavor.head_norms();
-        LlamaParams {
+        LlamaLayer {
             norm_layout: layout,
-            embed_tokens: Array2::zeros((cfg.vocab_size, d)),
-            layers: (0..cfg.num_hidden_layers)
-                .map(|_| LlamaLayer {
-                    input_layernorm: RmsNorm::zeros(d),
-                    q_proj: Linear::zeros(d, q, qkv_b),
-                    k_proj: Linear::zeros(d, kv, qkv_b),
-                    v_proj: Linear::zeros(d, kv, qkv_b),
-                    q_norm: head_norms.then(|| RmsNorm::zeros(hd)),
-                    k_norm: head_norms.then(|| RmsNorm::zeros(hd)),
-                    o_proj: Linear::zeros(q, d, o_b),
-                    attn_out_norm: sandwich.then(|| RmsNorm::zeros(d)),
-                    mlp_norm: RmsNorm::zeros(d),
-                    gate_proj: Linear::zeros(d, i, mlp_b),
-                    up_proj: Linear::zeros(d, i, mlp_b),
-                    down_proj: Linear::zeros(i, d, mlp_b),
-                    mlp_out_norm: sandwich.then(|| RmsNorm::zeros(d)),
-                })
-                .collect(),
+            input_layernorm: RmsNorm::zeros(d),
+            q_proj: Linear::zeros(d, q, qkv_b),
+            k_proj: Linear::zeros(d, kv, qkv_b),
+            v_proj: Linear::zeros(d, kv, qkv_b),
+            q_norm: head_norms.then(|| RmsNorm::zeros(hd)),
+            k_norm: head_norms.then(|| RmsNorm::zeros(hd)),
+            o_proj: Linear::zeros(q, d, o_b),
+            attn_out_norm: sandwich.then(|| RmsNorm::zeros(d)),
+            mlp_norm: RmsNorm::zeros(d),
+            gate_proj: Linear::zeros(d, i, mlp_b),
+            up_proj: Linear::zeros(d, i, mlp_b),
+            down_proj: Linear::zeros(i, d, mlp_b),
+            mlp_out_norm: sandwich.then(|| RmsNorm::zeros(d)),
+        }
+    }
+}
+
+impl BlockParams for LlamaLayer {
+    fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
+        layer_tensors!(self, self.norm_layout, view, as_ref)
+    }
+
+    fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
+        let layout = self.norm_layout;
+        layer_tensors!(self, layout, view_mut, as_mut)
+    }
+}
+
+impl LlamaParams {
+    /// Zero tensors of `cfg`; with `layers` false the blocks are left out (and the token
+    /// embedding too, as a 0×d table, with `table` false).
+    fn zeros_of(cfg: &LlamaConfig, with_head: bool, layers: bool, table: bool) -> Self {
+        let d = cfg.hidden_size;
+        LlamaParams {
+            embed_tokens: Array2::zeros((if table { cfg.vocab_size } else { 0 }, d)),
+            layers: if layers {
+                (0..cfg.num_hidden_layers)
+                    .map(|_| LlamaLayer::zeros(cfg))
+                    .collect()
+            } else {
+                Vec::new()
+            },
             norm: RmsNorm::zeros(d),
             lm_head: with_head.then(|| Array2::zeros((cfg.vocab_size, d))),
         }
+    }
+
+    pub fn zeros(cfg: &LlamaConfig, with_head: bool) -> Self {
+        Self::zeros_of(cfg, with_head, true, true)
     }
 
     /// (checkpoint name, shape) of every tensor of a config, in `tensors()` order, without
@@ -233,14 +267,29 @@ impl LlamaParams {
 }
 
 impl ParamSet for LlamaParams {
+    type Block = LlamaLayer;
+    const STEM_TENSORS: usize = 1;
+
+    fn block_prefix(layer: usize) -> String {
+        format!("model.layers.{layer}.")
+    }
+
+    fn blocks(&self) -> &[LlamaLayer] {
+        &self.layers
+    }
+
+    fn blocks_mut(&mut self) -> &mut [LlamaLayer] {
+        &mut self.layers
+    }
+
     fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
         let mut out = vec![(
             EMBED_TOKENS.to_string(),
             self.embed_tokens.view().into_dyn(),
         )];
         for (l, layer) in self.layers.iter().enumerate() {
-            for (n, t) in layer_tensors!(layer, self.norm_layout, view, as_ref) {
-                out.push((format!("model.layers.{l}.{n}"), t));
+            for (n, t) in layer.tensors() {
+                out.push((format!("{}{n}", Self::block_prefix(l)), t));
             }
         }
         out.push((FINAL_NORM.into(), self.norm.weight.view().into_dyn()));
@@ -255,10 +304,9 @@ impl ParamSet for LlamaParams {
             EMBED_TOKENS.to_string(),
             self.embed_tokens.view_mut().into_dyn(),
         )];
-        let layout = self.norm_layout;
         for (l, layer) in self.layers.iter_mut().enumerate() {
-            for (n, t) in layer_tensors!(layer, layout, view_mut, as_mut) {
-                out.push((format!("model.layers.{l}.{n}"), t));
+            for (n, t) in layer.tensors_mut() {
+                out.push((format!("{}{n}", Self::block_prefix(l)), t));
             }
         }
         out.push((FINAL_NORM.into(), self.norm.weight.view_mut().into_dyn()));
@@ -306,13 +354,26 @@ impl Llama {
                 };
             }
         }
-        Llama { config, params }
+        Llama {
+            config,
+            params,
+            stored: None,
+        }
     }
 
-    /// Builds a model from a parsed config and the contents of `model.safetensors`.
+    /// Builds a model from a parsed config and the contents of `model.safetensors`, every weight
+    /// resident in f64.
     pub fn from_parts(config: LlamaConfig, bytes: &[u8], label: &str) -> Result<Self> {
-        let st = tensors::parse(bytes, label)?;
-        if !tensors::has(&st, EMBED_TOKENS) {
+        Self::build(config, bytes, label)
+    }
+
+    fn from_source(
+        config: LlamaConfig,
+        src: &dyn TensorSource,
+        label: &str,
+        blocks: Blocks,
+    ) -> Result<Self> {
+        if !src.has(EMBED_TOKENS) {
             bail!(
                 "{label}: tensor `{EMBED_TOKENS}` is missing; is this a {} checkpoint ({} names)?",
                 config.flavor.model_type(),
@@ -320,17 +381,28 @@ impl Llama {
             );
         }
         let untied = !config.tie_word_embeddings;
-        let params = read_checkpoint(
-            &st,
+        let spec = CheckpointLayout {
+            layout: &LlamaParams::layout(&config, untied),
+            layers: config.num_hidden_layers,
+            block: layer_layout(&config),
+            block_name: &|l, n| format!("{}{n}", LlamaParams::block_prefix(l)),
+        };
+        let (params, stored) = read_checkpoint(
+            src,
             label,
-            &LlamaParams::layout(&config, untied),
-            || LlamaParams::zeros(&config, untied),
+            &spec,
+            blocks,
+            |layers| LlamaParams::zeros_of(&config, untied, layers, true),
             // Non-persistent buffers that older exports still carry; recomputed from the config.
             |n| n.ends_with(".rotary_emb.inv_freq"),
             config.tie_word_embeddings.then(|| EMBED_TOKENS.to_string()),
             config.flavor.model_type(),
         )?;
-        Ok(Llama { config, params })
+        Ok(Llama {
+            config,
+            params,
+            stored,
+        })
     }
 
     /// Writes `config.json` and `model.safetensors` (f64 or f32) the way `save_pretrained` lays
@@ -424,8 +496,13 @@ impl FromCheckpoint for Llama {
         LlamaConfig::from_json_str(text)
     }
 
-    fn build(config: LlamaConfig, bytes: &[u8], label: &str) -> Result<Llama> {
-        Llama::from_parts(config, bytes, label)
+    fn build_from(
+        config: LlamaConfig,
+        src: &dyn TensorSource,
+        label: &str,
+        blocks: Blocks,
+    ) -> Result<Llama> {
+        Llama::from_source(config, src, label, blocks)
     }
 }
 
@@ -498,9 +575,25 @@ impl DecoderModel for Llama {
         LlamaParams::zeros(&self.config, false)
     }
 
+    fn zero_stem_gradient(&self) -> LlamaParams {
+        LlamaParams::zeros_of(&self.config, false, false, false)
+    }
+
+    fn zero_block(&self) -> LlamaLayer {
+        LlamaLayer::zeros(&self.config)
+    }
+
+    fn stored_blocks(&self) -> Option<&StoredBlocks> {
+        self.stored.as_ref()
+    }
+
     /// Tensors carry their checkpoint names already.
     fn param_name(&self, local: &str) -> String {
         local.to_string()
+    }
+
+    fn layout(&self) -> Vec<(String, Vec<usize>)> {
+        LlamaParams::layout(&self.config, !self.config.tie_word_embeddings)
     }
 
     fn embedding_local_name(&self) -> &'static str {
@@ -533,31 +626,12 @@ impl DecoderModel for Llama {
         h
     }
 
-    fn embed_backward(
+    fn block_forward(
         &self,
-        ids: &[usize],
-        dh: ArrayView2<f64>,
-        g: &mut LlamaParams,
-        sites: Option<&mut Vec<SiteRecord>>,
-    ) {
-        let de = self.embedding_backprops(ids, dh);
-        for (t, &x) in ids.iter().enumerate() {
-            let mut r = g.embed_tokens.row_mut(x);
-            r += &de.row(t);
-        }
-        Sites(sites).push(|| {
-            SiteRecord::embedding(
-                EMBED_TOKENS.into(),
-                EMBED_TOKENS.into(),
-                self.config.vocab_size,
-                ids.to_vec(),
-                de,
-            )
-        });
-    }
-
-    fn block_forward(&self, layer: usize, h: Array2<f64>) -> (LlamaBlockCache, Array2<f64>) {
-        let b = &self.params.layers[layer];
+        layer: usize,
+        b: &LlamaLayer,
+        h: Array2<f64>,
+    ) -> (LlamaBlockCache, Array2<f64>) {
         let (eps, off) = (self.config.rms_norm_eps, self.norm_offset());
         let (act, _) = self.activation();
         let rope = self.rope(layer, h.nrows());
@@ -616,13 +690,12 @@ impl DecoderModel for Llama {
     fn block_backward(
         &self,
         layer: usize,
+        b: &LlamaLayer,
         c: &LlamaBlockCache,
         dh: Array2<f64>,
-        g: &mut LlamaParams,
+        gb: &mut LlamaLayer,
         sites: Option<&mut Vec<SiteRecord>>,
     ) -> Array2<f64> {
-        let b = &self.params.layers[layer];
-        let gb = &mut g.layers[layer];
         let off = self.norm_offset();
         let (act, act_grad) = self.activation();
         // MLP: h_out = h_mid + mlp_out_norm(down(act(gate(x)) ⊙ up(x))), x = mlp_norm(h_mid).
@@ -701,7 +774,7 @@ impl DecoderModel for Llama {
 
         let mut sites = Sites(sites);
         if sites.on() {
-            let p = format!("model.layers.{layer}.");
+            let p = LlamaParams::block_prefix(layer);
             let linear =
                 |sites: &mut Sites, name: &str, lin: &Linear, a: &Array2<f64>, bp: &Array2<f64>| {
                     sites.linear(
@@ -727,7 +800,7 @@ impl DecoderModel for Llama {
             if let Some(cache) = &c.attn_out_norm {
                 sites.norm(&format!("{p}{POST_ATTN_NORM}"), false, cache, dh_mid.view());
             }
-            let mlp_norm = mlp_norm_name(self.params.norm_layout);
+            let mlp_norm = mlp_norm_name(b.norm_layout);
             sites.norm(&format!("{p}{mlp_norm}"), false, &c.norm2, da2.view());
             linear(&mut sites, GATE, &b.gate_proj, &c.a2, &dgate);
             linear(&mut sites, UP, &b.up_proj, &c.a2, &dup);

@@ -1,12 +1,13 @@
 //! Any supported decoder model, chosen by `config.json`'s `model_type`.
 
-use crate::checkpoint::FromCheckpoint;
-use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet};
+use crate::checkpoint::{Blocks, FromCheckpoint};
+use crate::decoder::{DecoderModel, Dims, HasDims};
 use crate::error::{bail, Error, Result};
 use crate::gpt2::Gpt2;
 use crate::gpt2_config::Gpt2Config;
 use crate::llama::Llama;
 use crate::llama_config::{LlamaConfig, LlamaFlavor};
+use crate::tensors::TensorSource;
 use serde_json::Value;
 use std::path::Path;
 
@@ -61,16 +62,9 @@ impl Model {
 
     /// (checkpoint name, shape) of every parameter, in the order of the reference's gradients.
     pub fn layout(&self) -> Vec<(String, Vec<usize>)> {
-        fn of<M: DecoderModel>(m: &M) -> Vec<(String, Vec<usize>)> {
-            m.params()
-                .tensors()
-                .into_iter()
-                .map(|(local, t)| (m.param_name(&local), t.shape().to_vec()))
-                .collect()
-        }
         match self {
-            Model::Gpt2(m) => of(m),
-            Model::Llama(m) => of(m),
+            Model::Gpt2(m) => DecoderModel::layout(m),
+            Model::Llama(m) => DecoderModel::layout(m),
         }
     }
 }
@@ -126,12 +120,9 @@ impl ModelConfig {
         }
     }
 
-    /// Builds the model from the contents of `model.safetensors`.
+    /// Builds the model from the contents of `model.safetensors`, every weight resident.
     pub fn build(self, bytes: &[u8], label: &str) -> Result<Model> {
-        Ok(match self {
-            ModelConfig::Gpt2(c) => Model::Gpt2(Gpt2::from_parts(c, bytes, label)?),
-            ModelConfig::Llama(c) => Model::Llama(Llama::from_parts(c, bytes, label)?),
-        })
+        Model::build(self, bytes, label)
     }
 }
 
@@ -152,7 +143,15 @@ impl FromCheckpoint for Model {
         ModelConfig::from_json_str(text)
     }
 
-    fn build(config: ModelConfig, bytes: &[u8], label: &str) -> Result<Model> {
-        config.build(bytes, label)
+    fn build_from(
+        config: ModelConfig,
+        src: &dyn TensorSource,
+        label: &str,
+        blocks: Blocks,
+    ) -> Result<Model> {
+        Ok(match config {
+            ModelConfig::Gpt2(c) => Model::Gpt2(Gpt2::build_from(c, src, label, blocks)?),
+            ModelConfig::Llama(c) => Model::Llama(Llama::build_from(c, src, label, blocks)?),
+        })
     }
 }

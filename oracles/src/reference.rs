@@ -4,10 +4,11 @@
 use crate::batch::Batch;
 use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet};
 use crate::error::Result;
-use crate::gradient::{example_gradient_into, HeadPath, Reduction, SharedSplit};
+use crate::gradient::{
+    example_gradient_into, example_norms, HeadPath, Reduction, SharedSplit, Workspace,
+};
 use crate::model::Model;
 use crate::trace::{SiteRecord, Trace, TraceBuilder};
-use ndarray::ArrayViewD;
 use serde_json::{json, Value};
 
 #[derive(Clone, Debug)]
@@ -49,65 +50,164 @@ pub struct Reference {
     pub gradients: Option<Vec<Vec<f64>>>,
 }
 
-/// One example's gradient by checkpoint name, a tied parameter once (both uses summed), with the
-/// split of every shared parameter. The tensors borrow a buffer that the next example reuses.
-pub struct ExampleView<'a> {
+/// Where a reference run is: examples finished, and within the current example the passes
+/// done (every block forward, the head, every block backward: `2 · layers + 1`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    pub examples_done: usize,
+    pub examples: usize,
+    pub pass: usize,
+    pub passes: usize,
+}
+
+impl Progress {
+    /// Passes done over the whole batch, and their total: a measure in which every step is
+    /// alike, so the mean so far predicts the rest.
+    pub fn steps(&self) -> (usize, usize) {
+        (
+            self.examples_done * self.passes + self.pass,
+            self.examples * self.passes,
+        )
+    }
+
+    /// The pass just finished: `example 2/4, block 7/16 backward`, or `2/4 examples` at an
+    /// example's end.
+    pub fn describe(&self) -> String {
+        let layers = (self.passes - 1) / 2;
+        if self.pass == 0 {
+            return format!("{}/{} examples", self.examples_done, self.examples);
+        }
+        let example = format!("example {}/{}", self.examples_done + 1, self.examples);
+        let k = self.pass;
+        let pass = if k <= layers {
+            format!("block {k}/{layers} forward")
+        } else if k == layers + 1 {
+            "head".to_string()
+        } else {
+            format!("block {}/{layers} backward", 2 * layers + 2 - k)
+        };
+        format!("{example}, {pass}")
+    }
+}
+
+/// One example's squared norms by checkpoint name (a tied parameter once, both uses summed),
+/// with the split of every shared parameter.
+pub struct ExampleView {
     pub loss: f64,
-    /// (checkpoint name, per-example gradient) in the model's parameter order.
-    pub tensors: Vec<(String, ArrayViewD<'a, f64>)>,
+    /// (checkpoint name, squared norm) in the model's parameter order.
+    pub squares: Vec<(String, f64)>,
     pub shared: Vec<(String, SharedSplit)>,
     pub sites: Option<Vec<SiteRecord>>,
+    /// The flattened gradient, in `squares` order, when asked for.
+    pub gradient: Option<Vec<f64>>,
 }
 
 /// What `compute` needs of a model: every [`DecoderModel`] family and the [`Model`] enum.
 pub trait ReferenceModel: HasDims {
-    /// Runs the examples of a batch in order and hands each one's gradient to `visit(index,
-    /// gradient)`. One gradient buffer serves the whole batch. A batch that does not fit the
-    /// model is an error.
+    /// (checkpoint name, shape) of every parameter, in the order of the reference's norms.
+    fn layout(&self) -> Vec<(String, Vec<usize>)>;
+
+    /// Runs the examples of a batch in order and hands each one's norms to `visit(index,
+    /// view)`; `progress` hears of every pass. Without `keep_gradients` nothing model-sized is
+    /// allocated (the norms are streamed block by block); with it, one gradient buffer serves
+    /// the whole batch. A batch that does not fit the model is an error.
     fn for_each_example(
         &self,
         batch: &Batch,
         reduction: Reduction,
         record_sites: bool,
-        visit: &mut dyn FnMut(usize, ExampleView<'_>),
+        keep_gradients: bool,
+        progress: &mut dyn FnMut(Progress),
+        visit: &mut dyn FnMut(usize, ExampleView),
     ) -> Result<()>;
 }
 
-fn dot(a: impl Iterator<Item = f64>) -> f64 {
-    a.sum()
-}
-
 impl<M: DecoderModel> ReferenceModel for M {
+    fn layout(&self) -> Vec<(String, Vec<usize>)> {
+        DecoderModel::layout(self)
+    }
+
     fn for_each_example(
         &self,
         batch: &Batch,
         reduction: Reduction,
         record_sites: bool,
-        visit: &mut dyn FnMut(usize, ExampleView<'_>),
+        keep_gradients: bool,
+        progress: &mut dyn FnMut(Progress),
+        visit: &mut dyn FnMut(usize, ExampleView),
     ) -> Result<()> {
-        let mut grad = self.zero_gradient();
+        let mut at = Progress {
+            examples_done: 0,
+            examples: batch.len(),
+            pass: 0,
+            passes: 2 * self.dims().layers + 1,
+        };
+        let name = self.param_name(self.embedding_local_name());
+        let shared_of =
+            |split: Option<SharedSplit>| split.map(|s| vec![(name.clone(), s)]).unwrap_or_default();
+        if keep_gradients {
+            let mut grad = self.zero_gradient();
+            for i in 0..batch.len() {
+                // A tied head's path is added into the embedding's buffer as it is formed, its
+                // split taken from the few rows the input path touches.
+                let (loss, sites, split) = example_gradient_into(
+                    self,
+                    batch,
+                    i,
+                    reduction,
+                    record_sites,
+                    HeadPath::Folded,
+                    &mut grad,
+                )?;
+                let mut squares = Vec::new();
+                let mut flat = Vec::new();
+                for (local, t) in grad.tensors() {
+                    squares.push((self.param_name(&local), t.iter().map(|v| v * v).sum()));
+                    flat.extend(t.iter().copied());
+                }
+                at.examples_done = i + 1;
+                progress(at);
+                visit(
+                    i,
+                    ExampleView {
+                        loss,
+                        squares,
+                        shared: shared_of(split),
+                        sites,
+                        gradient: Some(flat),
+                    },
+                );
+            }
+            return Ok(());
+        }
+        let mut workspace = Workspace::default();
         for i in 0..batch.len() {
-            // A tied head's path is added into the embedding's buffer as it is formed, its split
-            // taken from the few rows the input path touches: no second vocabulary-sized buffer.
-            let (loss, sites, split) = example_gradient_into(
+            at.pass = 0;
+            let norms = example_norms(
                 self,
                 batch,
                 i,
                 reduction,
                 record_sites,
-                HeadPath::Folded,
-                &mut grad,
+                &mut workspace,
+                &mut || {
+                    at.pass += 1;
+                    if at.pass < at.passes {
+                        progress(at);
+                    }
+                },
             )?;
-            let shared = split
-                .map(|s| vec![(self.param_name(self.embedding_local_name()), s)])
-                .unwrap_or_default();
+            at.examples_done = i + 1;
+            at.pass = 0;
+            progress(at);
             visit(
                 i,
                 ExampleView {
-                    loss,
-                    tensors: named(self, &grad),
-                    shared,
-                    sites,
+                    loss: norms.loss,
+                    squares: norms.squares,
+                    shared: shared_of(norms.split),
+                    sites: norms.sites,
+                    gradient: None,
                 },
             );
         }
@@ -115,37 +215,47 @@ impl<M: DecoderModel> ReferenceModel for M {
     }
 }
 
-fn named<'a, M: DecoderModel>(
-    model: &M,
-    grad: &'a M::Params,
-) -> Vec<(String, ArrayViewD<'a, f64>)> {
-    grad.tensors()
-        .into_iter()
-        .map(|(local, t)| (model.param_name(&local), t))
-        .collect()
-}
-
 impl ReferenceModel for Model {
+    fn layout(&self) -> Vec<(String, Vec<usize>)> {
+        Model::layout(self)
+    }
+
     fn for_each_example(
         &self,
         batch: &Batch,
         reduction: Reduction,
         record_sites: bool,
-        visit: &mut dyn FnMut(usize, ExampleView<'_>),
+        keep_gradients: bool,
+        progress: &mut dyn FnMut(Progress),
+        visit: &mut dyn FnMut(usize, ExampleView),
     ) -> Result<()> {
         match self {
-            Model::Gpt2(m) => m.for_each_example(batch, reduction, record_sites, visit),
-            Model::Llama(m) => m.for_each_example(batch, reduction, record_sites, visit),
+            Model::Gpt2(m) => m.for_each_example(
+                batch,
+                reduction,
+                record_sites,
+                keep_gradients,
+                progress,
+                visit,
+            ),
+            Model::Llama(m) => m.for_each_example(
+                batch,
+                reduction,
+                record_sites,
+                keep_gradients,
+                progress,
+                visit,
+            ),
         }
     }
 }
 
-/// Runs the reference on every example of a batch. `progress(done, total)` is called after each.
+/// Runs the reference on every example of a batch; `progress` hears of every block pass.
 pub fn compute<M: ReferenceModel + ?Sized>(
     model: &M,
     batch: &Batch,
     opts: &Options,
-    progress: &mut dyn FnMut(usize, usize),
+    progress: &mut dyn FnMut(Progress),
 ) -> Result<Reference> {
     let dims: Dims = model.dims();
     batch.validate(&dims, "batch")?;
@@ -153,35 +263,35 @@ pub fn compute<M: ReferenceModel + ?Sized>(
     let mut records = TraceBuilder::new(batch.len());
     let mut gradients = Vec::new();
     let mut layout = Vec::new();
-    model.for_each_example(batch, opts.reduction, opts.record_trace, &mut |i, eg| {
-        let mut params = Vec::with_capacity(eg.tensors.len());
-        let mut total = 0.0;
-        let mut flat = Vec::new();
-        for (name, t) in eg.tensors {
-            let sq = dot(t.iter().map(|v| v * v));
-            total += sq;
+    model.for_each_example(
+        batch,
+        opts.reduction,
+        opts.record_trace,
+        opts.keep_gradients,
+        progress,
+        &mut |i, eg| {
+            let total: f64 = eg.squares.iter().map(|(_, sq)| sq).sum();
             if i == 0 {
-                layout.push((name.clone(), t.shape().to_vec()));
+                layout = model.layout();
             }
-            if opts.keep_gradients {
-                flat.extend(t.iter().copied());
+            if let Some(flat) = eg.gradient {
+                gradients.push(flat);
             }
-            params.push((name, sq.sqrt()));
-        }
-        if opts.keep_gradients {
-            gradients.push(flat);
-        }
-        if let Some(s) = eg.sites {
-            records.push(i, s);
-        }
-        examples.push(ExampleReport {
-            loss: eg.loss,
-            norm: total.sqrt(),
-            params,
-            shared: eg.shared,
-        });
-        progress(i + 1, batch.len());
-    })?;
+            if let Some(s) = eg.sites {
+                records.push(i, s);
+            }
+            examples.push(ExampleReport {
+                loss: eg.loss,
+                norm: total.sqrt(),
+                params: eg
+                    .squares
+                    .into_iter()
+                    .map(|(name, sq)| (name, sq.sqrt()))
+                    .collect(),
+                shared: eg.shared,
+            });
+        },
+    )?;
     Ok(Reference {
         reduction: opts.reduction,
         examples,

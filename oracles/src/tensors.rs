@@ -51,8 +51,14 @@ pub(crate) fn to_f64_unchecked(st: &SafeTensors, name: &str, label: &str) -> Res
     let view = st
         .tensor(name)
         .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
-    let data = view.data();
-    let values: Vec<f64> = match view.dtype() {
+    let values = decode_f64(view.dtype(), view.data(), name, label)?;
+    ArrayD::from_shape_vec(IxDyn(view.shape()), values)
+        .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
+}
+
+/// Little-endian floats of any supported width, widened to f64 (exactly).
+fn decode_f64(dtype: Dtype, data: &[u8], name: &str, label: &str) -> Result<Vec<f64>> {
+    Ok(match dtype {
         Dtype::F64 => data
             .chunks_exact(8)
             .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
@@ -72,9 +78,7 @@ pub(crate) fn to_f64_unchecked(st: &SafeTensors, name: &str, label: &str) -> Res
         other => {
             bail!("{label}: tensor `{name}` has dtype {other:?}; expected F32, F64, F16 or BF16")
         }
-    };
-    ArrayD::from_shape_vec(IxDyn(view.shape()), values)
-        .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
+    })
 }
 
 /// An integer tensor (ids, labels) as i64; I32 is accepted too since some exporters write it.
@@ -100,4 +104,179 @@ pub(crate) fn to_i64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD
 
 pub(crate) fn has(st: &SafeTensors, name: &str) -> bool {
     st.tensor(name).is_ok()
+}
+
+/// The largest safetensors header accepted (the crate's own limit is the same size).
+const MAX_HEADER_BYTES: u64 = 100 << 20;
+
+/// Where a checkpoint's tensors come from: a file read tensor by tensor ([`TensorFile`]) or a
+/// parsed buffer. Either way every tensor's extent was checked against the data's length when
+/// the source was opened.
+pub trait TensorSource {
+    fn names(&self) -> Vec<String>;
+    /// Dtype and shape of a tensor, from the header.
+    fn info(&self, name: &str) -> Option<(Dtype, Vec<usize>)>;
+    /// A tensor's dtype, shape and little-endian bytes.
+    fn raw(&self, name: &str, label: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>)>;
+
+    fn has(&self, name: &str) -> bool {
+        self.info(name).is_some()
+    }
+
+    /// A floating tensor as f64, with NaN/Inf rejected.
+    fn f64(&self, name: &str, label: &str) -> Result<ArrayD<f64>> {
+        let (dtype, shape, bytes) = self.raw(name, label)?;
+        let values = decode_f64(dtype, &bytes, name, label)?;
+        if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            bail!("{label}: tensor `{name}` holds a non-finite value ({v}) at flat index {i}");
+        }
+        ArrayD::from_shape_vec(IxDyn(&shape), values)
+            .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
+    }
+}
+
+impl TensorSource for SafeTensors<'_> {
+    fn names(&self) -> Vec<String> {
+        SafeTensors::names(self)
+            .into_iter()
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn info(&self, name: &str) -> Option<(Dtype, Vec<usize>)> {
+        self.tensor(name)
+            .ok()
+            .map(|v| (v.dtype(), v.shape().to_vec()))
+    }
+
+    fn raw(&self, name: &str, label: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>)> {
+        let view = self
+            .tensor(name)
+            .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
+        Ok((view.dtype(), view.shape().to_vec(), view.data().to_vec()))
+    }
+}
+
+/// A safetensors file of which only the header is held: each tensor is read from the file when
+/// asked for, so a checkpoint is never in memory twice (its bytes and what is built from them).
+pub(crate) struct TensorFile {
+    file: std::fs::File,
+    /// Offset of the data section in the file.
+    data_start: u64,
+    /// (dtype, shape, start, end) by name, offsets relative to the data section.
+    tensors: std::collections::HashMap<String, (Dtype, Vec<usize>, u64, u64)>,
+}
+
+impl TensorFile {
+    /// Opens and checks a file: the header's length against the file's, every tensor's extent
+    /// against its dtype and shape, and the extents tiling the data section exactly, as the
+    /// `safetensors` crate checks a buffer.
+    pub(crate) fn open(path: &Path, what: &str) -> Result<Self> {
+        use std::io::Read;
+        let label = path.display().to_string();
+        let bad =
+            |why: String| Error::new(format!("{label} is not a valid safetensors file ({why})"));
+        let meta = std::fs::metadata(path)
+            .map_err(|e| Error::new(format!("cannot open {what} {label}: {e}")))?;
+        if !meta.is_file() {
+            bail!("{what} {label} is not a file");
+        }
+        if meta.len() > MAX_FILE_BYTES {
+            bail!(
+                "{what} {label} is {} bytes; at most {MAX_FILE_BYTES} are accepted",
+                meta.len()
+            );
+        }
+        let mut file = std::fs::File::open(path)
+            .map_err(|e| Error::new(format!("cannot open {what} {label}: {e}")))?;
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n)
+            .map_err(|_| bad("shorter than its 8-byte header length".into()))?;
+        let n = u64::from_le_bytes(n);
+        if n > MAX_HEADER_BYTES || 8 + n > meta.len() {
+            return Err(bad(format!(
+                "a header of {n} bytes in a file of {} bytes",
+                meta.len()
+            )));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact(&mut header)
+            .map_err(|e| Error::new(format!("cannot read {what} {label}: {e}")))?;
+        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+            .map_err(|e| bad(format!("its header is not a JSON object: {e}")))?;
+        let mut tensors = std::collections::HashMap::new();
+        let mut extents = Vec::new();
+        for (name, entry) in header {
+            if name == "__metadata__" {
+                continue;
+            }
+            let field = |key: &str| {
+                entry
+                    .get(key)
+                    .cloned()
+                    .ok_or_else(|| bad(format!("tensor `{name}` has no `{key}`")))
+            };
+            let dtype: Dtype = serde_json::from_value(field("dtype")?)
+                .map_err(|e| bad(format!("tensor `{name}`: dtype: {e}")))?;
+            let shape: Vec<usize> = serde_json::from_value(field("shape")?)
+                .map_err(|e| bad(format!("tensor `{name}`: shape: {e}")))?;
+            let (start, end): (u64, u64) = serde_json::from_value(field("data_offsets")?)
+                .map_err(|e| bad(format!("tensor `{name}`: data_offsets: {e}")))?;
+            let bits = shape
+                .iter()
+                .try_fold(dtype.bitsize() as u64, |acc, &d| acc.checked_mul(d as u64))
+                .ok_or_else(|| bad(format!("tensor `{name}`: its shape overflows")))?;
+            if bits % 8 != 0 || end < start || end - start != bits / 8 {
+                return Err(bad(format!(
+                    "tensor `{name}`: data_offsets {start}..{end} do not hold a {dtype:?} tensor of shape {shape:?}"
+                )));
+            }
+            extents.push((start, end, name.clone()));
+            tensors.insert(name, (dtype, shape, start, end));
+        }
+        extents.sort();
+        let mut at = 0;
+        for (start, end, name) in &extents {
+            if *start != at {
+                return Err(bad(format!("tensor `{name}` starts at {start}, not {at}")));
+            }
+            at = *end;
+        }
+        if 8 + n + at != meta.len() {
+            return Err(bad(format!(
+                "its tensors end at byte {} of a {}-byte file",
+                8 + n + at,
+                meta.len()
+            )));
+        }
+        Ok(TensorFile {
+            file,
+            data_start: 8 + n,
+            tensors,
+        })
+    }
+}
+
+impl TensorSource for TensorFile {
+    fn names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
+
+    fn info(&self, name: &str) -> Option<(Dtype, Vec<usize>)> {
+        self.tensors.get(name).map(|(d, s, _, _)| (*d, s.clone()))
+    }
+
+    fn raw(&self, name: &str, label: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>)> {
+        use std::os::unix::fs::FileExt;
+        let (dtype, shape, start, end) = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::new(format!("{label}: tensor `{name}` is missing")))?;
+        // Bounded by the file's length, checked when it was opened.
+        let mut bytes = vec![0u8; (end - start) as usize];
+        self.file
+            .read_exact_at(&mut bytes, self.data_start + start)
+            .map_err(|e| Error::new(format!("cannot read {label}: tensor `{name}`: {e}")))?;
+        Ok((*dtype, shape.clone(), bytes))
+    }
 }

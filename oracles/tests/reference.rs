@@ -79,7 +79,7 @@ fn matches_pytorch_golden_files() {
             reduction,
             ..Options::default()
         };
-        let r = compute(&model, &batch, &opts, &mut |_, _| {}).unwrap();
+        let r = compute(&model, &batch, &opts, &mut |_| {}).unwrap();
         let ex = expected["examples"].as_array().unwrap();
         assert_eq!(ex.len(), r.examples.len());
         for (i, (got, want)) in r.examples.iter().zip(ex).enumerate() {
@@ -157,7 +157,7 @@ fn matches_pytorch_golden_files() {
 fn tied_split_adds_up_and_cross_term_is_not_negligible() {
     let model = Gpt2::random(Gpt2Config::tiny(13, 16, 8, 1, 2), 5, 0.5);
     let batch = Batch::new(array![[1_i64, 2, 1, 3, 2, 1, 4, 5, 6, 2]], None).unwrap();
-    let r = compute(&model, &batch, &Options::default(), &mut |_, _| {}).unwrap();
+    let r = compute(&model, &batch, &Options::default(), &mut |_| {}).unwrap();
     let e = &r.examples[0];
     let (_, s) = e.shared[0];
     let wte = e
@@ -190,7 +190,7 @@ fn trace_rebuilds_the_materialized_gradients() {
             record_trace: true,
             ..Options::default()
         };
-        let r = compute(&model, &batch, &opts, &mut |_, _| {}).unwrap();
+        let r = compute(&model, &batch, &opts, &mut |_| {}).unwrap();
         let trace = r.trace.as_ref().unwrap();
         let m = trace.materialized_norms().unwrap();
         for (i, e) in r.examples.iter().enumerate() {
@@ -235,7 +235,7 @@ fn kept_gradients_have_the_reported_norms_and_the_model_layout() {
         keep_gradients: true,
         ..Options::default()
     };
-    let r = compute(&model, &batch, &opts, &mut |_, _| {}).unwrap();
+    let r = compute(&model, &batch, &opts, &mut |_| {}).unwrap();
     let kept = r.gradients.as_ref().unwrap();
     for (i, g) in kept.iter().enumerate() {
         let sq: f64 = g.iter().map(|v| v * v).sum();
@@ -263,7 +263,7 @@ fn gradient_rows_of_every_site_kind_add_up_to_the_weighted_whole_in_any_partitio
         record_trace: true,
         ..Options::default()
     };
-    let trace = compute(&model, &batch, &opts, &mut |_, _| {})
+    let trace = compute(&model, &batch, &opts, &mut |_| {})
         .unwrap()
         .trace
         .unwrap();
@@ -351,5 +351,5 @@ fn a_batch_is_checked_when_built_and_against_the_model_it_runs_on() {
     let msg = err(example_gradient(&model, &long, 0, Reduction::Mean, false).map(|_| b.clone()));
     assert!(msg.contains("n_positions = 8"), "{msg}");
     let opts = Options::default();
-    assert!(compute(&model, &b, &opts, &mut |_, _| {}).is_err());
+    assert!(compute(&model, &b, &opts, &mut |_| {}).is_err());
 }

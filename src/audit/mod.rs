@@ -446,7 +446,7 @@ pub fn prepare(case: impl Borrow<Case>, opts: &AuditOptions) -> Result<PreparedC
         record_trace: true,
         keep_gradients: false,
     };
-    let r = reference::compute(&case.model, &case.batch, &ropts, &mut |_, _| {})
+    let r = reference::compute(&case.model, &case.batch, &ropts, &mut |_| {})
         .map_err(|e| Error::from(e).context(&case.name))?;
     let (trace, judge) = match opts.precision {
         // f32 and f64 clippers are judged against the model's own gradients; the bound covers

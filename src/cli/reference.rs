@@ -34,7 +34,10 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         reduction: a.reduction.into(),
         ..Default::default()
     };
-    let r = reference::compute(&m, &b, &opts, &mut |d, t| progress.update(d, t, "examples"))?;
+    let r = reference::compute(&m, &b, &opts, &mut |p| {
+        let (done, total) = p.steps();
+        progress.update(done, total, &p.describe())
+    })?;
     if let Some(path) = &a.json {
         write_file(path, &to_json(&r.to_json()), "--json")?;
     }

@@ -18,9 +18,7 @@ pub use llama::CandleLlama;
 use crate::error::{Error, Result};
 use crate::trace::{Site, SiteKind, SiteSpec, Trace};
 use candle_core::{DType, Device, Tensor, Var, D};
-use ghost_oracle_reference::{
-    Batch, DecoderModel, Dims, Model, ParamSet, Reduction, IGNORE, LM_HEAD,
-};
+use ghost_oracle_reference::{Batch, DecoderModel, Dims, Model, Reduction, IGNORE, LM_HEAD};
 
 /// The trace of a batch and the batch gradient Σ_i ∇L_i of every parameter.
 pub struct Extracted {
@@ -92,20 +90,26 @@ pub(crate) struct Core {
 
 impl Core {
     fn of<M: DecoderModel>(model: &M, dtype: DType, device: &Device) -> Result<Self> {
-        let weights = model
-            .params()
-            .tensors()
-            .into_iter()
-            .map(|(local, t)| {
-                let name = model.param_name(&local);
-                let v: Vec<f64> = t.iter().copied().collect();
-                let tensor = Tensor::from_vec(v, t.shape(), &Device::Cpu)
-                    .and_then(|x| x.to_dtype(dtype))
-                    .and_then(|x| x.to_device(device))
-                    .map_err(|e| Error::from(e).context(format!("weight `{name}`")))?;
-                Ok((name, Var::from_tensor(&tensor)?))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut weights = Vec::new();
+        let mut failed = None;
+        model.visit_weights(&mut |name, t| {
+            if failed.is_some() {
+                return;
+            }
+            let v: Vec<f64> = t.iter().copied().collect();
+            let made = Tensor::from_vec(v, t.shape(), &Device::Cpu)
+                .and_then(|x| x.to_dtype(dtype))
+                .and_then(|x| x.to_device(device))
+                .and_then(|x| Var::from_tensor(&x))
+                .map_err(|e| Error::from(e).context(format!("weight `{name}`")));
+            match made {
+                Ok(var) => weights.push((name, var)),
+                Err(e) => failed = Some(e),
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
         Ok(Core {
             dims: model.dims(),
             weights,
