@@ -94,13 +94,7 @@ fn ghost_is_flagged_exactly_where_the_dropped_cross_term_matters() {
         let mut metrics = audits[0].cases.iter();
         let u = if dtype == DType::F32 { 6e-8 } else { 1.2e-16 };
         for case in &cases {
-            let r = compute(
-                &case.model,
-                &case.batch,
-                &Options::default(),
-                &mut |_, _| {},
-            )
-            .unwrap();
+            let r = compute(&case.model, &case.batch, &Options::default(), &mut |_| {}).unwrap();
             let norms: Vec<f64> = r.examples.iter().map(|e| e.norm).collect();
             let med = median(&norms);
             for m in &case.c_multipliers {

@@ -21,7 +21,7 @@ pub fn reference_with_trace(model: &Gpt2, batch: &Batch) -> reference::Reference
         keep_gradients: true,
         ..Options::default()
     };
-    reference::compute(model, batch, &opts, &mut |_, _| {}).unwrap()
+    reference::compute(model, batch, &opts, &mut |_| {}).unwrap()
 }
 
 /// Generates `<name>::cpu` and, with the `cuda` feature, `<name>::cuda` from one test body

@@ -81,7 +81,7 @@ fn assert_matches_reference_at(
         keep_gradients: true,
         reduction,
     };
-    let r = ghost_oracle_reference::compute(model, b, &opts, &mut |_, _| {}).unwrap();
+    let r = ghost_oracle_reference::compute(model, b, &opts, &mut |_| {}).unwrap();
     let rt = r.trace.as_ref().unwrap();
     for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, f32_tol)] {
         let ex = CandleModel::from_reference(model, dtype, device)
@@ -286,7 +286,7 @@ crate::device_test!(
                 &model,
                 &b,
                 &ghost_oracle_reference::Options::default(),
-                &mut |_, _| {},
+                &mut |_| {},
             )
             .unwrap();
             let trace = CandleModel::from_reference(&model, DType::F64, device)
@@ -325,7 +325,7 @@ crate::device_test!(
             &model,
             &b,
             &ghost_oracle_reference::Options::default(),
-            &mut |_, _| {},
+            &mut |_| {},
         )
         .unwrap();
         for (dtype, tol) in [(DType::BF16, 5e-2), (DType::F16, 1e-2)] {
@@ -442,7 +442,7 @@ crate::device_test!(
                 &model,
                 &b,
                 &ghost_oracle_reference::Options::default(),
-                &mut |_, _| {},
+                &mut |_| {},
             )
             .unwrap();
             let trace = CandleModel::from_reference(&model, DType::F64, device)
