@@ -4,8 +4,7 @@
 
 use crate::decoder::{DecoderModel, ParamSet, LM_HEAD};
 use crate::error::{bail, Error, Result};
-use crate::io::RawTensor;
-use crate::precision::Precision;
+use crate::io::{weight_precision, RawTensor};
 use crate::stored::StoredBlocks;
 use crate::tensors::{self, TensorFile, TensorSource};
 use serde_json::Value;
@@ -190,11 +189,7 @@ pub(crate) fn write_checkpoint<M: DecoderModel>(
     let cfg_path = dir.join("config.json");
     std::fs::write(&cfg_path, cfg)
         .map_err(|e| Error::new(format!("cannot write {}: {e}", cfg_path.display())))?;
-    let precision = if f32_weights {
-        Precision::F32
-    } else {
-        Precision::F64
-    };
+    let precision = weight_precision(f32_weights);
     let mut raw = Vec::new();
     model.visit_weights(&mut |name, t| raw.push((name, RawTensor::from_f64(&t, precision))));
     crate::io::write_raw(&dir.join("model.safetensors"), &raw, None)

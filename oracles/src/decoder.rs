@@ -69,6 +69,19 @@ pub trait ParamSet: Clone {
     fn lm_head_mut(&mut self) -> &mut Option<Array2<f64>>;
 }
 
+/// Every block's tensors, in order, with their family-local names (`P::block_prefix` + the
+/// name within the block): how a [`ParamSet`] lists its blocks, for views and mutable views.
+pub(crate) fn prefixed_blocks<P: ParamSet, V>(
+    blocks: impl Iterator<Item = Vec<(String, V)>>,
+) -> impl Iterator<Item = (String, V)> {
+    blocks.enumerate().flat_map(|(l, tensors)| {
+        let prefix = P::block_prefix(l);
+        tensors
+            .into_iter()
+            .map(move |(n, t)| (format!("{prefix}{n}"), t))
+    })
+}
+
 /// One family of decoder-only models. The skeleton calls, per example:
 /// `embed` → `block_forward` for every layer → `final_norm` → head, then the backward passes in
 /// reverse. Each backward accumulates into a zero gradient and records its sites (in forward
@@ -115,29 +128,22 @@ pub trait DecoderModel: HasDims {
     /// widened one at a time (so a caller that copies them never holds two f64 models).
     fn visit_weights(&self, visit: &mut dyn FnMut(String, ArrayViewD<'_, f64>)) {
         let params = self.params();
-        let stem = params.tensors();
-        let blocks_len: usize = params.blocks().iter().map(|b| b.tensors().len()).sum();
-        let stem_end = <Self::Params as ParamSet>::STEM_TENSORS;
-        let mut rest = stem.into_iter();
-        for (local, t) in rest.by_ref().take(stem_end) {
+        let mut stem = params.tensors();
+        // `tensors()` lists resident blocks too: every block is read through `block_weights`.
+        let resident: usize = params.blocks().iter().map(|b| b.tensors().len()).sum();
+        let first_block = <Self::Params as ParamSet>::STEM_TENSORS;
+        let tail = stem.split_off(first_block + resident);
+        stem.truncate(first_block);
+        for (local, t) in stem {
             visit(self.param_name(&local), t);
         }
-        // Resident blocks are listed in `tensors()` itself; stored ones are widened here.
-        let mut rest: Vec<_> = rest.collect();
-        let resident: Vec<_> = rest.drain(..blocks_len).collect();
-        for (local, t) in resident {
-            visit(self.param_name(&local), t);
-        }
-        if self.stored_blocks().is_some() {
-            let mut scratch = None;
-            for l in 0..self.dims().layers {
-                let w = self.block_weights(l, &mut scratch);
-                for (local, t) in w.tensors() {
-                    visit(self.block_param_name(l, &local), t);
-                }
+        let mut scratch = None;
+        for l in 0..self.dims().layers {
+            for (local, t) in self.block_weights(l, &mut scratch).tensors() {
+                visit(self.block_param_name(l, &local), t);
             }
         }
-        for (local, t) in rest {
+        for (local, t) in tail {
             visit(self.param_name(&local), t);
         }
     }

@@ -5,7 +5,9 @@
 use crate::checkpoint::{
     read_checkpoint, write_checkpoint, Blocks, CheckpointLayout, FromCheckpoint,
 };
-use crate::decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
+use crate::decoder::{
+    prefixed_blocks, BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD,
+};
 use crate::error::{bail, Result};
 use crate::gpt2_config::Gpt2Config;
 use crate::layers::{gelu_new, gelu_new_grad, Attention, Conv1d, LayerNorm, NormCache, Sites};
@@ -193,11 +195,9 @@ impl ParamSet for Gpt2Params {
             (WTE.to_string(), self.wte.view().into_dyn()),
             ("wpe.weight".to_string(), self.wpe.view().into_dyn()),
         ];
-        for (l, b) in self.blocks.iter().enumerate() {
-            for (n, t) in b.tensors() {
-                out.push((format!("{}{n}", Self::block_prefix(l)), t));
-            }
-        }
+        out.extend(prefixed_blocks::<Self, _>(
+            self.blocks.iter().map(|b| b.tensors()),
+        ));
         out.push(("ln_f.weight".into(), self.ln_f.weight.view().into_dyn()));
         out.push(("ln_f.bias".into(), self.ln_f.bias.view().into_dyn()));
         if let Some(h) = &self.lm_head {
@@ -211,11 +211,9 @@ impl ParamSet for Gpt2Params {
             (WTE.to_string(), self.wte.view_mut().into_dyn()),
             ("wpe.weight".to_string(), self.wpe.view_mut().into_dyn()),
         ];
-        for (l, b) in self.blocks.iter_mut().enumerate() {
-            for (n, t) in b.tensors_mut() {
-                out.push((format!("{}{n}", Self::block_prefix(l)), t));
-            }
-        }
+        out.extend(prefixed_blocks::<Self, _>(
+            self.blocks.iter_mut().map(|b| b.tensors_mut()),
+        ));
         out.push(("ln_f.weight".into(), self.ln_f.weight.view_mut().into_dyn()));
         out.push(("ln_f.bias".into(), self.ln_f.bias.view_mut().into_dyn()));
         if let Some(h) = &mut self.lm_head {

@@ -343,13 +343,12 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
     }
     let de = model.embedding_backprops(&ids, dh.view());
     let split = folded.then(|| {
-        let rows = table_rows(&ids, de.view());
         let head = g.token_embedding();
-        SharedSplit {
-            input_sq: rows.values().map(|r| r.dot(r)).sum(),
-            output_sq: head.iter().map(|v| v * v).sum(),
-            cross: rows.iter().map(|(&x, r)| r.dot(&head.row(x))).sum(),
-        }
+        table_split(
+            &table_rows(&ids, de.view()),
+            square(head.view().into_dyn()),
+            |x| head.row(x).to_owned(),
+        )
     });
     {
         let table = g.token_embedding_mut();
@@ -393,7 +392,8 @@ fn head_square(dlogits: &Array2<f64>, af: &Array2<f64>) -> f64 {
     total
 }
 
-fn square(t: ArrayViewD<f64>) -> f64 {
+/// The squared Frobenius norm of a tensor.
+pub(crate) fn square(t: ArrayViewD<f64>) -> f64 {
     t.iter().map(|v| v * v).sum()
 }
 
@@ -459,17 +459,10 @@ pub fn example_norms<M: DecoderModel + ?Sized>(
 
     let de = model.embedding_backprops(&ids, dh.view());
     let rows = table_rows(&ids, de.view());
-    let input_sq: f64 = rows.values().map(|r| r.dot(r)).sum();
-    let split = tied.then(|| SharedSplit {
-        input_sq,
-        output_sq,
-        // ⟨g_in, g_out⟩ only reads the head path's rows at the example's ids: row x of
-        // dlogitsᵀ·af is Σ_t dlogits[t, x] af_t.
-        cross: rows
-            .iter()
-            .map(|(&x, r)| r.dot(&af.t().dot(&dlogits.column(x))))
-            .sum(),
-    });
+    // Row x of the head path dlogitsᵀ·af is Σ_t dlogits[t, x] af_t.
+    let split = table_split(&rows, output_sq, |x| af.t().dot(&dlogits.column(x)));
+    let input_sq = split.input_sq;
+    let split = tied.then_some(split);
     if record_sites {
         sites.embedding.push(table_site(model, &ids, de));
     }
@@ -519,4 +512,18 @@ fn table_rows(ids: &[usize], de: ArrayView2<f64>) -> BTreeMap<usize, Array1<f64>
         *rows.entry(x).or_insert_with(|| Array1::zeros(de.ncols())) += &de.row(t);
     }
     rows
+}
+
+/// The split of a tied table from its input path's rows, the head path's squared norm and the
+/// head path's row at an id: ⟨g_in, g_out⟩ only reads the head path at the example's ids.
+fn table_split(
+    rows: &BTreeMap<usize, Array1<f64>>,
+    output_sq: f64,
+    head_row: impl Fn(usize) -> Array1<f64>,
+) -> SharedSplit {
+    SharedSplit {
+        input_sq: rows.values().map(|r| r.dot(r)).sum(),
+        output_sq,
+        cross: rows.iter().map(|(&x, r)| r.dot(&head_row(x))).sum(),
+    }
 }

@@ -70,17 +70,22 @@ pub fn write_raw(
         .map_err(|e| Error::new(format!("cannot write {}: {e}", path.display())))
 }
 
+/// The precision of a written checkpoint: f32 (what `save_pretrained` writes) or f64.
+pub(crate) fn weight_precision(f32_weights: bool) -> Precision {
+    if f32_weights {
+        Precision::F32
+    } else {
+        Precision::F64
+    }
+}
+
 pub fn write_f64_tensors(
     path: &Path,
     tensors: &[(String, ArrayViewD<f64>)],
     f32_weights: bool,
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
-    let dtype = if f32_weights {
-        Precision::F32
-    } else {
-        Precision::F64
-    };
+    let dtype = weight_precision(f32_weights);
     let raw: Vec<(String, RawTensor)> = tensors
         .iter()
         .map(|(n, t)| (n.clone(), RawTensor::from_f64(t, dtype)))

@@ -9,7 +9,9 @@
 use crate::checkpoint::{
     read_checkpoint, write_checkpoint, Blocks, CheckpointLayout, FromCheckpoint,
 };
-use crate::decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
+use crate::decoder::{
+    prefixed_blocks, BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD,
+};
 use crate::error::{bail, Result};
 use crate::layers::{
     gelu_new, gelu_new_grad, silu, silu_grad, Attention, Linear, NormCache, RmsNorm, Rope, Sites,
@@ -287,11 +289,9 @@ impl ParamSet for LlamaParams {
             EMBED_TOKENS.to_string(),
             self.embed_tokens.view().into_dyn(),
         )];
-        for (l, layer) in self.layers.iter().enumerate() {
-            for (n, t) in layer.tensors() {
-                out.push((format!("{}{n}", Self::block_prefix(l)), t));
-            }
-        }
+        out.extend(prefixed_blocks::<Self, _>(
+            self.layers.iter().map(|b| b.tensors()),
+        ));
         out.push((FINAL_NORM.into(), self.norm.weight.view().into_dyn()));
         if let Some(h) = &self.lm_head {
             out.push((LM_HEAD.into(), h.view().into_dyn()));
@@ -304,11 +304,9 @@ impl ParamSet for LlamaParams {
             EMBED_TOKENS.to_string(),
             self.embed_tokens.view_mut().into_dyn(),
         )];
-        for (l, layer) in self.layers.iter_mut().enumerate() {
-            for (n, t) in layer.tensors_mut() {
-                out.push((format!("{}{n}", Self::block_prefix(l)), t));
-            }
-        }
+        out.extend(prefixed_blocks::<Self, _>(
+            self.layers.iter_mut().map(|b| b.tensors_mut()),
+        ));
         out.push((FINAL_NORM.into(), self.norm.weight.view_mut().into_dyn()));
         if let Some(h) = &mut self.lm_head {
             out.push((LM_HEAD.into(), h.view_mut().into_dyn()));

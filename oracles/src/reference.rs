@@ -5,7 +5,7 @@ use crate::batch::Batch;
 use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet};
 use crate::error::Result;
 use crate::gradient::{
-    example_gradient_into, example_norms, HeadPath, Reduction, SharedSplit, Workspace,
+    example_gradient_into, example_norms, square, HeadPath, Reduction, SharedSplit, Workspace,
 };
 use crate::model::Model;
 use crate::trace::{SiteRecord, Trace, TraceBuilder};
@@ -162,7 +162,7 @@ impl<M: DecoderModel> ReferenceModel for M {
                 let mut squares = Vec::new();
                 let mut flat = Vec::new();
                 for (local, t) in grad.tensors() {
-                    squares.push((self.param_name(&local), t.iter().map(|v| v * v).sum()));
+                    squares.push((self.param_name(&local), square(t.view())));
                     flat.extend(t.iter().copied());
                 }
                 at.examples_done = i + 1;
@@ -262,7 +262,6 @@ pub fn compute<M: ReferenceModel + ?Sized>(
     let mut examples = Vec::with_capacity(batch.len());
     let mut records = TraceBuilder::new(batch.len());
     let mut gradients = Vec::new();
-    let mut layout = Vec::new();
     model.for_each_example(
         batch,
         opts.reduction,
@@ -271,9 +270,6 @@ pub fn compute<M: ReferenceModel + ?Sized>(
         progress,
         &mut |i, eg| {
             let total: f64 = eg.squares.iter().map(|(_, sq)| sq).sum();
-            if i == 0 {
-                layout = model.layout();
-            }
             if let Some(flat) = eg.gradient {
                 gradients.push(flat);
             }
@@ -296,7 +292,7 @@ pub fn compute<M: ReferenceModel + ?Sized>(
         reduction: opts.reduction,
         examples,
         trace: opts.record_trace.then(|| records.finish()),
-        layout,
+        layout: model.layout(),
         gradients: opts.keep_gradients.then_some(gradients),
     })
 }

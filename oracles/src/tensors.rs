@@ -38,11 +38,11 @@ pub(crate) fn parse<'a>(bytes: &'a [u8], label: &str) -> Result<SafeTensors<'a>>
 
 /// Any floating tensor as f64, with NaN/Inf rejected (a non-finite weight makes every norm NaN).
 pub(crate) fn to_f64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f64>> {
-    let values = to_f64_unchecked(st, name, label)?;
-    if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-        bail!("{label}: tensor `{name}` holds a non-finite value ({v}) at flat index {i}");
-    }
-    Ok(values)
+    let view = st
+        .tensor(name)
+        .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
+    let values = Floats::decode(view.dtype(), view.data(), name, label)?.finite(name, label)?;
+    values.into_array(view.shape(), name, label)
 }
 
 /// A float tensor as f64 with NaN and ±∞ kept: for values that are a verdict when non-finite
@@ -51,34 +51,119 @@ pub(crate) fn to_f64_unchecked(st: &SafeTensors, name: &str, label: &str) -> Res
     let view = st
         .tensor(name)
         .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
-    let values = decode_f64(view.dtype(), view.data(), name, label)?;
-    ArrayD::from_shape_vec(IxDyn(view.shape()), values)
-        .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
+    Floats::decode(view.dtype(), view.data(), name, label)?.into_array(view.shape(), name, label)
 }
 
-/// Little-endian floats of any supported width, widened to f64 (exactly).
-fn decode_f64(dtype: Dtype, data: &[u8], name: &str, label: &str) -> Result<Vec<f64>> {
-    Ok(match dtype {
-        Dtype::F64 => data
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-            .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64())
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64())
-            .collect(),
-        other => {
-            bail!("{label}: tensor `{name}` has dtype {other:?}; expected F32, F64, F16 or BF16")
+/// A floating tensor's values in its own dtype, decoded from little-endian bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Floats {
+    F64(Vec<f64>),
+    F32(Vec<f32>),
+    F16(Vec<half::f16>),
+    Bf16(Vec<half::bf16>),
+}
+
+impl Floats {
+    pub(crate) fn decode(dtype: Dtype, data: &[u8], name: &str, label: &str) -> Result<Self> {
+        Ok(match dtype {
+            Dtype::F64 => Floats::F64(
+                data.chunks_exact(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect(),
+            ),
+            Dtype::F32 => Floats::F32(
+                data.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect(),
+            ),
+            Dtype::F16 => Floats::F16(
+                data.chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            Dtype::BF16 => Floats::Bf16(
+                data.chunks_exact(2)
+                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            other => bail!(
+                "{label}: tensor `{name}` has dtype {other:?}; expected F32, F64, F16 or BF16"
+            ),
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Floats::F64(v) => v.len(),
+            Floats::F32(v) => v.len(),
+            Floats::F16(v) => v.len(),
+            Floats::Bf16(v) => v.len(),
         }
-    })
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Floats::F64(v) => 8 * v.len(),
+            Floats::F32(v) => 4 * v.len(),
+            Floats::F16(v) => 2 * v.len(),
+            Floats::Bf16(v) => 2 * v.len(),
+        }
+    }
+
+    /// The values, or an error naming the tensor and the first non-finite one (a non-finite
+    /// weight makes every norm NaN).
+    pub(crate) fn finite(self, name: &str, label: &str) -> Result<Self> {
+        match self.first_non_finite() {
+            Some((i, v)) => {
+                bail!("{label}: tensor `{name}` holds a non-finite value ({v}) at flat index {i}")
+            }
+            None => Ok(self),
+        }
+    }
+
+    fn first_non_finite(&self) -> Option<(usize, f64)> {
+        fn find<T: Copy>(v: &[T], wide: impl Fn(T) -> f64) -> Option<(usize, f64)> {
+            v.iter()
+                .map(|&x| wide(x))
+                .enumerate()
+                .find(|(_, x)| !x.is_finite())
+        }
+        match self {
+            Floats::F64(v) => find(v, |x| x),
+            Floats::F32(v) => find(v, f64::from),
+            Floats::F16(v) => find(v, half::f16::to_f64),
+            Floats::Bf16(v) => find(v, half::bf16::to_f64),
+        }
+    }
+
+    /// Writes the values, widened to f64 (exactly), into `out` (of the same length).
+    pub(crate) fn widen_into(&self, out: &mut [f64]) {
+        fn copy<T: Copy>(v: &[T], out: &mut [f64], w: impl Fn(T) -> f64) {
+            for (o, &x) in out.iter_mut().zip(v) {
+                *o = w(x);
+            }
+        }
+        match self {
+            Floats::F64(v) => copy(v, out, |x| x),
+            Floats::F32(v) => copy(v, out, f64::from),
+            Floats::F16(v) => copy(v, out, half::f16::to_f64),
+            Floats::Bf16(v) => copy(v, out, half::bf16::to_f64),
+        }
+    }
+
+    /// The values widened to f64 (exactly) as an array of `shape`.
+    fn into_array(self, shape: &[usize], name: &str, label: &str) -> Result<ArrayD<f64>> {
+        let values = match self {
+            Floats::F64(v) => v,
+            other => {
+                let mut out = vec![0.0; other.len()];
+                other.widen_into(&mut out);
+                out
+            }
+        };
+        ArrayD::from_shape_vec(IxDyn(shape), values)
+            .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
+    }
 }
 
 /// An integer tensor (ids, labels) as i64; I32 is accepted too since some exporters write it.
@@ -126,12 +211,9 @@ pub trait TensorSource {
     /// A floating tensor as f64, with NaN/Inf rejected.
     fn f64(&self, name: &str, label: &str) -> Result<ArrayD<f64>> {
         let (dtype, shape, bytes) = self.raw(name, label)?;
-        let values = decode_f64(dtype, &bytes, name, label)?;
-        if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-            bail!("{label}: tensor `{name}` holds a non-finite value ({v}) at flat index {i}");
-        }
-        ArrayD::from_shape_vec(IxDyn(&shape), values)
-            .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
+        Floats::decode(dtype, &bytes, name, label)?
+            .finite(name, label)?
+            .into_array(&shape, name, label)
     }
 }
 
