@@ -5,7 +5,7 @@ use crate::cli::{gate_on_golden, golden, run, stderr, tmp};
 use candle_core::DType;
 use ghost_oracle::audit::{builtin_suite, median, run as run_audit};
 use ghost_oracle::*;
-use ghost_oracle_reference::{compute, Batch, Model, Options};
+use ghost_oracle_reference::{compute, Batch, HasDims, Model, Options};
 
 fn opts(dtype: DType) -> AuditOptions {
     AuditOptions {
@@ -219,4 +219,63 @@ fn audit_on_checkpoints_gates_ghost_on_tied_but_not_untied() {
     assert_eq!(gate_on_golden("untied_l2_h3_t8", "ghost"), Some(0));
     assert_eq!(gate_on_golden("tied_l1_h2_t2", "ghost"), Some(1));
     assert_eq!(gate_on_golden("tied_l1_h2_t2", "ghost-tied"), Some(0));
+}
+
+#[test]
+fn audit_progress_covers_every_reference_pass_and_clipper_run_in_order() {
+    // Two built-in cases of different depths, two clippers, the suite's three clipping norms.
+    let cases: Vec<Case> = builtin_suite().into_iter().take(2).collect();
+    let clippers: Vec<Box<dyn Clipper>> = vec![Box::new(GhostClipper), Box::new(TiedGhostClipper)];
+    let expected: usize = cases
+        .iter()
+        .map(|c| {
+            // Known from the model's depth and the batch: forward and backward through every
+            // block and the head, per example; a clipper on a case counts as one example at
+            // each of its clipping norms.
+            let passes = 2 * c.model.dims().layers + 1;
+            c.batch.len() * passes + clippers.len() * c.c_multipliers.len() * passes
+        })
+        .sum();
+    let mut heard: Vec<(usize, usize, String)> = Vec::new();
+    run_audit(&cases, &clippers, &opts(DType::F32), &mut |d, t, l| {
+        heard.push((d, t, l.to_string()))
+    })
+    .unwrap();
+    assert!(heard.iter().all(|(_, t, _)| *t == expected), "{heard:?}");
+    assert!(heard.windows(2).all(|w| w[0].0 < w[1].0), "{heard:?}");
+    assert_eq!(heard.last().unwrap().0, expected);
+    for case in &cases {
+        let passes = 2 * case.model.dims().layers + 1;
+        let of_case: Vec<&String> = heard
+            .iter()
+            .map(|(_, _, l)| l)
+            .filter(|l| l.starts_with(&format!("{}: ", case.name)))
+            .collect();
+        // Every pass of every example but the last of each (the example's end says so), then
+        // one line per clipper.
+        assert_eq!(
+            of_case.len(),
+            case.batch.len() * passes + clippers.len(),
+            "{of_case:?}"
+        );
+        assert!(of_case.contains(&&format!(
+            "{}: reference, example 1/{}, block 1/{} forward",
+            case.name,
+            case.batch.len(),
+            case.model.dims().layers
+        )));
+        assert!(of_case.contains(&&format!(
+            "{}: reference, example {}/{}, head",
+            case.name,
+            case.batch.len(),
+            case.batch.len()
+        )));
+        assert!(of_case.contains(&&format!(
+            "{}: reference, {}/{} examples",
+            case.name,
+            case.batch.len(),
+            case.batch.len()
+        )));
+        assert!(of_case.contains(&&format!("{}: clipper ghost-tied judged", case.name)));
+    }
 }

@@ -72,7 +72,7 @@ mod trace_shape;
 
 pub use batch::{Batch, IGNORE};
 pub use checkpoint::{load, load_resident, Blocks, FromCheckpoint};
-pub use decoder::{BlockParams, DecoderModel, Dims, ParamSet, LM_HEAD};
+pub use decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
 pub use gpt2::Gpt2;
 pub use gpt2_config::Gpt2Config;

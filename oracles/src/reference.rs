@@ -61,6 +61,17 @@ pub struct Progress {
 }
 
 impl Progress {
+    /// The start of a run of `batch` through `model`: every example is a forward pass per block,
+    /// the head, and a backward pass per block.
+    pub fn start<M: HasDims + ?Sized>(model: &M, batch: &Batch) -> Self {
+        Progress {
+            examples_done: 0,
+            examples: batch.len(),
+            pass: 0,
+            passes: 2 * model.dims().layers + 1,
+        }
+    }
+
     /// Passes done over the whole batch, and their total: a measure in which every step is
     /// alike, so the mean so far predicts the rest.
     pub fn steps(&self) -> (usize, usize) {
@@ -136,12 +147,7 @@ impl<M: DecoderModel> ReferenceModel for M {
         progress: &mut dyn FnMut(Progress),
         visit: &mut dyn FnMut(usize, ExampleView),
     ) -> Result<()> {
-        let mut at = Progress {
-            examples_done: 0,
-            examples: batch.len(),
-            pass: 0,
-            passes: 2 * self.dims().layers + 1,
-        };
+        let mut at = Progress::start(self, batch);
         let name = self.param_name(self.embedding_local_name());
         let shared_of =
             |split: Option<SharedSplit>| split.map(|s| vec![(name.clone(), s)]).unwrap_or_default();

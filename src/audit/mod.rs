@@ -437,16 +437,21 @@ pub struct PreparedCase {
     pub clip_norms: Vec<(CaseLabel, ClipNorm)>,
 }
 
-/// The reference on a case, its judge and the clippers' trace. A case passed by value is
-/// dropped here, its f64 weights with it, before any clipper runs.
-pub fn prepare(case: impl Borrow<Case>, opts: &AuditOptions) -> Result<PreparedCase> {
+/// The reference on a case, its judge and the clippers' trace; `progress` hears of every pass of
+/// the reference. A case passed by value is dropped here, its weights with it, before any
+/// clipper runs.
+pub fn prepare(
+    case: impl Borrow<Case>,
+    opts: &AuditOptions,
+    progress: &mut dyn FnMut(reference::Progress),
+) -> Result<PreparedCase> {
     let case = case.borrow();
     let ropts = reference::Options {
         reduction: opts.reduction,
         record_trace: true,
         keep_gradients: false,
     };
-    let r = reference::compute(&case.model, &case.batch, &ropts, &mut |_| {})
+    let r = reference::compute(&case.model, &case.batch, &ropts, progress)
         .map_err(|e| Error::from(e).context(&case.name))?;
     let (trace, judge) = match opts.precision {
         // f32 and f64 clippers are judged against the model's own gradients; the bound covers
@@ -517,8 +522,11 @@ pub fn expected_batch_size(drawn: usize) -> f64 {
     drawn as f64 + 1.0
 }
 
-/// Runs every clipper on every case. `progress(done, total, label)` after each step. Cases
-/// given by value are dropped one by one as soon as their reference has run.
+/// Runs every clipper on every case. `progress(done, total, label)` after each step: a pass of
+/// the reference through one block of one example, or a clipper's run on a case, which counts
+/// as much as one example of the reference (on a checkpoint the two take about as long, and
+/// alike steps let the mean so far predict the rest). Cases given by value are dropped one by
+/// one as soon as their reference has run.
 pub fn run<C: Borrow<Case>, I>(
     cases: I,
     clippers: &[Box<dyn Clipper>],
@@ -529,14 +537,38 @@ where
     I: IntoIterator<Item = C>,
     I::IntoIter: ExactSizeIterator,
 {
-    let cases = cases.into_iter();
+    // Collected (moved, not copied) so that the steps of every case are known before the first.
+    let cases: Vec<C> = cases.into_iter().collect();
     // Per clipper: its cases' metrics and its warnings.
     let mut out: Vec<(Vec<CaseMetrics>, Vec<String>)> = vec![Default::default(); clippers.len()];
-    let total = cases.len() * clippers.len();
+    let steps_of = |case: &Case| {
+        let start = reference::Progress::start(&case.model, &case.batch);
+        let norms = match opts.max_grad_norm {
+            Some(_) => 1,
+            None => case.c_multipliers.len(),
+        };
+        let reference_steps = start.steps().1;
+        (reference_steps, start.passes * norms)
+    };
+    let total: usize = cases
+        .iter()
+        .map(|c| {
+            let (r, per_clipper) = steps_of(c.borrow());
+            r + per_clipper * clippers.len()
+        })
+        .sum();
     let mut done = 0;
     for case in cases {
         let name = case.borrow().name.clone();
-        let prepared = prepare(case, opts)?;
+        let (reference_steps, per_clipper) = steps_of(case.borrow());
+        let prepared = prepare(case, opts, &mut |p| {
+            progress(
+                done + p.steps().0,
+                total,
+                &format!("{name}: reference, {}", p.describe()),
+            )
+        })?;
+        done += reference_steps;
         for ((metrics, warnings), clipper) in out.iter_mut().zip(clippers) {
             for (label, c) in &prepared.clip_norms {
                 let label_err = |e: Error| {
@@ -595,8 +627,12 @@ where
                 }
                 metrics.push(m);
             }
-            done += 1;
-            progress(done, total, &name);
+            done += per_clipper;
+            progress(
+                done,
+                total,
+                &format!("{name}: clipper {} judged", clipper.name()),
+            );
         }
     }
     out.into_iter()
