@@ -10,7 +10,7 @@ use crate::common::{batch, cn, nm, reference_with_trace, tiny};
 use ghost_oracle::judge::{evaluate, Arithmetic, CaseMetrics, Claim, Tolerance, Truth};
 use ghost_oracle::{Judge, Precision, Verdict};
 use ghost_oracle_reference::{
-    ExampleReport, Reduction, Reference, Site, SiteKind, SiteSpec, Trace as RefTrace,
+    ExampleReport, Floats, Reduction, Reference, Site, SiteKind, SiteSpec, Trace as RefTrace,
 };
 use ndarray::{arr2, Array2, Array3};
 
@@ -457,8 +457,8 @@ fn sum_claim(w: [f64; 2], b: f64) -> Claim {
         norms: vec![5.0, 1.0],
         coefficients: vec![0.5, 1.0],
         clipped_sum: Some(vec![
-            ("b".to_string(), vec![b]),
-            ("w".to_string(), w.to_vec()),
+            ("b".to_string(), vec![b].into()),
+            ("w".to_string(), w.to_vec().into()),
         ]),
         clipping: Default::default(),
     }
@@ -516,7 +516,7 @@ fn a_clipped_sum_missing_a_parameter_or_of_the_wrong_size_is_an_error() {
     let err = error_of(&c);
     assert!(err.to_string().contains("`b`"), "{err}");
     let mut c = sum_claim([1.0, 2.0], 1.5);
-    c.clipped_sum.as_mut().unwrap()[1].1.push(0.0);
+    c.clipped_sum.as_mut().unwrap()[1].1 = vec![1.0, 2.0, 0.0].into();
     let err = error_of(&c);
     assert!(
         err.to_string().contains("has 3 values; expected 2"),
@@ -794,7 +794,7 @@ fn the_truth_of_a_hand_built_trace() {
 
 /// A claimed clipped sum of the hand-built trace split by parameter in its layout: `tied` 3×2
 /// (both sites summed), `b` and `ln` and `conv` 2 values, `pos` 2×2.
-fn hand_sum(scale: f64) -> Vec<(String, Vec<f64>)> {
+fn hand_sum(scale: f64) -> Vec<(String, Floats)> {
     let g: Vec<f64> = GRADIENT.iter().map(|v| scale * v).collect();
     [
         ("tied", 0..6),
@@ -804,7 +804,7 @@ fn hand_sum(scale: f64) -> Vec<(String, Vec<f64>)> {
         ("pos", 12..16),
     ]
     .into_iter()
-    .map(|(p, r)| (p.to_string(), g[r].to_vec()))
+    .map(|(p, r)| (p.to_string(), g[r].to_vec().into()))
     .collect()
 }
 
@@ -828,7 +828,9 @@ fn the_true_clipped_sum_is_rebuilt_from_the_factors_in_the_parameters_layout() {
     assert_eq!(m.clipped_sum_rel_err, Some(0.0));
     // One value of `pos` off by 3: ‖S − S*‖ = 3 against ‖S*‖ = 2√130, and far beyond an f64
     // bound.
-    claim.clipped_sum.as_mut().unwrap()[4].1[3] += 3.0;
+    let mut pos = hand_sum(2.0)[4].1.to_f64_vec();
+    pos[3] += 3.0;
+    claim.clipped_sum.as_mut().unwrap()[4].1 = pos.into();
     let m = judge
         .evaluate("hand", &claim, cn(n), nm(1.0), Precision::F64)
         .unwrap();
@@ -1029,7 +1031,7 @@ fn a_table_larger_than_a_block_is_judged_block_by_block_with_every_row_in_its_pl
     let mut claim = Claim {
         norms: judge.truth.norms.clone(),
         coefficients: vec![1.0, 0.5],
-        clipped_sum: Some(vec![("wte".to_string(), sum)]),
+        clipped_sum: Some(vec![("wte".to_string(), sum.clone().into())]),
         clipping: Default::default(),
     };
     let m = judge
@@ -1038,7 +1040,9 @@ fn a_table_larger_than_a_block_is_judged_block_by_block_with_every_row_in_its_pl
     assert_eq!(m.clipped_sum_rel_err, Some(0.0));
     assert_eq!(m.verdict, Verdict::Pass);
     // The last value of the table off by 6: ‖S − S*‖ = 6 of ‖S*‖ = √(3·16·4) = √192.
-    claim.clipped_sum.as_mut().unwrap()[0].1[v * d - 1] += 6.0;
+    let mut off = sum;
+    off[v * d - 1] += 6.0;
+    claim.clipped_sum.as_mut().unwrap()[0].1 = off.into();
     let m = judge
         .evaluate("big", &claim, cn(c), nm(1.0), Precision::F64)
         .unwrap();

@@ -5,8 +5,10 @@
 use crate::cli::{expect_input_error, tmp};
 use ghost_oracle::audit::check_trace;
 use ghost_oracle::{CheckOptions, Verdict};
-use ghost_oracle_reference::{write_trace, Clipping, Precision, Site, SiteKind, SiteSpec};
-use ghost_oracle_reference::{SplitMix64, StepClaim, Trace as RefTrace, TraceMeta};
+use ghost_oracle_reference::{
+    read_trace, write_trace, Clipping, Precision, Site, SiteKind, SiteSpec,
+};
+use ghost_oracle_reference::{Floats, SplitMix64, StepClaim, Trace as RefTrace, TraceMeta};
 use ndarray::Array3;
 use std::path::{Path, PathBuf};
 
@@ -136,14 +138,19 @@ fn write_step_claiming(
         site_dtypes: Vec::new(),
         step: Some(StepClaim {
             batch_divisor: divisor,
-            clipped_sum: sum,
-            update,
+            clipped_sum: sum.map(floats),
+            update: update.map(floats),
             clip_stabilizer: stabilizer,
             clipping,
         }),
     };
     write_trace(&path, &t, &meta).unwrap();
     path
+}
+
+/// Values per parameter as a trace file's step holds them (f64 here).
+fn floats(v: Vec<(String, Vec<f64>)>) -> Vec<(String, Floats)> {
+    v.into_iter().map(|(p, x)| (p, x.into())).collect()
 }
 
 /// A step at σ = 0 whose clipped sum is `s` and whose update is s / D, as the library says.
@@ -178,6 +185,81 @@ fn the_exact_clipped_sum_and_update_pass() {
         }
         assert!((check.scale.unwrap() - 1.0).abs() < 1e-12);
         assert!(check.unexplained.unwrap() < 1e-6);
+    }
+}
+
+#[test]
+fn a_step_held_in_f32_is_written_and_read_in_f32_and_judged_as_its_exact_widening() {
+    let (t, c, norms, coefs) = setup();
+    // The exact step rounded to f32, as an f32 library holds it.
+    let s: Vec<(String, Vec<f32>)> = weighted(&t, &coefs)
+        .into_iter()
+        .map(|(p, v)| (p, v.iter().map(|&x| x as f32).collect()))
+        .collect();
+    let u: Vec<(String, Vec<f32>)> = s
+        .iter()
+        .map(|(p, v)| (p.clone(), v.iter().map(|&x| x / DIVISOR as f32).collect()))
+        .collect();
+    // Held as f32, or widened to f64 (exactly).
+    let held = |values: &[(String, Vec<f32>)], widen: bool| -> Vec<(String, Floats)> {
+        values
+            .iter()
+            .map(|(p, v)| {
+                let f: Floats = if widen {
+                    v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>().into()
+                } else {
+                    v.clone().into()
+                };
+                (p.clone(), f)
+            })
+            .collect()
+    };
+    let mut judged = Vec::new();
+    for widen in [false, true] {
+        let path = tmp(&format!("step-f32-widen-{widen}")).join("t.safetensors");
+        let meta = TraceMeta {
+            max_grad_norm: c,
+            noise_multiplier: Some(0.0),
+            clipper: Some("f32".into()),
+            claimed_norms: norms.clone(),
+            claimed_coefficients: None,
+            dtype: Precision::F64,
+            compute_dtype: Some(Precision::F32),
+            site_compute_dtypes: Vec::new(),
+            site_dtypes: Vec::new(),
+            step: Some(StepClaim {
+                batch_divisor: Some(DIVISOR),
+                clipped_sum: Some(held(&s, widen)),
+                update: Some(held(&u, widen)),
+                clip_stabilizer: 0.0,
+                clipping: Clipping::Flat,
+            }),
+        };
+        write_trace(&path, &t, &meta).unwrap();
+        let (_, read) = read_trace(&path).unwrap();
+        let step = read.step.unwrap();
+        let kept_f32 = step
+            .clipped_sum
+            .iter()
+            .chain(&step.update)
+            .flatten()
+            .all(|(_, v)| matches!(v, Floats::F32(_)));
+        assert_eq!(kept_f32, !widen, "widened {widen}");
+        judged.push(judge(&path));
+    }
+    let steps: Vec<_> = judged
+        .iter()
+        .map(|a| a.cases[0].step.as_ref().unwrap())
+        .collect();
+    assert_eq!(judged[0].verdict, Verdict::Pass, "{:?}", steps[0]);
+    for pick in [
+        |s: &ghost_oracle::judge::StepMetrics| s.clipped_sum.as_ref().unwrap().rel_err,
+        |s: &ghost_oracle::judge::StepMetrics| s.update.as_ref().unwrap().rel_err,
+    ] {
+        let (a, b) = (pick(steps[0]).unwrap(), pick(steps[1]).unwrap());
+        // f32 rounding of the sum is seen (not zero) and is the same read either way.
+        assert!(a > 1e-10 && a < 1e-6, "{a}");
+        assert_eq!(a, b);
     }
 }
 

@@ -54,9 +54,11 @@ pub(crate) fn to_f64_unchecked(st: &SafeTensors, name: &str, label: &str) -> Res
     Floats::decode(view.dtype(), view.data(), name, label)?.into_array(view.shape(), name, label)
 }
 
-/// A floating tensor's values in its own dtype, decoded from little-endian bytes.
+/// A floating tensor's values in its own dtype: a checkpoint's stored weights, or a clipper's
+/// claimed sums, which at a 1 B-parameter model are 4.9 GB in f32 and would be twice that
+/// widened. Readers take f64 a range at a time ([`Floats::widened`]); widening is exact.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Floats {
+pub enum Floats {
     F64(Vec<f64>),
     F32(Vec<f32>),
     F16(Vec<half::f16>),
@@ -92,7 +94,7 @@ impl Floats {
         })
     }
 
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         match self {
             Floats::F64(v) => v.len(),
             Floats::F32(v) => v.len(),
@@ -121,6 +123,41 @@ impl Floats {
         }
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether some value is NaN or ±∞.
+    pub fn any_non_finite(&self) -> bool {
+        self.first_non_finite().is_some()
+    }
+
+    /// The values at `range`, widened to f64: borrowed when they are f64 already.
+    pub fn widened(&self, range: std::ops::Range<usize>) -> std::borrow::Cow<'_, [f64]> {
+        fn widen<T: Copy>(v: &[T], w: impl Fn(T) -> f64) -> std::borrow::Cow<'static, [f64]> {
+            std::borrow::Cow::Owned(v.iter().map(|&x| w(x)).collect())
+        }
+        match self {
+            Floats::F64(v) => std::borrow::Cow::Borrowed(&v[range]),
+            Floats::F32(v) => widen(&v[range], f64::from),
+            Floats::F16(v) => widen(&v[range], half::f16::to_f64),
+            Floats::Bf16(v) => widen(&v[range], half::bf16::to_f64),
+        }
+    }
+
+    /// `f(a, b)` over matching ranges of `self` and `other` (of the same length) widened to f64,
+    /// a bounded chunk at a time so that no whole tensor is widened at once.
+    pub fn zip_chunks(&self, other: &Floats, mut f: impl FnMut(&[f64], &[f64])) {
+        const CHUNK: usize = 1 << 16;
+        let n = self.len().min(other.len());
+        let mut start = 0;
+        while start < n {
+            let end = (start + CHUNK).min(n);
+            f(&self.widened(start..end), &other.widened(start..end));
+            start = end;
+        }
+    }
+
     fn first_non_finite(&self) -> Option<(usize, f64)> {
         fn find<T: Copy>(v: &[T], wide: impl Fn(T) -> f64) -> Option<(usize, f64)> {
             v.iter()
@@ -134,6 +171,11 @@ impl Floats {
             Floats::F16(v) => find(v, half::f16::to_f64),
             Floats::Bf16(v) => find(v, half::bf16::to_f64),
         }
+    }
+
+    /// Every value widened to f64.
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        self.widened(0..self.len()).into_owned()
     }
 
     /// Writes the values, widened to f64 (exactly), into `out` (of the same length).
@@ -163,6 +205,18 @@ impl Floats {
         };
         ArrayD::from_shape_vec(IxDyn(shape), values)
             .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
+    }
+}
+
+impl From<Vec<f64>> for Floats {
+    fn from(v: Vec<f64>) -> Self {
+        Floats::F64(v)
+    }
+}
+
+impl From<Vec<f32>> for Floats {
+    fn from(v: Vec<f32>) -> Self {
+        Floats::F32(v)
     }
 }
 

@@ -7,7 +7,7 @@ use crate::error::{bail, Error, Result};
 use crate::io::{write_raw, RawTensor};
 use crate::precision::Precision;
 use crate::site::{SiteKind, SiteSpec};
-use crate::tensors::{self, has};
+use crate::tensors::{self, has, Floats};
 use crate::trace::{Site, Trace};
 use crate::trace_shape::{validate_shapes, IdAt, SiteShape};
 use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3};
@@ -88,8 +88,8 @@ impl Clipping {
 }
 
 /// One value per entry of each parameter, in the trace's first-use order, row-major in the
-/// parameter's layout.
-pub type ParamValues = Vec<(String, Vec<f64>)>;
+/// parameter's layout, in the dtype the library produced it in.
+pub type ParamValues = Vec<(String, Floats)>;
 
 /// A library's DP-SGD step over the trace's (logical) batch.
 #[derive(Clone, Debug, PartialEq)]
@@ -569,14 +569,17 @@ fn read_step(
                 }
                 expected.insert(name.clone());
                 let (rows, cols) = trace.site_gradient_shape(js[0]);
-                let v = tensors::to_f64_unchecked(st, &name, label)?;
+                let view = st
+                    .tensor(&name)
+                    .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
+                let v = Floats::decode(view.dtype(), view.data(), &name, label)?;
                 if v.len() != rows * cols {
                     bail!(
                         "{label}: `{name}` has {} values; parameter `{p}` has {rows}×{cols}",
                         v.len()
                     );
                 }
-                Ok((p.clone(), v.iter().copied().collect()))
+                Ok((p.clone(), v))
             })
             .collect::<Result<Vec<_>>>()
             .map(Some)
@@ -693,10 +696,17 @@ pub fn write_trace(path: &Path, trace: &Trace, meta: &TraceMeta) -> Result<()> {
             ("claimed.update.", &step.update),
         ] {
             for (p, v) in sums.iter().flatten() {
-                let v = Array1::from(v.clone()).into_dyn();
+                // In the values' own dtype: widening them was exact, so rounding back is too.
+                let precision = match v {
+                    Floats::F64(_) => Precision::F64,
+                    Floats::F32(_) => Precision::F32,
+                    Floats::F16(_) => Precision::F16,
+                    Floats::Bf16(_) => Precision::BF16,
+                };
+                let v = Array1::from(v.to_f64_vec()).into_dyn();
                 raw.push((
                     format!("{prefix}{p}"),
-                    RawTensor::from_f64(&v.view(), Precision::F64),
+                    RawTensor::from_f64(&v.view(), precision),
                 ));
             }
         }

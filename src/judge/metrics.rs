@@ -10,7 +10,7 @@ use super::truth::{for_each_param_block, Block, Truth};
 use super::verdict::Verdict;
 use crate::error::{Error, Result};
 use crate::options::{ClipNorm, NoiseMultiplier};
-use ghost_oracle_reference::Clipping;
+use ghost_oracle_reference::{Clipping, Floats};
 use ndarray::Array2;
 use serde::Serialize;
 
@@ -20,7 +20,8 @@ use serde::Serialize;
 pub struct Claim {
     pub norms: Vec<f64>,
     pub coefficients: Vec<f64>,
-    pub clipped_sum: Option<Vec<(String, Vec<f64>)>>,
+    /// Σ_i c_i g_i per parameter, in the dtype the clipper produced it in.
+    pub clipped_sum: Option<Vec<(String, Floats)>>,
     /// How the library says it forms a coefficient from a norm; the true coefficients follow
     /// the same rule from the true norms.
     pub clipping: ClippingRule,
@@ -398,7 +399,7 @@ fn clipped_sum_error(
         for &j in js {
             factors.add_site_gradient_rows(j, coefs, rows.clone(), &mut want)?;
         }
-        let got = &got[rows.start * cols..rows.end * cols];
+        let got = got.widened(rows.start * cols..rows.end * cols);
         for (g, w) in got.iter().zip(want.iter()) {
             err2 += (g - w) * (g - w);
             ref2 += w * w;

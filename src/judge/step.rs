@@ -16,7 +16,7 @@ use super::truth::{for_each_param_block, Block, Truth};
 use super::verdict::Verdict;
 use crate::error::{Error, Result};
 use crate::options::{ClipNorm, NoiseMultiplier};
-use ghost_oracle_reference::StepClaim;
+use ghost_oracle_reference::{Floats, StepClaim};
 use ndarray::Array2;
 use serde::Serialize;
 
@@ -197,17 +197,9 @@ fn noise_check(param: String, dof: usize, chi2: f64, tests: usize) -> NoiseCheck
     }
 }
 
-/// Every value times `k`: an update times its divisor.
-fn times(values: &[(String, Vec<f64>)], k: f64) -> Vec<(String, Vec<f64>)> {
-    values
-        .iter()
-        .map(|(p, v)| (p.clone(), v.iter().map(|x| x * k).collect()))
-        .collect()
-}
-
 fn noise_checks(
-    update: &[(String, Vec<f64>)],
-    clipped_sum: &[(String, Vec<f64>)],
+    update: &[(String, Floats)],
+    clipped_sum: &[(String, Floats)],
     divisor: f64,
     sigma_c: f64,
 ) -> Vec<NoiseCheck> {
@@ -223,11 +215,14 @@ fn noise_checks(
                 .find(|(q, _)| q == p)
                 .expect("the reader gives both sums for every parameter")
                 .1;
-            let sq: f64 = u
-                .iter()
-                .zip(k)
-                .map(|(u, k)| (u * divisor - k).powi(2))
-                .sum();
+            let mut sq = 0.0;
+            u.zip_chunks(k, |u, k| {
+                sq += u
+                    .iter()
+                    .zip(k)
+                    .map(|(u, k)| (u * divisor - k).powi(2))
+                    .sum::<f64>();
+            });
             check(p.clone(), u.len(), sq)
         })
         .collect();
@@ -250,7 +245,8 @@ struct Sums {
     per_param: Vec<(String, f64, f64)>,
 }
 
-fn sums(truth: &Truth, coefs: &[f64], claimed: &[(String, Vec<f64>)]) -> Result<Sums> {
+/// `claimed` is read times `scale` (an update times its divisor), a block at a time.
+fn sums(truth: &Truth, coefs: &[f64], claimed: &[(String, Floats)], scale: f64) -> Result<Sums> {
     let factors = truth
         .factors
         .as_ref()
@@ -283,7 +279,11 @@ fn sums(truth: &Truth, coefs: &[f64], claimed: &[(String, Vec<f64>)]) -> Result<
                 x.len()
             )));
         }
-        let x = &x[rows.start * cols..rows.end * cols];
+        let mut x = x.widened(rows.start * cols..rows.end * cols);
+        if scale != 1.0 {
+            x.to_mut().iter_mut().for_each(|v| *v *= scale);
+        }
+        let x = &x[..];
         let mut want = Array2::<f64>::zeros((rows.len(), cols));
         for i in 0..n {
             let mut unit = vec![0.0; n];
@@ -373,13 +373,13 @@ fn gram_quad(gram: &[Vec<f64>], c: &[f64]) -> f64 {
 
 /// The update under noise, decomposed against the batch's gradients (see [`NoisyUpdateCheck`]).
 fn check_noisy_update(
-    update: &[(String, Vec<f64>)],
+    update: &[(String, Floats)],
     divisor: f64,
     truth: &Truth,
     coefs: &[f64],
     sigma_c: f64,
 ) -> Result<NoisyUpdateCheck> {
-    let s = sums(truth, coefs, &times(update, divisor))?;
+    let s = sums(truth, coefs, update, divisor)?;
     let (implied, rank) = solve_gram(&truth.gram, &s.b);
     let diff: Vec<f64> = implied.iter().zip(coefs).map(|(a, b)| a - b).collect();
     let chi2 = gram_quad(&truth.gram, &diff) / (sigma_c * sigma_c);
@@ -429,7 +429,8 @@ fn check_noisy_update(
 #[allow(clippy::too_many_arguments)]
 fn check_sum(
     what: &'static str,
-    claimed: &[(String, Vec<f64>)],
+    claimed: &[(String, Floats)],
+    scale: f64,
     truth: &Truth,
     tolerance: &Tolerance,
     metrics: &CaseMetrics,
@@ -439,10 +440,8 @@ fn check_sum(
     extra_rounding: f64,
     is_update: bool,
 ) -> Result<SumCheck> {
-    let invalid = claimed
-        .iter()
-        .any(|(_, v)| v.iter().any(|x| !x.is_finite()));
-    let s = sums(truth, coefs, claimed)?;
+    let invalid = claimed.iter().any(|(_, v)| v.any_non_finite());
+    let s = sums(truth, coefs, claimed, scale)?;
     let reference = s.ref2.sqrt();
     // Rounding of the sum itself, the coefficients' share of the norms' rounding (each c_i may
     // be off by 2·bound_i·c*_i), and the division's rounding.
@@ -561,6 +560,7 @@ pub fn evaluate_step(
             check_sum(
                 "clipped sum",
                 k,
+                1.0,
                 truth,
                 tolerance,
                 metrics,
@@ -576,7 +576,8 @@ pub fn evaluate_step(
     let update = match (&step.update, step.batch_divisor) {
         (Some(u), Some(d)) if without_noise => Some(check_sum(
             "update × divisor",
-            &times(u, d),
+            u,
+            d,
             truth,
             tolerance,
             metrics,
@@ -672,8 +673,8 @@ pub fn evaluate_step(
 
 /// 1/D' = ⟨u, K⟩/‖K‖² for an update u = (K + n)/D', to within σC/‖K‖ (one standard deviation).
 fn divisor_from_clipped_sum(
-    update: &[(String, Vec<f64>)],
-    clipped_sum: &[(String, Vec<f64>)],
+    update: &[(String, Floats)],
+    clipped_sum: &[(String, Floats)],
     stated: f64,
     sigma_c: f64,
     drawn: usize,
@@ -681,10 +682,12 @@ fn divisor_from_clipped_sum(
     let (mut uk, mut kk) = (0.0, 0.0);
     for (p, u) in update {
         let k = &clipped_sum.iter().find(|(q, _)| q == p)?.1;
-        for (u, k) in u.iter().zip(k) {
-            uk += u * k;
-            kk += k * k;
-        }
+        u.zip_chunks(k, |u, k| {
+            for (u, k) in u.iter().zip(k) {
+                uk += u * k;
+                kk += k * k;
+            }
+        });
     }
     DivisorCheck::new(stated, kk / uk, sigma_c / kk.sqrt(), drawn)
 }
