@@ -570,11 +570,13 @@ where
         let name = case.borrow().name.clone();
         let (reference_steps, per_clipper) = steps_of(case.borrow());
         let prepared = prepare(case, opts, &mut |p| {
-            progress(
-                done + p.steps().0,
-                total,
-                &format!("{name}: reference, {}", p.describe()),
-            )
+            // The last pass of the reference starts the judge's work on its factors.
+            let label = if p.examples_done == p.examples {
+                format!("{name}: reference done, the judge's truth and tolerances")
+            } else {
+                format!("{name}: reference, {}", p.describe())
+            };
+            progress(done + p.steps().0, total, &label)
         })?;
         done += reference_steps;
         for ((metrics, warnings), clipper) in out.iter_mut().zip(clippers) {
@@ -588,6 +590,11 @@ where
                 };
                 // The clipper's own DP-SGD step when it is judged: its clipped sum, seeded noise
                 // N(0, σ²C²) and the division by the stated divisor, judged as a library's step is.
+                progress(
+                    done,
+                    total,
+                    &format!("{name}: clipper {} at C = {:.3e}", clipper.name(), c.get()),
+                );
                 let divisor = expected_batch_size(prepared.trace.batch_size());
                 let (clipped, update) = if opts.judge_step {
                     let noise = NoiseSpec {
