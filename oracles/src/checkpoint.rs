@@ -136,16 +136,20 @@ pub(crate) fn read_checkpoint<P: ParamSet>(
                 slots.len()
             )));
         }
-        for ((name, _), (_, mut slot)) in wanted.into_iter().zip(slots) {
-            let t = src.f64(name, label)?;
-            if t.shape() != slot.shape() {
-                bail!(
-                    "{label}: tensor `{name}` has shape {:?}; config.json implies {:?}",
-                    t.shape(),
+        for ((name, shape), (_, mut slot)) in wanted.into_iter().zip(slots) {
+            // The header's shape was checked against the layout above.
+            if slot.shape() != shape.as_slice() {
+                return Err(Error::internal(format!(
+                    "{label}: internal error: `{name}` allocated as {:?}, laid out as {shape:?}",
                     slot.shape()
-                );
+                )));
             }
-            slot.assign(&t);
+            // Straight into the model's own buffer: a 1 B model's f32 embedding would otherwise
+            // be decoded, widened and copied, three fresh buffers for one table.
+            let out = slot
+                .as_slice_mut()
+                .ok_or_else(|| Error::internal(format!("{label}: `{name}` is not contiguous")))?;
+            src.widen_into(name, label, out)?;
         }
     }
     let stored = stored
@@ -154,7 +158,7 @@ pub(crate) fn read_checkpoint<P: ParamSet>(
                 spec.layers,
                 &spec.block,
                 spec.block_name,
-                |n| src.raw(n, label),
+                |n| src.stored(n, label),
                 label,
             )
         })

@@ -1,29 +1,28 @@
 //! Block weights kept in the checkpoint's own dtype and widened to f64 one block at a time. An
 //! f32, f16 or bf16 value is exactly an f64, so a widened block is bit for bit the block an f64
 //! copy of the model would hold: the products stay f64 and every result is unchanged, while a
-//! 1B-parameter f32 checkpoint costs its 4 bytes a weight instead of 8.
+//! 1B-parameter f32 checkpoint costs its 4 bytes a weight instead of 8, and nothing of the
+//! process's own when the file is mapped.
 
 use crate::error::{bail, Result};
-use crate::tensors::Floats;
+use crate::tensors::StoredTensor;
 use ndarray::ArrayViewMutD;
-use safetensors::Dtype;
 
 /// Every block's tensors in the checkpoint's dtype, in `BlockParams::tensors` order, with the
 /// shape each must widen into.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StoredBlocks {
-    blocks: Vec<Vec<(Vec<usize>, Floats)>>,
+    blocks: Vec<Vec<(Vec<usize>, StoredTensor)>>,
 }
 
 impl StoredBlocks {
-    /// Reads the blocks from `read(name)` (a tensor's dtype, shape and bytes), each block's
-    /// tensors named by `names(layer)` with the shape `shapes` gives (checked). A non-finite
-    /// weight is an error naming the tensor, as it is for resident weights.
+    /// Reads the blocks from `read(name)` (a tensor's shape and values, checked finite), each
+    /// block's tensors named by `names(layer)` with the shape `shapes` gives (checked).
     pub(crate) fn read(
         layers: usize,
         layout: &[(String, Vec<usize>)],
         name: impl Fn(usize, &str) -> String,
-        mut read: impl FnMut(&str) -> Result<(Dtype, Vec<usize>, Vec<u8>)>,
+        mut read: impl FnMut(&str) -> Result<(Vec<usize>, StoredTensor)>,
         label: &str,
     ) -> Result<Self> {
         let mut blocks = Vec::with_capacity(layers);
@@ -31,13 +30,12 @@ impl StoredBlocks {
             let mut tensors = Vec::with_capacity(layout.len());
             for (local, shape) in layout {
                 let full = name(layer, local);
-                let (dtype, got, data) = read(&full)?;
+                let (got, values) = read(&full)?;
                 if &got != shape {
                     bail!(
                         "{label}: tensor `{full}` has shape {got:?}; config.json implies {shape:?}"
                     );
                 }
-                let values = Floats::decode(dtype, &data, &full, label)?.finite(&full, label)?;
                 tensors.push((shape.clone(), values));
             }
             blocks.push(tensors);
@@ -49,7 +47,15 @@ impl StoredBlocks {
         self.blocks.len()
     }
 
-    /// Bytes the stored values take.
+    /// Whether every tensor is left in a mapped file (else some were decoded into memory).
+    pub fn mapped(&self) -> bool {
+        self.blocks
+            .iter()
+            .flatten()
+            .all(|(_, t)| matches!(t, StoredTensor::Mapped { .. }))
+    }
+
+    /// Bytes the stored values take in the checkpoint's dtype: the page cache's when mapped.
     pub fn bytes(&self) -> usize {
         self.blocks.iter().flatten().map(|(_, v)| v.bytes()).sum()
     }

@@ -1,11 +1,15 @@
-//! Reading safetensors files into f64 / i64 arrays. The whole file is read (its size is what the
-//! disk says, not what a header claims) and the `safetensors` crate checks every offset against
-//! that length before a single tensor is touched.
+//! Reading safetensors files into f64 / i64 arrays. A batch or trace is read whole (its size is
+//! what the disk says, not what a header claims) and the `safetensors` crate checks every offset
+//! against that length before a single tensor is touched; a checkpoint is memory-mapped after
+//! the same checks on its header ([`TensorFile`]).
 
 use crate::error::{bail, Error, Result};
 use ndarray::{ArrayD, IxDyn};
 use safetensors::{Dtype, SafeTensors};
+use std::borrow::Cow;
+use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
 /// Refuse files larger than this before reading them (the largest GPT-2 is about 6.5 GB in f32).
 pub(crate) const MAX_FILE_BYTES: u64 = 64 << 30;
@@ -208,6 +212,116 @@ impl Floats {
     }
 }
 
+/// Bytes a value of a float `dtype` takes, or an error naming the tensor for any other dtype.
+pub(crate) fn float_width(dtype: Dtype, name: &str, label: &str) -> Result<usize> {
+    Ok(match dtype {
+        Dtype::F64 => 8,
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::BF16 => 2,
+        other => {
+            bail!("{label}: tensor `{name}` has dtype {other:?}; expected F32, F64, F16 or BF16")
+        }
+    })
+}
+
+/// An error naming the tensor and its first non-finite value, if `values` (from flat index
+/// `offset` on) hold one: a non-finite weight makes every norm NaN.
+pub(crate) fn check_finite(values: &[f64], offset: usize, name: &str, label: &str) -> Result<()> {
+    match values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        Some((i, v)) => bail!(
+            "{label}: tensor `{name}` holds a non-finite value ({v}) at flat index {}",
+            offset + i
+        ),
+        None => Ok(()),
+    }
+}
+
+/// Little-endian values of a float `dtype` widened to f64 (exactly) into `out`, as many as
+/// both hold. `dtype` has passed [`float_width`].
+pub(crate) fn widen_le_into(dtype: Dtype, bytes: &[u8], out: &mut [f64]) {
+    fn widen<const N: usize>(bytes: &[u8], out: &mut [f64], w: impl Fn([u8; N]) -> f64) {
+        for (o, c) in out.iter_mut().zip(bytes.chunks_exact(N)) {
+            *o = w(c.try_into().expect("chunks of N bytes"));
+        }
+    }
+    match dtype {
+        Dtype::F64 => widen(bytes, out, f64::from_le_bytes),
+        Dtype::F32 => widen(bytes, out, |c| f64::from(f32::from_le_bytes(c))),
+        Dtype::F16 => widen(bytes, out, |c| half::f16::from_le_bytes(c).to_f64()),
+        Dtype::BF16 => widen(bytes, out, |c| half::bf16::from_le_bytes(c).to_f64()),
+        other => unreachable!("a {other:?} tensor is refused before it is widened"),
+    }
+}
+
+/// One tensor in the checkpoint's dtype, its values checked finite.
+#[derive(Clone, Debug)]
+pub enum StoredTensor {
+    /// Decoded from a checkpoint held in memory.
+    Decoded(Floats),
+    /// Bytes of a memory-mapped checkpoint: page-cache pages, neither copied nor cleared.
+    Mapped {
+        map: Arc<memmap2::Mmap>,
+        dtype: Dtype,
+        range: Range<usize>,
+    },
+}
+
+impl StoredTensor {
+    /// `range` of `map` as a tensor of `dtype`, after its values are checked finite (a
+    /// non-finite weight makes every norm NaN), a chunk at a time.
+    pub(crate) fn mapped(
+        map: Arc<memmap2::Mmap>,
+        dtype: Dtype,
+        range: Range<usize>,
+        name: &str,
+        label: &str,
+    ) -> Result<Self> {
+        let width = float_width(dtype, name, label)?;
+        let mut chunk = vec![0.0; 1 << 14];
+        for (k, bytes) in map[range.clone()].chunks(chunk.len() * width).enumerate() {
+            let values = &mut chunk[..bytes.len() / width];
+            widen_le_into(dtype, bytes, values);
+            check_finite(values, k * (1 << 14), name, label)?;
+        }
+        Ok(StoredTensor::Mapped { map, dtype, range })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            StoredTensor::Decoded(v) => v.len(),
+            StoredTensor::Mapped { dtype, range, .. } => range.len() * 8 / dtype.bitsize(),
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            StoredTensor::Decoded(v) => v.bytes(),
+            StoredTensor::Mapped { range, .. } => range.len(),
+        }
+    }
+
+    pub(crate) fn widen_into(&self, out: &mut [f64]) {
+        match self {
+            StoredTensor::Decoded(v) => v.widen_into(out),
+            StoredTensor::Mapped { map, dtype, range } => {
+                widen_le_into(*dtype, &map[range.clone()], out)
+            }
+        }
+    }
+}
+
+/// Equal values, however held (widening is exact, and stored values are finite).
+impl PartialEq for StoredTensor {
+    fn eq(&self, other: &Self) -> bool {
+        let widened = |t: &StoredTensor| {
+            let mut out = vec![0.0; t.len()];
+            t.widen_into(&mut out);
+            out
+        };
+        self.len() == other.len() && widened(self) == widened(other)
+    }
+}
+
 impl From<Vec<f64>> for Floats {
     fn from(v: Vec<f64>) -> Self {
         Floats::F64(v)
@@ -256,10 +370,34 @@ pub trait TensorSource {
     /// Dtype and shape of a tensor, from the header.
     fn info(&self, name: &str) -> Option<(Dtype, Vec<usize>)>;
     /// A tensor's dtype, shape and little-endian bytes.
-    fn raw(&self, name: &str, label: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>)>;
+    fn raw(&self, name: &str, label: &str) -> Result<(Dtype, Vec<usize>, Cow<'_, [u8]>)>;
+
+    /// A tensor kept in its own dtype, its values checked finite: decoded into memory, or
+    /// where the source is a mapped file, left in the mapping.
+    fn stored(&self, name: &str, label: &str) -> Result<(Vec<usize>, StoredTensor)> {
+        let (dtype, shape, bytes) = self.raw(name, label)?;
+        let values = Floats::decode(dtype, &bytes, name, label)?.finite(name, label)?;
+        Ok((shape, StoredTensor::Decoded(values)))
+    }
 
     fn has(&self, name: &str) -> bool {
         self.info(name).is_some()
+    }
+
+    /// A floating tensor widened to f64 straight into `out` (its length checked), with NaN/Inf
+    /// rejected: no copy of it in its own dtype is made.
+    fn widen_into(&self, name: &str, label: &str, out: &mut [f64]) -> Result<()> {
+        let (dtype, _, bytes) = self.raw(name, label)?;
+        let width = float_width(dtype, name, label)?;
+        if bytes.len() != out.len() * width {
+            bail!(
+                "{label}: tensor `{name}` has {} values; expected {}",
+                bytes.len() / width,
+                out.len()
+            );
+        }
+        widen_le_into(dtype, &bytes, out);
+        check_finite(out, 0, name, label)
     }
 
     /// A floating tensor as f64, with NaN/Inf rejected.
@@ -285,18 +423,25 @@ impl TensorSource for SafeTensors<'_> {
             .map(|v| (v.dtype(), v.shape().to_vec()))
     }
 
-    fn raw(&self, name: &str, label: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>)> {
+    fn raw(&self, name: &str, label: &str) -> Result<(Dtype, Vec<usize>, Cow<'_, [u8]>)> {
         let view = self
             .tensor(name)
             .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
-        Ok((view.dtype(), view.shape().to_vec(), view.data().to_vec()))
+        Ok((
+            view.dtype(),
+            view.shape().to_vec(),
+            Cow::Borrowed(view.data()),
+        ))
     }
 }
 
-/// A safetensors file of which only the header is held: each tensor is read from the file when
-/// asked for, so a checkpoint is never in memory twice (its bytes and what is built from them).
+/// A safetensors file, memory-mapped once its header is checked: a tensor's bytes are the
+/// kernel's page-cache pages, so nothing is copied to read them and blocks kept in the
+/// checkpoint's dtype ([`StoredTensor`]) cost no memory of the process's own, none of it
+/// fresh pages to clear. Like every reader that maps weights, it assumes the file is not
+/// rewritten while the model is in use.
 pub(crate) struct TensorFile {
-    file: std::fs::File,
+    map: Arc<memmap2::Mmap>,
     /// Offset of the data section in the file.
     data_start: u64,
     /// (dtype, shape, start, end) by name, offsets relative to the data section.
@@ -385,11 +530,33 @@ impl TensorFile {
                 meta.len()
             )));
         }
+        // SAFETY: the mapping is read-only; a file truncated or rewritten under it while in
+        // use is outside what any weight loader that maps files can guard against.
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| Error::new(format!("cannot map {what} {label}: {e}")))?;
+        if map.len() as u64 != meta.len() {
+            return Err(bad(format!(
+                "it changed size while being opened ({} bytes, then {})",
+                meta.len(),
+                map.len()
+            )));
+        }
         Ok(TensorFile {
-            file,
+            map: Arc::new(map),
             data_start: 8 + n,
             tensors,
         })
+    }
+
+    /// A tensor's dtype, shape and byte range in the mapping (checked against the file's
+    /// length when it was opened).
+    fn extent(&self, name: &str, label: &str) -> Result<(Dtype, Vec<usize>, Range<usize>)> {
+        let (dtype, shape, start, end) = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::new(format!("{label}: tensor `{name}` is missing")))?;
+        let range = (self.data_start + start) as usize..(self.data_start + end) as usize;
+        Ok((*dtype, shape.clone(), range))
     }
 }
 
@@ -402,17 +569,14 @@ impl TensorSource for TensorFile {
         self.tensors.get(name).map(|(d, s, _, _)| (*d, s.clone()))
     }
 
-    fn raw(&self, name: &str, label: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>)> {
-        use std::os::unix::fs::FileExt;
-        let (dtype, shape, start, end) = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| Error::new(format!("{label}: tensor `{name}` is missing")))?;
-        // Bounded by the file's length, checked when it was opened.
-        let mut bytes = vec![0u8; (end - start) as usize];
-        self.file
-            .read_exact_at(&mut bytes, self.data_start + start)
-            .map_err(|e| Error::new(format!("cannot read {label}: tensor `{name}`: {e}")))?;
-        Ok((*dtype, shape.clone(), bytes))
+    fn raw(&self, name: &str, label: &str) -> Result<(Dtype, Vec<usize>, Cow<'_, [u8]>)> {
+        let (dtype, shape, range) = self.extent(name, label)?;
+        Ok((dtype, shape, Cow::Borrowed(&self.map[range])))
+    }
+
+    fn stored(&self, name: &str, label: &str) -> Result<(Vec<usize>, StoredTensor)> {
+        let (dtype, shape, range) = self.extent(name, label)?;
+        let tensor = StoredTensor::mapped(self.map.clone(), dtype, range, name, label)?;
+        Ok((shape, tensor))
     }
 }

@@ -131,6 +131,8 @@ fn stored_blocks_give_the_resident_models_results_bit_for_bit() {
             .as_ref()
             .expect("a loaded Llama stores its blocks");
         assert_eq!(blocks.layers(), 3);
+        // Left in the file's mapping, not copied.
+        assert!(blocks.mapped());
         assert!(stored.params.layers.is_empty() && resident.stored.is_none());
         // The stored values take the checkpoint's width, not f64's.
         let weights: usize = resident
