@@ -750,3 +750,81 @@ fn automatic_clipping_is_judged_by_its_own_rule() {
         &["clip_stabilizer", "γ > 0"],
     );
 }
+
+#[test]
+fn the_clipped_sum_judged_with_the_step_reads_as_it_does_judged_alone() {
+    use crate::common::{cn, nm};
+    use ghost_oracle::judge::{Arithmetic, Claim};
+    use ghost_oracle::{Judge, Precision as ClipperPrecision};
+    let (t, c, norms, coefs) = setup();
+    let judge = Judge::from_trace(t.clone()).unwrap();
+    // The clipper's coefficients 1e-3 below the true ones on one example, its sum consistent
+    // with them; then the same sum with one entry off by far more than rounding.
+    let mut claimed = coefs.clone();
+    claimed[1] *= 0.999;
+    let consistent = weighted(&t, &claimed);
+    let mut off = consistent.clone();
+    off[0].1[7] += 1.0;
+    let arithmetic = Arithmetic::of(ClipperPrecision::F64, judge.tolerance.own.len());
+    for (what, sum) in [("consistent", consistent), ("off", off)] {
+        let sum = floats(sum);
+        let claim = |with_sum: bool| Claim {
+            norms: norms.clone(),
+            coefficients: claimed.clone(),
+            clipped_sum: with_sum.then(|| sum.clone()),
+            clipping: Default::default(),
+        };
+        let step = StepClaim {
+            clipped_sum: Some(sum.clone()),
+            update: Some(floats(scaled(&weighted(&t, &claimed), 1.0 / DIVISOR))),
+            batch_divisor: Some(DIVISOR),
+            clip_stabilizer: 0.0,
+            clipping: Clipping::Flat,
+        };
+        let evaluate = |with_sum: bool| {
+            judge
+                .evaluate(
+                    what,
+                    &claim(with_sum),
+                    cn(c),
+                    nm(0.0),
+                    ClipperPrecision::F64,
+                )
+                .unwrap()
+        };
+        let mut apart = evaluate(true);
+        judge
+            .judge_step(&mut apart, &step, cn(c), nm(0.0), &arithmetic)
+            .unwrap();
+        let mut together = evaluate(false);
+        assert_eq!(together.clipped_sum_rel_err, None);
+        judge
+            .judge_step_with_sum(&mut together, &step, cn(c), nm(0.0), &arithmetic)
+            .unwrap();
+        let (a, b) = (
+            apart.clipped_sum_rel_err.unwrap(),
+            together.clipped_sum_rel_err.unwrap(),
+        );
+        // Both relative to ‖S*‖: two sums of the same products in different orders.
+        assert!((a - b).abs() <= 1e-12, "{what}: {a} vs {b}");
+        assert_eq!(
+            apart.clipped_sum_bound, together.clipped_sum_bound,
+            "{what}"
+        );
+        assert_eq!(apart.verdict, together.verdict, "{what}");
+        let step_of = |m: &ghost_oracle::judge::CaseMetrics| {
+            let s = m.step.as_ref().unwrap();
+            (s.verdict, s.clipped_sum.as_ref().unwrap().rel_err)
+        };
+        assert_eq!(step_of(&apart), step_of(&together), "{what}");
+        if what == "consistent" {
+            // Off the true sum by the 1e-3 of one coefficient, which the coefficients already
+            // show; at the clipper's own coefficients the sum is exact to rounding.
+            assert!(a < 1e-12, "{a}");
+            assert_eq!(together.verdict, Verdict::UtilityDistortion);
+        } else {
+            assert!(a > 1e-3, "{a}");
+            assert_ne!(together.verdict, Verdict::Pass);
+        }
+    }
+}

@@ -614,7 +614,15 @@ where
                         warnings.push(w.clone());
                     }
                 }
-                let claim = claim_of(clipped)?;
+                let mut claim = claim_of(clipped)?;
+                // With the step judged, its check compares the clipped sum at the clipper's
+                // coefficients too, from the same rebuilt gradients: the claim is evaluated
+                // without it, and the sum moves to the step (at 1 B parameters it is 4.9 GB).
+                let sum = if update.is_some() {
+                    claim.clipped_sum.take()
+                } else {
+                    None
+                };
                 let mut m = prepared.judge.evaluate(
                     label.clone(),
                     &claim,
@@ -624,8 +632,7 @@ where
                 )?;
                 if let Some(update) = update {
                     let step = StepClaim {
-                        // The claim's sum is moved, not copied: at 1 B parameters it is 4.9 GB.
-                        clipped_sum: claim.clipped_sum,
+                        clipped_sum: sum,
                         update: Some(values_of(update)?),
                         batch_divisor: Some(divisor),
                         clip_stabilizer: 0.0,
@@ -633,7 +640,7 @@ where
                     };
                     let arithmetic =
                         Arithmetic::of(opts.precision, prepared.judge.tolerance.own.len());
-                    prepared.judge.judge_step(
+                    prepared.judge.judge_step_with_sum(
                         &mut m,
                         &step,
                         *c,

@@ -261,13 +261,8 @@ pub fn evaluate(
         .iter()
         .any(|e| e.err_units > 1.0 || e.err_units.is_nan());
 
-    // Noise over clipped signal, from the true per-example gradients: ‖Σ c_i g_i*‖² = cᵀKc. An
-    // invalid coefficient contributes nothing here; the verdict already says it is invalid.
-    let coefs_for_sum: Vec<f64> = claim
-        .coefficients
-        .iter()
-        .map(|v| if v.is_finite() { *v } else { 0.0 })
-        .collect();
+    // Noise over clipped signal, from the true per-example gradients: ‖Σ c_i g_i*‖² = cᵀKc.
+    let coefs_for_sum = for_sum(claim.coefficients.iter().copied());
     let sig = quad(&truth.gram, &coefs_for_sum, &coefs_for_sum)
         .max(0.0)
         .sqrt();
@@ -277,7 +272,6 @@ pub fn evaluate(
         sig * sig_ref,
     );
     let sum = clipped_sum_error(truth, tolerance, claim, &coefs_for_sum, arithmetic)?;
-    let sum_off = sum.is_some_and(|s| s.err > s.bound || s.err.is_nan());
 
     let verdict = if !invalid_examples.is_empty() {
         Verdict::InvalidNorm
@@ -285,7 +279,7 @@ pub fn evaluate(
         Verdict::PrivacyViolation
     } else if !unjudgeable_examples.is_empty() {
         Verdict::CannotJudge
-    } else if norms_off || coef_off || sum_off {
+    } else if norms_off || coef_off {
         Verdict::UtilityDistortion
     } else {
         Verdict::Pass
@@ -303,7 +297,7 @@ pub fn evaluate(
         .filter_map(|e| e.cross_share)
         .map(f64::abs)
         .reduce(nan_max);
-    Ok(CaseMetrics {
+    let mut metrics = CaseMetrics {
         case: label.clone(),
         base_case: label_parts.base_case,
         c_multiplier: label_parts.c_multiplier,
@@ -320,8 +314,8 @@ pub fn evaluate(
         effective_noise_ratio: ratio(noise_multiplier * c, sig),
         reference_noise_ratio: ratio(noise_multiplier * c, sig_ref),
         clipped_sum_cosine: cosine,
-        clipped_sum_rel_err: sum.and_then(|s| ratio(s.err, s.reference)),
-        clipped_sum_bound: sum.and_then(|s| ratio(s.bound, s.reference)),
+        clipped_sum_rel_err: None,
+        clipped_sum_bound: None,
         max_cross_share,
         invalid_examples,
         unjudgeable_examples,
@@ -331,7 +325,11 @@ pub fn evaluate(
         worst_contribution,
         examples,
         step: None,
-    })
+    };
+    if let Some(sum) = sum {
+        metrics.fold_clipped_sum(sum);
+    }
+    Ok(metrics)
 }
 
 fn argmax(v: impl Iterator<Item = f64>) -> usize {
@@ -345,12 +343,40 @@ fn argmax(v: impl Iterator<Item = f64>) -> usize {
     best.0
 }
 
-/// ‖S − S*‖, ‖S*‖ and the bound on the first, in absolute terms.
+/// ‖S − S*‖, ‖S*‖ and the bound on the first, in absolute terms: the clipper's clipped sum
+/// against S* at its own coefficients.
 #[derive(Clone, Copy, Debug)]
-struct SumError {
-    err: f64,
-    reference: f64,
-    bound: f64,
+pub(crate) struct SumError {
+    pub err: f64,
+    pub reference: f64,
+    pub bound: f64,
+}
+
+impl CaseMetrics {
+    /// Records the clipped sum's error; a sum off beyond its bound is a utility distortion
+    /// unless the case is already worse (invalid, a privacy violation, or not judgeable). The
+    /// worst example stays the one with the largest error, as for a distortion of the norms.
+    pub(crate) fn fold_clipped_sum(&mut self, sum: SumError) {
+        self.clipped_sum_rel_err = ratio(sum.err, sum.reference);
+        self.clipped_sum_bound = ratio(sum.bound, sum.reference);
+        let off = sum.err > sum.bound || sum.err.is_nan();
+        if off && self.verdict == Verdict::Pass {
+            self.verdict = Verdict::UtilityDistortion;
+        }
+    }
+
+    /// The claimed coefficients the clipped sum is compared at.
+    pub(crate) fn coefficients_for_sum(&self) -> Vec<f64> {
+        for_sum(self.examples.iter().map(|e| e.coefficient))
+    }
+}
+
+/// Claimed coefficients as the clipped sum is compared at them: an invalid one contributes
+/// nothing (the verdict already says it is invalid).
+fn for_sum(coefficients: impl Iterator<Item = f64>) -> Vec<f64> {
+    coefficients
+        .map(|v| if v.is_finite() { v } else { 0.0 })
+        .collect()
 }
 
 /// The clipper's clipped sum S against S* = Σ_i c_i g_i* from the true gradients and the

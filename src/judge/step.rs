@@ -243,10 +243,20 @@ struct Sums {
     b: Vec<f64>,
     /// (parameter, ‖X_p − S*_p‖², ‖S*_p‖²).
     per_param: Vec<(String, f64, f64)>,
+    /// ‖X − Σ a_i g_i*‖² and ‖Σ a_i g_i*‖² for other coefficients a, when asked for: the
+    /// clipper's own, from the same gradients.
+    other: Option<(f64, f64)>,
 }
 
-/// `claimed` is read times `scale` (an update times its divisor), a block at a time.
-fn sums(truth: &Truth, coefs: &[f64], claimed: &[(String, Floats)], scale: f64) -> Result<Sums> {
+/// `claimed` is read times `scale` (an update times its divisor), a block at a time; `other`
+/// coefficients are compared with in the same pass.
+fn sums(
+    truth: &Truth,
+    coefs: &[f64],
+    claimed: &[(String, Floats)],
+    scale: f64,
+    other: Option<&[f64]>,
+) -> Result<Sums> {
     let factors = truth
         .factors
         .as_ref()
@@ -259,6 +269,7 @@ fn sums(truth: &Truth, coefs: &[f64], claimed: &[(String, Floats)], scale: f64) 
         x2: 0.0,
         b: vec![0.0; n],
         per_param: Vec::new(),
+        other: other.map(|_| (0.0, 0.0)),
     };
     for_each_param_block(factors, n, &mut |block| {
         let Block {
@@ -285,6 +296,7 @@ fn sums(truth: &Truth, coefs: &[f64], claimed: &[(String, Floats)], scale: f64) 
         }
         let x = &x[..];
         let mut want = Array2::<f64>::zeros((rows.len(), cols));
+        let mut want_other = other.map(|_| Array2::<f64>::zeros((rows.len(), cols)));
         for i in 0..n {
             let mut unit = vec![0.0; n];
             unit[i] = 1.0;
@@ -294,6 +306,15 @@ fn sums(truth: &Truth, coefs: &[f64], claimed: &[(String, Floats)], scale: f64) 
             }
             s.b[i] += g.iter().zip(x).map(|(a, v)| a * v).sum::<f64>();
             want.scaled_add(coefs[i], &g);
+            if let (Some(w), Some(a)) = (want_other.as_mut(), other) {
+                w.scaled_add(a[i], &g);
+            }
+        }
+        if let (Some(w), Some((e2, r2))) = (&want_other, s.other.as_mut()) {
+            for (w, v) in w.iter().zip(x) {
+                *e2 += (v - w) * (v - w);
+                *r2 += w * w;
+            }
         }
         let (mut e2, mut r2) = (0.0, 0.0);
         for (w, v) in want.iter().zip(x) {
@@ -379,7 +400,7 @@ fn check_noisy_update(
     coefs: &[f64],
     sigma_c: f64,
 ) -> Result<NoisyUpdateCheck> {
-    let s = sums(truth, coefs, update, divisor)?;
+    let s = sums(truth, coefs, update, divisor, None)?;
     let (implied, rank) = solve_gram(&truth.gram, &s.b);
     let diff: Vec<f64> = implied.iter().zip(coefs).map(|(a, b)| a - b).collect();
     let chi2 = gram_quad(&truth.gram, &diff) / (sigma_c * sigma_c);
@@ -439,9 +460,11 @@ fn check_sum(
     arithmetic: &Arithmetic,
     extra_rounding: f64,
     is_update: bool,
-) -> Result<SumCheck> {
+    other: Option<&[f64]>,
+) -> Result<(SumCheck, Option<(f64, f64)>)> {
     let invalid = claimed.iter().any(|(_, v)| v.any_non_finite());
-    let s = sums(truth, coefs, claimed, scale)?;
+    let s = sums(truth, coefs, claimed, scale, other)?;
+    let other_sums = s.other.map(|(e2, r2)| (e2.sqrt(), r2.sqrt()));
     let reference = s.ref2.sqrt();
     // Rounding of the sum itself, the coefficients' share of the norms' rounding (each c_i may
     // be off by 2·bound_i·c*_i), and the division's rounding.
@@ -517,7 +540,7 @@ fn check_sum(
     } else {
         Verdict::UtilityDistortion
     };
-    Ok(SumCheck {
+    let check = SumCheck {
         what,
         rel_err: ratio(err, reference),
         bound: ratio(bound, reference),
@@ -532,7 +555,8 @@ fn check_sum(
         singular,
         invalid,
         verdict,
-    })
+    };
+    Ok((check, other_sums))
 }
 
 /// The step's checks: the clipped sum when given, and the update times its divisor when there
@@ -547,6 +571,33 @@ pub fn evaluate_step(
     noise_multiplier: NoiseMultiplier,
     arithmetic: &Arithmetic,
 ) -> Result<StepMetrics> {
+    let (s, _) = step_and_sum_at(
+        truth,
+        tolerance,
+        metrics,
+        step,
+        max_grad_norm,
+        noise_multiplier,
+        arithmetic,
+        None,
+    )?;
+    Ok(s)
+}
+
+/// [`evaluate_step`], and with `claimed_coefficients` the clipped sum's distance from
+/// Σ ĉ_i g_i* at those coefficients, ‖X − Σ ĉ_i g_i*‖ and ‖Σ ĉ_i g_i*‖, taken from the same
+/// rebuilt gradients as the check at the true coefficients.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn step_and_sum_at(
+    truth: &Truth,
+    tolerance: &Tolerance,
+    metrics: &CaseMetrics,
+    step: &StepClaim,
+    max_grad_norm: ClipNorm,
+    noise_multiplier: NoiseMultiplier,
+    arithmetic: &Arithmetic,
+    claimed_coefficients: Option<&[f64]>,
+) -> Result<(StepMetrics, Option<(f64, f64)>)> {
     let c = max_grad_norm.get();
     let true_coefficients: Vec<f64> = truth
         .norms
@@ -569,24 +620,33 @@ pub fn evaluate_step(
                 arithmetic,
                 0.0,
                 false,
+                claimed_coefficients,
             )
         })
         .transpose()?;
+    let (clipped_sum, sum_at_claimed) = match clipped_sum {
+        Some((check, at)) => (Some(check), at),
+        None => (None, None),
+    };
     let without_noise = noise_multiplier.get() == 0.0;
     let update = match (&step.update, step.batch_divisor) {
-        (Some(u), Some(d)) if without_noise => Some(check_sum(
-            "update × divisor",
-            u,
-            d,
-            truth,
-            tolerance,
-            metrics,
-            &true_coefficients,
-            c,
-            arithmetic,
-            2.0 * arithmetic.coarsest_unit_roundoff(),
-            true,
-        )?),
+        (Some(u), Some(d)) if without_noise => Some(
+            check_sum(
+                "update × divisor",
+                u,
+                d,
+                truth,
+                tolerance,
+                metrics,
+                &true_coefficients,
+                c,
+                arithmetic,
+                2.0 * arithmetic.coarsest_unit_roundoff(),
+                true,
+                None,
+            )?
+            .0,
+        ),
         (Some(_), Some(_)) | (Some(_), None) | (None, Some(_)) | (None, None) => None,
     };
     let noise = match (&step.update, &step.clipped_sum, step.batch_divisor) {
@@ -656,7 +716,7 @@ pub fn evaluate_step(
         .chain(noisy_update.iter().map(|n| n.verdict))
         .max()
         .unwrap_or(Verdict::Pass);
-    Ok(StepMetrics {
+    let metrics = StepMetrics {
         true_coefficients,
         clipped_sum,
         update,
@@ -668,7 +728,8 @@ pub fn evaluate_step(
         contributions,
         sigma_eff,
         verdict,
-    })
+    };
+    Ok((metrics, sum_at_claimed))
 }
 
 /// 1/D' = ⟨u, K⟩/‖K‖² for an update u = (K + n)/D', to within σC/‖K‖ (one standard deviation).
