@@ -86,6 +86,40 @@ fn the_judge_imports_no_clipper_kernel_mutant_or_candle_code() {
 }
 
 #[test]
+fn the_reference_names_no_clipper_kernel_library() {
+    // Its Cargo.toml: candle, and the `gemm` crate whose f32 kernels the clippers run, are not
+    // dependencies (faer links `gemm` only as its fallback where its own x86-64 f64 kernels
+    // cannot run; docs/scale.md).
+    let root = src().parent().unwrap().join("oracles");
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let deps = manifest
+        .split("[dependencies]")
+        .nth(1)
+        .expect("oracles/Cargo.toml has dependencies");
+    let deps = deps.split("\n[").next().unwrap();
+    for line in deps.lines().filter(|l| !l.trim().is_empty()) {
+        let name = line.split(['=', '.']).next().unwrap().trim();
+        assert!(
+            !name.starts_with("candle") && !name.starts_with("gemm"),
+            "oracles/Cargo.toml depends on `{name}`, the clippers' kernel library"
+        );
+    }
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    assert!(files.len() >= 20, "{files:?}");
+    for f in &files {
+        let body = code(&std::fs::read_to_string(f).unwrap());
+        for word in ["candle", "gemm::", "gemm_"] {
+            assert!(
+                !body.contains(word),
+                "{} mentions `{word}`: the reference shares no kernel with the clippers",
+                f.display()
+            );
+        }
+    }
+}
+
+#[test]
 fn the_stages_import_each_other_without_cycles() {
     let mut files = Vec::new();
     rust_files(&src(), &mut files);

@@ -7,9 +7,9 @@ use crate::batch::Batch;
 use crate::decoder::{BlockParams, DecoderModel, ParamSet, LM_HEAD};
 use crate::error::Result;
 use crate::layers::NormCache;
+use crate::matmul::{product, product_into, Accumulate};
 use crate::site::SiteKind;
 use crate::trace::SiteRecord;
-use ndarray::linalg::general_mat_mul;
 use ndarray::{s, Array1, Array2, ArrayView1, ArrayView2, ArrayViewD};
 use std::collections::BTreeMap;
 
@@ -115,7 +115,7 @@ fn forward<M: DecoderModel + ?Sized>(
         tick();
     }
     let (norm, af) = model.final_norm(h.view());
-    let mut logits = af.dot(&model.head().t());
+    let mut logits = product(af.view(), model.head().t());
     if let Some(cap) = model.final_logit_softcap() {
         logits.mapv_inplace(|z| cap * (z / cap).tanh());
     }
@@ -307,16 +307,26 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
     }
     if folded {
         *g.lm_head_mut() = None;
-        general_mat_mul(1.0, &dlogits.t(), &af, 0.0, g.token_embedding_mut());
+        product_into(
+            1.0,
+            dlogits.t(),
+            af.view(),
+            Accumulate::Replace,
+            g.token_embedding_mut().view_mut(),
+        );
     } else {
         match g.lm_head_mut() {
-            Some(head) if head.dim() == (dlogits.ncols(), af.ncols()) => {
-                general_mat_mul(1.0, &dlogits.t(), &af, 0.0, head)
-            }
-            slot => *slot = Some(dlogits.t().dot(&af)),
+            Some(head) if head.dim() == (dlogits.ncols(), af.ncols()) => product_into(
+                1.0,
+                dlogits.t(),
+                af.view(),
+                Accumulate::Replace,
+                head.view_mut(),
+            ),
+            slot => *slot = Some(product(dlogits.t(), af.view())),
         }
     }
-    let d_af = dlogits.dot(model.head());
+    let d_af = product(dlogits.view(), model.head().view());
 
     let mut sites = SiteParts::new(record_sites);
     let mut dh = model.final_norm_backward(
@@ -380,12 +390,12 @@ fn head_square(dlogits: &Array2<f64>, af: &Array2<f64>) -> f64 {
     for start in (0..v).step_by(HEAD_CHUNK) {
         let end = (start + HEAD_CHUNK).min(v);
         let mut chunk = buffer.slice_mut(s![..end - start, ..]);
-        general_mat_mul(
+        product_into(
             1.0,
-            &dlogits.slice(s![.., start..end]).t(),
-            af,
-            0.0,
-            &mut chunk,
+            dlogits.slice(s![.., start..end]).t(),
+            af.view(),
+            Accumulate::Replace,
+            chunk.view_mut(),
         );
         total += square(chunk.view().into_dyn());
     }
@@ -425,7 +435,7 @@ pub fn example_norms<M: DecoderModel + ?Sized>(
     } = forward(model, &ids, weights, tick);
     let (loss, dlogits) = loss_and_dlogits(model, logits, &targets, reduction);
     let output_sq = head_square(&dlogits, &af);
-    let d_af = dlogits.dot(model.head());
+    let d_af = product(dlogits.view(), model.head().view());
     tick();
 
     let mut stem = model.zero_stem_gradient();

@@ -2,9 +2,9 @@
 //! backward pass and the sites it records. Nothing here is clever: the backward of every block
 //! is the textbook one, so that it can be read against its definition.
 
+use crate::matmul::{product, product_into, Accumulate};
 use crate::site::SiteKind;
 use crate::trace::SiteRecord;
-use ndarray::linalg::general_mat_mul;
 use ndarray::{s, Array1, Array2, ArrayView2, Axis};
 
 /// `y = x̂ ⊙ w + b` with x̂ the standardized input.
@@ -43,10 +43,9 @@ pub struct NormCache {
     pub rstd: Array1<f64>,
 }
 
-/// `acc += a · b` without a temporary (every gradient of a matrix goes through here, so that the
-/// large products run in ndarray's threaded matrix multiplication).
+/// `acc += a · b` without a temporary (every gradient of a matrix goes through here).
 pub(crate) fn add_product(acc: &mut Array2<f64>, a: ArrayView2<f64>, b: ArrayView2<f64>) {
-    general_mat_mul(1.0, &a, &b, 1.0, acc);
+    product_into(1.0, a, b, Accumulate::Add, acc.view_mut());
 }
 
 impl LayerNorm {
@@ -138,7 +137,7 @@ impl Conv1d {
     }
 
     pub(crate) fn forward(&self, x: ArrayView2<f64>) -> Array2<f64> {
-        x.dot(&self.weight) + &self.bias
+        product(x, self.weight.view()) + &self.bias
     }
 
     /// Accumulates the gradients and returns the gradient of the input.
@@ -150,7 +149,7 @@ impl Conv1d {
     ) -> Array2<f64> {
         add_product(&mut g.weight, x.t(), dy);
         g.bias += &dy.sum_axis(Axis(0));
-        dy.dot(&self.weight.t())
+        product(dy, self.weight.t())
     }
 }
 
@@ -163,7 +162,7 @@ impl Linear {
     }
 
     pub(crate) fn forward(&self, x: ArrayView2<f64>) -> Array2<f64> {
-        let y = x.dot(&self.weight.t());
+        let y = product(x, self.weight.t());
         match &self.bias {
             Some(b) => y + b,
             None => y,
@@ -181,7 +180,7 @@ impl Linear {
         if let Some(gb) = &mut g.bias {
             *gb += &dy.sum_axis(Axis(0));
         }
-        dy.dot(&self.weight)
+        product(dy, self.weight.view())
     }
 }
 

@@ -18,8 +18,10 @@
 //! │              flavor.rs (what each member changes), gemma_config.rs (Gemma's keys),
 //! │              rope_config.rs (rope_theta / rope_scaling / rope_parameters)
 //! ├─ any family  model.rs        the family `model_type` names (Model)
-//! ├─ layers      layers.rs       norms, projections, attention, each with its backward
-//! └─ checkpoint  checkpoint.rs   config.json + model.safetensors (load); keys.rs reads the config
+//! ├─ layers      layers.rs       norms, projections, attention, each with its backward;
+//! │              matmul.rs (the large f64 products, in faer)
+//! └─ checkpoint  checkpoint.rs   config.json + model.safetensors (load); keys.rs reads the config;
+//!                stored.rs (blocks kept in the checkpoint's dtype)
 //! batch          batch.rs        ids and labels, checked, and the causal-LM targets
 //! reference      gradient.rs     one example's loss and materialized gradient
 //!                reference.rs    a batch's norms and tied splits (compute)
@@ -58,6 +60,7 @@ mod keys;
 mod layers;
 mod llama;
 mod llama_config;
+mod matmul;
 mod model;
 mod precision;
 mod reference;

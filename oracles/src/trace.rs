@@ -3,10 +3,10 @@
 //! rebuilds every per-example gradient from them by brute force.
 
 use crate::error::{bail, Result};
+use crate::matmul::{product_into, Accumulate};
 use crate::precision::Precision;
 use crate::site::{SiteKind, SiteSpec};
 use crate::trace_shape::{validate_shapes, IdAt, SiteShape};
-use ndarray::linalg::general_mat_mul;
 use ndarray::{s, Array2, Array3, Axis};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -254,12 +254,20 @@ impl Trace {
             }
             let bp = site.backprops.slice(s![i, .., ..]);
             match site.spec.kind {
-                SiteKind::Linear => {
-                    general_mat_mul(w, &bp.slice(s![.., rows.clone()]).t(), &act(i), 1.0, out)
-                }
-                SiteKind::Conv1d => {
-                    general_mat_mul(w, &act(i).slice(s![.., rows.clone()]).t(), &bp, 1.0, out)
-                }
+                SiteKind::Linear => product_into(
+                    w,
+                    bp.slice(s![.., rows.clone()]).t(),
+                    act(i),
+                    Accumulate::Add,
+                    out.view_mut(),
+                ),
+                SiteKind::Conv1d => product_into(
+                    w,
+                    act(i).slice(s![.., rows.clone()]).t(),
+                    bp,
+                    Accumulate::Add,
+                    out.view_mut(),
+                ),
                 SiteKind::Bias => {
                     let sums = bp.slice(s![.., rows.clone()]).sum_axis(Axis(0));
                     out.column_mut(0).scaled_add(w, &sums);
