@@ -77,5 +77,16 @@ fuzz_target!(|inp: Input| {
     let clipped = TiedGhostClipper.clip(&trace, c).expect("clipping a valid trace");
     let claim = claim_of(clipped).expect("f64 claim");
     let m = judge.evaluate("fuzz", &claim, c, NoiseMultiplier::ONE, Precision::F64).expect("evaluate");
-    assert_eq!(m.verdict, Verdict::Pass, "{:?}", m.examples[m.worst_example]);
+    match m.verdict {
+        Verdict::Pass => {}
+        // Cancellation so deep (a tied norm of 2e-13 from values of 1e-7, say) that the derived
+        // bound is past what the judge calls judgeable: an honest refusal, but only where the
+        // clipper's norm still sits within every example's bound.
+        Verdict::CannotJudge => assert!(
+            m.examples.iter().all(|e| e.norm_rel_err <= e.bound) && !m.unjudgeable_examples.is_empty(),
+            "{:?}",
+            m.examples[m.worst_example]
+        ),
+        other => panic!("{other:?}: {:?}", m.examples[m.worst_example]),
+    }
 });
