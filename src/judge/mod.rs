@@ -26,7 +26,6 @@ use crate::error::{Error, Result};
 use crate::options::{ClipNorm, NoiseMultiplier};
 use ghost_oracle_reference::{Reference, Trace as RefTrace};
 use metrics::SumError;
-use step::step_and_sum_at;
 
 /// The truth and the tolerance of one batch: all a verdict needs besides the claim.
 #[derive(Clone, Debug)]
@@ -84,17 +83,14 @@ impl Judge {
         noise_multiplier: NoiseMultiplier,
         arithmetic: &Arithmetic,
     ) -> Result<()> {
-        let s = evaluate_step(
-            &self.truth,
-            &self.tolerance,
+        self.fold_step(
             metrics,
             step,
             max_grad_norm,
             noise_multiplier,
             arithmetic,
-        )?;
-        fold_step(metrics, s, noise_multiplier);
-        Ok(())
+            None,
+        )
     }
 
     /// [`Judge::judge_step`] for a case evaluated from a claim without its clipped sum, when the
@@ -110,8 +106,30 @@ impl Judge {
         noise_multiplier: NoiseMultiplier,
         arithmetic: &Arithmetic,
     ) -> Result<()> {
-        let coefs = metrics.coefficients_for_sum();
-        let (s, at_claimed) = step_and_sum_at(
+        let coefs = Some(metrics.coefficients_for_sum());
+        self.fold_step(
+            metrics,
+            step,
+            max_grad_norm,
+            noise_multiplier,
+            arithmetic,
+            coefs,
+        )
+    }
+
+    /// The step judged and folded in as [`Judge::judge_step`] says, after, with
+    /// `claimed_coefficients`, the clipped sum's error at them (as [`Judge::evaluate`] records
+    /// it).
+    fn fold_step(
+        &self,
+        metrics: &mut CaseMetrics,
+        step: &ghost_oracle_reference::StepClaim,
+        max_grad_norm: ClipNorm,
+        noise_multiplier: NoiseMultiplier,
+        arithmetic: &Arithmetic,
+        claimed_coefficients: Option<Vec<f64>>,
+    ) -> Result<()> {
+        let (s, at_claimed) = evaluate_step(
             &self.truth,
             &self.tolerance,
             metrics,
@@ -119,16 +137,25 @@ impl Judge {
             max_grad_norm,
             noise_multiplier,
             arithmetic,
-            Some(&coefs),
+            claimed_coefficients.as_deref(),
         )?;
-        if let Some((err, reference)) = at_claimed {
+        if let (Some(coefs), Some((err, reference))) = (&claimed_coefficients, at_claimed) {
             metrics.fold_clipped_sum(SumError {
                 err,
                 reference,
-                bound: self.tolerance.clipped_sum_bound_at(&coefs, arithmetic),
+                bound: self.tolerance.clipped_sum_bound_at(coefs, arithmetic),
             });
         }
-        fold_step(metrics, s, noise_multiplier);
+        metrics.verdict = metrics.verdict.max(s.verdict);
+        if s.verdict != Verdict::Pass {
+            let implied = s.contributions.iter().copied().fold(0.0, f64::max);
+            metrics.worst_contribution = metrics.worst_contribution.map(|w| w.max(implied));
+            // One sensitivity: the report's and the ε's.
+            metrics.max_sensitivity_ratio = metrics.max_sensitivity_ratio.max(implied);
+            metrics.effective_noise_multiplier =
+                noise_multiplier.get() / metrics.max_sensitivity_ratio.max(1.0);
+        }
+        metrics.step = Some(s);
         Ok(())
     }
 
@@ -151,19 +178,4 @@ impl Judge {
             arithmetic,
         )
     }
-}
-
-/// Folds a judged step into its case: the verdict, and the privacy it spends (a step that is off
-/// spends it by the contributions it implies, each weighed by the noise its tensors got).
-fn fold_step(metrics: &mut CaseMetrics, s: StepMetrics, noise_multiplier: NoiseMultiplier) {
-    metrics.verdict = metrics.verdict.max(s.verdict);
-    if s.verdict != Verdict::Pass {
-        let implied = s.contributions.iter().copied().fold(0.0, f64::max);
-        metrics.worst_contribution = metrics.worst_contribution.map(|w| w.max(implied));
-        // One sensitivity: the report's and the ε's.
-        metrics.max_sensitivity_ratio = metrics.max_sensitivity_ratio.max(implied);
-        metrics.effective_noise_multiplier =
-            noise_multiplier.get() / metrics.max_sensitivity_ratio.max(1.0);
-    }
-    metrics.step = Some(s);
 }

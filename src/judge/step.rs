@@ -560,35 +560,11 @@ fn check_sum(
 }
 
 /// The step's checks: the clipped sum when given, and the update times its divisor when there
-/// is no noise.
+/// is no noise. With `claimed_coefficients`, also the clipped sum's distance from Σ ĉ_i g_i* at
+/// those coefficients, ‖X − Σ ĉ_i g_i*‖ and ‖Σ ĉ_i g_i*‖, taken from the same rebuilt gradients
+/// as the check at the true coefficients.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate_step(
-    truth: &Truth,
-    tolerance: &Tolerance,
-    metrics: &CaseMetrics,
-    step: &StepClaim,
-    max_grad_norm: ClipNorm,
-    noise_multiplier: NoiseMultiplier,
-    arithmetic: &Arithmetic,
-) -> Result<StepMetrics> {
-    let (s, _) = step_and_sum_at(
-        truth,
-        tolerance,
-        metrics,
-        step,
-        max_grad_norm,
-        noise_multiplier,
-        arithmetic,
-        None,
-    )?;
-    Ok(s)
-}
-
-/// [`evaluate_step`], and with `claimed_coefficients` the clipped sum's distance from
-/// Σ ĉ_i g_i* at those coefficients, ‖X − Σ ĉ_i g_i*‖ and ‖Σ ĉ_i g_i*‖, taken from the same
-/// rebuilt gradients as the check at the true coefficients.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn step_and_sum_at(
     truth: &Truth,
     tolerance: &Tolerance,
     metrics: &CaseMetrics,
