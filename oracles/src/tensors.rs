@@ -71,6 +71,7 @@ pub enum Floats {
 
 impl Floats {
     pub(crate) fn decode(dtype: Dtype, data: &[u8], name: &str, label: &str) -> Result<Self> {
+        float_width(dtype, name, label)?;
         Ok(match dtype {
             Dtype::F64 => Floats::F64(
                 data.chunks_exact(8)
@@ -92,9 +93,7 @@ impl Floats {
                     .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
                     .collect(),
             ),
-            other => bail!(
-                "{label}: tensor `{name}` has dtype {other:?}; expected F32, F64, F16 or BF16"
-            ),
+            other => unreachable!("a {other:?} tensor is refused by float_width"),
         })
     }
 
@@ -120,9 +119,7 @@ impl Floats {
     /// weight makes every norm NaN).
     pub(crate) fn finite(self, name: &str, label: &str) -> Result<Self> {
         match self.first_non_finite() {
-            Some((i, v)) => {
-                bail!("{label}: tensor `{name}` holds a non-finite value ({v}) at flat index {i}")
-            }
+            Some((i, v)) => Err(non_finite(i, v, name, label)),
             None => Ok(self),
         }
     }
@@ -137,12 +134,12 @@ impl Floats {
     }
 
     /// The values at `range`, widened to f64: borrowed when they are f64 already.
-    pub fn widened(&self, range: std::ops::Range<usize>) -> std::borrow::Cow<'_, [f64]> {
-        fn widen<T: Copy>(v: &[T], w: impl Fn(T) -> f64) -> std::borrow::Cow<'static, [f64]> {
-            std::borrow::Cow::Owned(v.iter().map(|&x| w(x)).collect())
+    pub fn widened(&self, range: Range<usize>) -> Cow<'_, [f64]> {
+        fn widen<T: Copy>(v: &[T], w: impl Fn(T) -> f64) -> Cow<'static, [f64]> {
+            Cow::Owned(v.iter().map(|&x| w(x)).collect())
         }
         match self {
-            Floats::F64(v) => std::borrow::Cow::Borrowed(&v[range]),
+            Floats::F64(v) => Cow::Borrowed(&v[range]),
             Floats::F32(v) => widen(&v[range], f64::from),
             Floats::F16(v) => widen(&v[range], half::f16::to_f64),
             Floats::Bf16(v) => widen(&v[range], half::bf16::to_f64),
@@ -228,12 +225,15 @@ pub(crate) fn float_width(dtype: Dtype, name: &str, label: &str) -> Result<usize
 /// `offset` on) hold one: a non-finite weight makes every norm NaN.
 pub(crate) fn check_finite(values: &[f64], offset: usize, name: &str, label: &str) -> Result<()> {
     match values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-        Some((i, v)) => bail!(
-            "{label}: tensor `{name}` holds a non-finite value ({v}) at flat index {}",
-            offset + i
-        ),
+        Some((i, &v)) => Err(non_finite(offset + i, v, name, label)),
         None => Ok(()),
     }
+}
+
+fn non_finite(index: usize, value: f64, name: &str, label: &str) -> Error {
+    Error::new(format!(
+        "{label}: tensor `{name}` holds a non-finite value ({value}) at flat index {index}"
+    ))
 }
 
 /// Little-endian values of a float `dtype` widened to f64 (exactly) into `out`, as many as

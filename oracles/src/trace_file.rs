@@ -7,7 +7,7 @@ use crate::error::{bail, Error, Result};
 use crate::io::{write_raw, RawTensor};
 use crate::precision::Precision;
 use crate::site::{SiteKind, SiteSpec};
-use crate::tensors::{self, has, Floats};
+use crate::tensors::{self, has, Floats, TensorSource};
 use crate::trace::{Site, Trace};
 use crate::trace_shape::{validate_shapes, IdAt, SiteShape};
 use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3};
@@ -569,10 +569,8 @@ fn read_step(
                 }
                 expected.insert(name.clone());
                 let (rows, cols) = trace.site_gradient_shape(js[0]);
-                let view = st
-                    .tensor(&name)
-                    .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
-                let v = Floats::decode(view.dtype(), view.data(), &name, label)?;
+                let (dtype, _, bytes) = st.raw(&name, label)?;
+                let v = Floats::decode(dtype, &bytes, &name, label)?;
                 if v.len() != rows * cols {
                     bail!(
                         "{label}: `{name}` has {} values; parameter `{p}` has {rows}×{cols}",
