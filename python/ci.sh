@@ -46,9 +46,9 @@ print(f"python/ci.sh: ghost_oracle {ghost_oracle.__version__} from {ghost_oracle
 PY
 )
 
-echo "python/ci.sh: pytest python/tests examples oracles/python/tests"
+echo "python/ci.sh: pytest python/tests examples"
 status=0
-"$venv_python" -m pytest -p no:cacheprovider --rootdir . python/tests examples oracles/python/tests "$@" || status=$?
+"$venv_python" -m pytest -p no:cacheprovider --rootdir . python/tests examples "$@" || status=$?
 if [ "$status" -eq 5 ]; then
     echo "python/ci.sh: pytest collected no test" >&2
     status=1

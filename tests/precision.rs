@@ -3,7 +3,7 @@
 //! bf16 and f16, and the ε of every such run comes from its measured sensitivity.
 //!
 //! The golden traces (oracles/golden/traces/precision, made by
-//! oracles/python/make_precision_traces.py) hold Opacus's own norms and clip factors; the truth
+//! python/scripts/make_precision_traces.py) hold Opacus's own norms and clip factors; the truth
 //! is the f64 materialization of the trace's factors, which shares nothing with the bound.
 
 use crate::cli::{run, stderr, tmp};

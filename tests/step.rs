@@ -534,7 +534,7 @@ fn the_noise_test_raises_no_false_alarm_over_many_seeded_steps() {
 }
 
 /// Real Opacus 1.6 steps (oracles/golden/traces/step, made by
-/// oracles/python/make_step_traces.py): hooks mode at σ 0 and 1, micro-batches through
+/// python/scripts/make_step_traces.py): hooks mode at σ 0 and 1, micro-batches through
 /// `signal_skip_step`, and ghost mode on an untied Llama pass; ghost mode's two backward passes
 /// before one step keep only the last micro-batch, and are caught naming the examples lost.
 #[test]

@@ -301,7 +301,7 @@ fn family_trace(name: &str) -> PathBuf {
         .join(format!("{name}.safetensors"))
 }
 
-/// The families of oracles/python/make_family_traces.py, one trace each.
+/// The families of python/scripts/make_family_traces.py, one trace each.
 const FAMILIES: [&str; 13] = [
     "gpt2",
     "gpt_neo",
@@ -320,7 +320,7 @@ const FAMILIES: [&str; 13] = [
 
 #[test]
 fn exported_traces_of_thirteen_model_families_with_exact_norms_pass_check() {
-    // Tiny random HF models exported by oracles/python/make_family_traces.py, with torch.func's
+    // Tiny random HF models exported by python/scripts/make_family_traces.py, with torch.func's
     // exact per-example norms as the claim.
     for family in FAMILIES {
         let doc = check_json(&family_trace(family), 0);

@@ -60,7 +60,7 @@ from typing import Any, Union
 import torch
 
 from ._api import check
-from ._export import FORMAT, KINDS, TraceExportError, _batch_shape, export_trace, register_module, unregister_module
+from .export import FORMAT, KINDS, UNCLAIMED, TraceExportError, export_trace, register_module, unregister_module
 from ._report import Report
 
 Inputs = Union[torch.Tensor, Mapping[str, torch.Tensor]]
@@ -85,6 +85,7 @@ def assert_norms(
     steps: int | None = None,
     delta: float | None = None,
     trace_path: str | os.PathLike[str] | None = None,
+    batch_axis: int = 0,
 ) -> Report:
     """Asserts that `claimed_norms` are the true per-example gradient norms of `model` on
     `inputs`, as a DP-SGD clipper must compute them.
@@ -113,6 +114,10 @@ def assert_norms(
         sampling_rate, steps, delta: the run the ε speaks of (default: q = 0.01, 1000 steps,
             δ = 1e-5).
         trace_path: where to keep the trace (default: a temporary file, removed afterwards).
+        batch_axis: the axis of `inputs` that holds the examples: 0, or 1 for seq-first data
+            (batch_first=False). Each use's own batch axis is found by backpropagating single
+            examples' losses; a model that mixes examples, or inputs whose examples lie along
+            another axis than this one, raise `TraceExportError`.
 
     Returns:
         the `Report`, when the claim passes.
@@ -130,7 +135,7 @@ def assert_norms(
         model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
         sampling_rate=sampling_rate, steps=steps, delta=delta, trace_path=trace_path,
         export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
-                    noise_multiplier=noise_multiplier, dtype=dtype))
+                    noise_multiplier=noise_multiplier, dtype=dtype, batch_axis=batch_axis))
 
 
 def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clipper, precision, sampling_rate,
@@ -142,9 +147,7 @@ def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clip
     __tracebackhide__ = True
 
     def run(path: str) -> Report:
-        norms = claimed_norms
-        if norms is None:
-            norms = _placeholder_norms
+        norms = UNCLAIMED if claimed_norms is None else claimed_norms
         export_trace(model, per_example_loss, inputs, path, claimed_norms=norms, clipper=clipper, **export)
         report = check(path, precision=precision, sampling_rate=sampling_rate, steps=steps, delta=delta)
         if claimed_norms is None:
@@ -162,12 +165,6 @@ def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clip
     if not report.passed:
         raise AssertionError(report.explain())
     return report
-
-
-def _placeholder_norms(model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-    """Norms of 1, replaced by the true ones once the check has computed them."""
-    b, _ = _batch_shape(inputs)
-    return torch.ones(b, dtype=torch.float64)
 
 
 def _replace_claimed_norms(path: str, norms: Any) -> None:
@@ -204,6 +201,7 @@ def assert_update(
     steps: int | None = None,
     delta: float | None = None,
     trace_path: str | os.PathLike[str] | None = None,
+    batch_axis: int = 0,
 ) -> Report:
     """Asserts that `update` is the DP-SGD update of `model` on `inputs`:
     (Σ_i c*_i g*_i + σ C ξ) / D, with c*_i = min(1, C / (n*_i + γ)) from the true per-example
@@ -243,7 +241,8 @@ def assert_update(
             `assert_norms`), judged too; default: the exact norms, so that only the step is judged.
         claimed_coefficients: the library's clip factors, with `claimed_norms`.
         clipper: the name the report gives the claim.
-        dtype, precision, sampling_rate, steps, delta, trace_path: as for `assert_norms`.
+        dtype, precision, sampling_rate, steps, delta, trace_path, batch_axis: as for
+            `assert_norms` (micro-batches are concatenated along `batch_axis`).
 
     Returns:
         the `Report` when the step passes; `report.step` holds its figures.
@@ -264,4 +263,5 @@ def assert_update(
         sampling_rate=sampling_rate, steps=steps, delta=delta, trace_path=trace_path,
         export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
                     noise_multiplier=noise_multiplier, dtype=dtype, update=update, clipped_sum=clipped_sum,
-                    batch_divisor=batch_divisor, clip_stabilizer=stabilizer, clipping=clipping))
+                    batch_divisor=batch_divisor, clip_stabilizer=stabilizer, clipping=clipping,
+                    batch_axis=batch_axis))

@@ -25,7 +25,7 @@ def pytest_configure(config):
 
 
 # ---------------------------------------------------------------------------------------------
-# A one-layer tied GPT-2 (oracles/python/audit_opacus_example.py's): B = 4, T = 12, V = 19.
+# A one-layer tied GPT-2 (python/scripts/audit_opacus_example.py's): B = 4, T = 12, V = 19.
 
 B, T, V = 4, 12, 19
 

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 import ghost_oracle
 
 GOLDEN = sorted(TRACES.glob("*.safetensors")) + sorted((TRACES / "families").glob("*.safetensors"))
-# Wrong on purpose (oracles/python/audit_opacus_example.py): Opacus ghost clipping of an untied
+# Wrong on purpose (python/scripts/audit_opacus_example.py): Opacus ghost clipping of an untied
 # copy drops the tied cross term; the last-writer and batch-mean-loss claims are seeded bugs.
 FLAGGED = {"opacus_ghost_untied", "embedding_only", "batch_mean_loss"}
 

@@ -9,6 +9,7 @@ import json
 import pytest
 from conftest import causal_lm_loss, func_norms, torch, transformers
 
+import ghost_oracle
 from ghost_oracle.torch import TraceExportError, assert_norms, export_trace, register_module, unregister_module
 from safetensors import safe_open
 from torch.func import functional_call, grad, vmap
@@ -125,7 +126,7 @@ def test_a_stock_float64_gemma_passes_with_its_norms_at_float32(tmp_path):
 def test_the_float32_island_is_what_the_self_check_sees(tmp_path, monkeypatch):
     # The x̂ of the old exporter (normalized in the input's float64) is off by float32 rounding
     # from the one Llama's norm used: the self-check refuses it at float64's tolerance.
-    import ghost_oracle._export as X
+    import ghost_oracle.export.kinds.norm as X
 
     def float64_xhat(entry, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + entry["module"].variance_epsilon), x.dtype
@@ -181,9 +182,10 @@ def test_a_per_head_norm_is_one_site_with_a_row_per_position_and_head(tmp_path, 
         assert_norms(model, loss, x, (norms ** 2 - qk).sqrt(), max_grad_norm=float(norms.median()))
 
 
-def test_a_norm_with_heads_before_the_batch_is_refused(tmp_path):
-    # The example must be the leading axis (or flattened with the position): a norm applied to a
-    # T×B×k tensor would give rows to the wrong examples, so it is refused by name.
+def test_a_norm_whose_examples_are_not_its_leading_axis_is_split_by_its_found_axis(tmp_path):
+    # A norm applied to a T×B×k tensor: its rows belong to the examples along its second axis,
+    # which the exporter finds by backpropagating each example's loss alone (it used to refuse
+    # the layout). The truth is each example's own gradient, by brute force.
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -197,9 +199,17 @@ def test_a_norm_with_heads_before_the_batch_is_refused(tmp_path):
     def lm(model, x):
         return causal_lm_loss(model(x), x)
 
-    with pytest.raises(TraceExportError, match=r"module `norm` \(RMSNorm\): its .* has shape \[7, 3, 6\]"):
-        export_trace(Model().double(), lm, ids(), tmp_path / "t.safetensors", claimed_norms=[1.0] * B,
-                     max_grad_norm=1.0)
+    torch.manual_seed(2)
+    model = Model().double()
+    path = tmp_path / "t.safetensors"
+    export_trace(model, lm, ids(), path, claimed_norms=[1.0] * B, max_grad_norm=1.0)
+    truth = ghost_oracle.check(path).true_norms
+    params = list(model.parameters())
+    losses = lm(model, ids())
+    for i in range(B):
+        g = torch.autograd.grad(losses[i], params, retain_graph=True)
+        want = float(sum((x ** 2).sum() for x in g).sqrt())
+        assert abs(float(truth[i]) - want) <= 1e-9 * want
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,15 +222,19 @@ def falcon(dtype=torch.float64):
         attn_implementation="eager"), dtype=dtype)
 
 
-def test_falcon_is_refused_until_its_linear_is_declared_then_passes(tmp_path, declared):
+def test_falcon_passes_through_its_functional_matmul_and_declared(tmp_path, declared):
+    # FalconLinear computes `x @ self.weight.T`: the functional capture sees the transposed
+    # parameter and traces it as a linear site without a declaration; declared, the module
+    # handler traces it the same way.
     from transformers.models.falcon.modeling_falcon import FalconLinear
 
     model, x = falcon(), ids()
-    with pytest.raises(TraceExportError, match=r"\(FalconLinear\)\) received a gradient but has no site.*"
-                                               r"register_module"):
-        export_trace(model, loss, x, tmp_path / "t.safetensors", claimed_norms=[1.0] * B, max_grad_norm=1.0)
-    declared(FalconLinear, "linear")
     norms = func_norms(model, loss, x)
+    path = tmp_path / "captured.safetensors"
+    report = assert_norms(model, loss, x, norms, max_grad_norm=float(norms.median()), trace_path=path)
+    _, specs, _ = sites(path)
+    assert specs["transformer.h.0.self_attention.query_key_value.weight"]["kind"] == "linear"
+    declared(FalconLinear, "linear")
     path = tmp_path / "falcon.safetensors"
     report = assert_norms(model, loss, x, norms, max_grad_norm=float(norms.median()), trace_path=path)
     assert report.dtype == "f64"
@@ -314,15 +328,22 @@ def test_a_wrong_declaration_raises_and_writes_nothing(tmp_path, declared, case)
 
 def test_a_declared_subclass_is_its_own_class(tmp_path, declared):
     # A declaration covers one class exactly: a subclass of a declared class may change forward.
+    # This one doubles its output: the module handler would miss the factor, while the
+    # functional capture sees the matmul the subclass really runs, and the factor after it.
     from transformers.models.falcon.modeling_falcon import FalconLinear
 
+    from ghost_oracle.export.kinds import handler_for
+
     class Sub(FalconLinear):
-        pass
+        def forward(self, x):
+            return 2.0 * super().forward(x)
 
     declared(FalconLinear, "linear")
-    model = toy(Sub(6, 6))
-    with pytest.raises(TraceExportError, match=r"`proj.weight` \(module `proj` \(Sub\)\).*no site"):
-        export_trace(model, toy_loss, ids(), tmp_path / "t.safetensors", claimed_norms=[1.0] * B, max_grad_norm=1.0)
+    assert handler_for(FalconLinear(6, 6)) is not None and handler_for(Sub(6, 6)) is None
+    model = toy(Sub(6, 6, bias=False))  # a bias added by `+` is a use no capture sees
+    norms = func_norms(model, toy_loss, ids())
+    report = assert_norms(model, toy_loss, ids(), norms, max_grad_norm=float(norms.median()))
+    assert report.passed
 
 
 @pytest.mark.parametrize("args, exc, text", [

@@ -1,7 +1,7 @@
 """Low precision: bf16 and f16 models, and an f32 model under autocast, exported per site and
 judged at the precision each site computed in.
 
-The models are tiny tied Llamas (oracles/python/make_precision_traces.py's shape). The correct
+The models are tiny tied Llamas (python/scripts/make_precision_traces.py's shape). The correct
 claims are the norms the trace's own factors give (materialized here in float64, independently
 of the oracle) and Opacus 1.6's, as its DPOptimizer computes them; 0.9× either must fail.
 """
@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import ghost_oracle
-import ghost_oracle._export as X
+import ghost_oracle.export.kinds.norm as X
+import ghost_oracle.export.record as R
 from ghost_oracle.torch import TraceExportError, export_trace
 
 B, T, V = 4, 16, 64
@@ -189,7 +190,7 @@ def test_the_parameters_precision_alone_refuses_autocast(tmp_path, monkeypatch):
     # The behaviour before per-site precision: every site judged at the parameters' f32. The
     # bf16 matmuls' weight gradients then miss autograd's by bf16 rounding, far over an f32
     # tolerance.
-    monkeypatch.setattr(X, "_site_dtype", lambda module, output: module.weight.dtype)
+    monkeypatch.setattr(R, "site_dtype", lambda module, output: module.weight.dtype)
     with pytest.raises(TraceExportError) as e:
         export("autocast_bf16", tmp_path / "t.safetensors")
     assert "differs from autograd's" in str(e.value) and "computed in f32" in str(e.value)
@@ -299,7 +300,7 @@ def test_opacus_norms_pass_and_0_9_times_them_fail(exported, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The committed traces (oracles/python/make_precision_traces.py).
+# The committed traces (python/scripts/make_precision_traces.py).
 
 
 def test_the_golden_precision_traces_are_there():

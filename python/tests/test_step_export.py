@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch.func import functional_call, grad, vmap
 
 import ghost_oracle
-from ghost_oracle.torch import TraceExportError, export_trace
+from ghost_oracle.torch import export_trace
 
 opacus = pytest.importorskip("opacus")
 import ghost_oracle.opacus as dpo  # noqa: E402
@@ -327,7 +327,7 @@ def test_dp_step_argument_errors(tied_gpt2):
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, str(REPO / "oracles" / "python"))
+    sys.path.insert(0, str(REPO / "python" / "scripts"))
     try:
         return importlib.import_module("make_step_traces")
     finally:

@@ -1,7 +1,5 @@
 """assert_norms on exact and on dropped-cross-term norms, for a tied GPT-2 and a tied Llama."""
-import importlib
 import json
-import sys
 
 import pytest
 import torch
@@ -100,12 +98,11 @@ def test_export_trace_writes_a_complete_trace(tied_gpt2, tmp_path):
     assert report.passed and report.worst.noise_multiplier == 1.5
 
 
-def test_the_repository_script_shim_is_the_package_exporter():
-    sys.path.insert(0, str(REPO / "oracles" / "python"))
-    try:
-        shim = importlib.import_module("export_trace")
-    finally:
-        sys.path.pop(0)
-    assert shim.__file__ == str(REPO / "python" / "ghost_oracle" / "_export.py")
-    assert shim.export_trace.__code__.co_code == ghost_oracle.torch.export_trace.__code__.co_code
-    assert hasattr(shim, "_embedding_scale") and issubclass(shim.TraceExportError, ValueError)
+def test_no_script_loads_the_package_by_file_path():
+    """The scripts import the installed package; none loads its files by path."""
+    scripts = sorted((REPO / "python" / "scripts").glob("*.py"))
+    assert len(scripts) >= 5
+    for path in scripts:
+        text = path.read_text()
+        assert "spec_from_file_location" not in text and "ghost_oracle\", \"" not in text, path.name
+    assert not (REPO / "oracles" / "python").exists()

@@ -8,8 +8,8 @@ directory per shape with config.json and model.safetensors (save_pretrained, flo
 HF's default init, initializer_range 0.02) and batch-T<T>.safetensors (`input_ids`, int64
 B×T, uniform random ids in [0, vocab)) for each sequence length of the shape.
 
-    python3 oracles/python/make_bound_shapes.py /tmp/bound-shapes            # every shape
-    python3 oracles/python/make_bound_shapes.py /tmp/bound-shapes gpt2_d768  # some of them
+    python3 python/scripts/make_bound_shapes.py /tmp/bound-shapes            # every shape
+    python3 python/scripts/make_bound_shapes.py /tmp/bound-shapes gpt2_d768  # some of them
     cargo run --release -- audit --model /tmp/bound-shapes/gpt2_d768 \
         --batch /tmp/bound-shapes/gpt2_d768/batch-T128.safetensors --dtype bf16 \
         --clipper ghost-tied --clipper materialize --json out.json

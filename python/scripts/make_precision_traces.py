@@ -29,13 +29,12 @@ factors and the largest clipped contribution c_i·n_i*/C (with Opacus's factors,
 min(1, C/n_i) for comparison).
 
     pip install torch transformers "opacus>=1.6,<1.7" safetensors
-    python3 oracles/python/make_precision_traces.py
+    python3 python/scripts/make_precision_traces.py
     cargo run --release -- check oracles/golden/traces/precision/bf16_t128.safetensors
 """
 import copy
 import json
 import os
-import sys
 import types
 import warnings
 from contextlib import nullcontext
@@ -46,11 +45,10 @@ from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from safetensors import safe_open
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from export_trace import export_trace  # noqa: E402
+from ghost_oracle.torch import export_trace  # noqa: E402
 
 warnings.filterwarnings("ignore")
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "golden", "traces", "precision")
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "oracles", "golden", "traces", "precision")
 B, V, D, FF, L = 4, 64, 16, 32, 2
 LENGTHS = (10, 32, 128)
 SETTINGS = ("bf16", "autocast_bf16")

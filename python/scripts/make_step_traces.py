@@ -39,13 +39,11 @@ of the model and c*_i = min(1, C / (n*_i + 1e-6)), and for σ > 0 the noise's si
 ‖u·D − K‖ / (σ C √entries) (about 1). Recorded in oracles/golden/traces/step/README.md.
 
     pip install torch transformers opacus safetensors
-    python3 oracles/python/make_step_traces.py
+    python3 python/scripts/make_step_traces.py
 """
 import copy
-import importlib.util
 import math
 import os
-import sys
 import types
 import warnings
 
@@ -53,7 +51,7 @@ import torch
 import transformers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "..", "golden", "traces", "step")
+OUT = os.path.join(HERE, "..", "..", "oracles", "golden", "traces", "step")
 B, T = 4, 10
 STABILIZER = 1e-6  # Opacus's γ in min(1, C / (n + γ))
 
@@ -199,25 +197,11 @@ def max_grad_norm(model, loss, x):
 # ---------------------------------------------------------------------------------------------
 
 
-def _load(name, path, installed):
-    """A module of the package from this checkout (the same commit as this script), else the
-    installed package's."""
-    if os.path.exists(path):
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        return mod
-    return importlib.import_module(installed)
-
-
 def main():
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, HERE)
-    from export_trace import export_trace
+    import ghost_oracle.opacus as dp
+    from ghost_oracle.torch import export_trace
 
-    dp = _load("ghost_oracle_opacus_step", os.path.join(HERE, "..", "..", "python", "ghost_oracle", "opacus.py"),
-               "ghost_oracle.opacus")
     os.makedirs(OUT, exist_ok=True)
     rows = []
     for name, (family, mode, sigma, sizes, accumulation) in CASES.items():

@@ -21,22 +21,20 @@ batch, autograd of each example's loss in turn). export_trace.py checks each tra
 autograd before writing it.
 
     pip install torch transformers safetensors
-    python3 oracles/python/make_family_traces.py
+    python3 python/scripts/make_family_traces.py
     cargo run --release -- check oracles/golden/traces/families/llama.safetensors --gate
 """
 import os
-import sys
 import warnings
 
 import torch
 import transformers
 from torch.func import functional_call, grad, vmap
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from export_trace import export_trace  # noqa: E402
+from ghost_oracle.torch import export_trace  # noqa: E402
 
 warnings.filterwarnings("ignore")
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "golden", "traces", "families")
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "oracles", "golden", "traces", "families")
 B, T, V, D, FF, L = 3, 7, 64, 16, 32, 2
 COMMON = dict(vocab_size=V, attn_implementation="eager", bos_token_id=0, eos_token_id=0)
 

@@ -14,12 +14,11 @@ Writes traces into oracles/golden/traces/ (committed; the Rust tests check them)
 - batch_mean_loss.safetensors: norms of the batch-mean loss -> privacy-violation.
 
     pip install torch transformers opacus safetensors
-    python3 oracles/python/audit_opacus_example.py
+    python3 python/scripts/audit_opacus_example.py
     cargo run --release -- check oracles/golden/traces/opacus_per_sample.safetensors --gate
 """
 import copy
 import os
-import sys
 import warnings
 
 import torch
@@ -28,11 +27,10 @@ from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from torch.func import functional_call, grad, vmap
 from transformers import GPT2Config, GPT2LMHeadModel
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from export_trace import export_trace  # noqa: E402
+from ghost_oracle.torch import export_trace  # noqa: E402
 
 warnings.filterwarnings("ignore")
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "golden", "traces")
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "oracles", "golden", "traces")
 B, T, V = 4, 12, 19
 
 

@@ -1,0 +1,86 @@
+"""The self-check: nothing is written unless every trainable parameter that received a gradient
+is accounted for by its sites, and the batch gradient rebuilt from their factors (as stored)
+equals autograd's `p.grad` to rounding, at a tolerance that follows each site's precision."""
+import torch
+
+from .errors import TraceExportError
+from .precision import DTYPE_NAMES, reduction_tolerance, unit_roundoff
+from .site_kinds import low_precision_rounds, rebuild
+
+
+def self_check(model, sites, names, owners, store_dtype):
+    """Raises unless every trainable parameter that received a gradient has a site and its
+    sites' factors rebuild autograd's gradient to rounding, each site at its own precision
+    (`entry["dtype"]`; `store_dtype` None: each site stored in its own)."""
+    by_param = {}
+    for spec, ts, entry in sites:
+        by_param.setdefault(spec["param"], []).append((spec, ts, entry))
+    seen = set()
+    params = []
+    for _, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen or not p.requires_grad or p.grad is None:
+            continue
+        seen.add(id(p))
+        params.append(p)
+    def fused_experts(p):
+        """A 3-D tensor of stacked expert matrices, by its shape and its name or its module's."""
+        labels = [names[id(p)]] + [c for _, c in owners.get(id(p), [])]
+        return p.dim() == 3 and names[id(p)] not in by_param and any("expert" in s.lower() for s in labels)
+
+    # A fused expert tensor is named first: it is the reason the model cannot be traced, and
+    # its router (whose gradient flows through the routing weights) has no site either.
+    params.sort(key=lambda p: 0 if fused_experts(p) else 1)
+    for p in params:
+        name = names[id(p)]
+        mods = ", ".join(f"`{m}` ({c})" for m, c in owners.get(id(p), []))
+        uses = by_param.get(name)
+        if fused_experts(p):
+            raise TraceExportError(
+                f"parameter `{name}` (module {mods}) is a {p.dim()}-D tensor {list(p.shape)}, one matrix per "
+                "expert of a mixture of experts: each token is multiplied by the slices its router picked, a "
+                "per-token choice of matrix that no site kind (linear, conv1d, embedding, bias, layernorm) "
+                "represents, so the exporter refuses it rather than write a trace without it. To trace the "
+                "dense parts, freeze the experts and the router (requires_grad=False)"
+            )
+        if not uses:
+            raise TraceExportError(
+                f"parameter `{name}` (module {mods}) received a gradient but has no site: the exporter "
+                "models the modules its handlers know by exact type (linear layers, convolutions, "
+                "embeddings and embedding bags, layer, RMS, group and instance norms, Hugging Face's Conv1D "
+                "and scaled embeddings), the classes declared with register_module, and the calls of "
+                "F.linear, F.embedding and `x @ w` on a parameter; this parameter was used some other way "
+                "(an elementwise product, a slice, a bias added with `+`). If its module's class computes "
+                "what one of the kinds computes, declare it: ghost_oracle.torch.register_module(cls, kind)"
+            )
+        rebuilt = torch.zeros(p.numel(), dtype=torch.float64)
+        absum = torch.zeros(p.numel(), dtype=torch.float64)
+        tol = torch.zeros(p.numel(), dtype=torch.float64)
+        for spec, ts, entry in uses:
+            r, a = rebuild(spec, ts)
+            if r.numel() != p.numel():
+                raise TraceExportError(
+                    f"parameter `{name}` (module {mods}): site `{spec['name']}` ({spec['kind']}) rebuilds "
+                    f"{r.numel()} entries but the parameter has {p.numel()}"
+                )
+            rebuilt += r
+            absum += a
+            store = entry["dtype"] if store_dtype is None else store_dtype
+            rows = ts["backprops"].shape[0] * ts["backprops"].shape[1]  # B·T, or B·T·H for a per-head norm
+            tol += reduction_tolerance(a, entry["dtype"], store, rows, low_precision_rounds(spec, ts, entry["dtype"]))
+        # autograd adds the uses of a tied parameter into p.grad in the parameter's dtype
+        tol += 2.0 * (len(uses) - 1) * unit_roundoff(p.dtype) * absum + torch.finfo(p.dtype).tiny
+        want = p.grad.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        err = (rebuilt - want).abs()
+        bad = err > tol
+        if bool(bad.any()):
+            k = int(torch.argmax(err / tol))
+            site_list = ", ".join(f"`{s['name']}` ({s['kind']}, module class {e['cls']}, computed in "
+                                  f"{DTYPE_NAMES.get(e['dtype'], e['dtype'])})" for s, _, e in uses)
+            raise TraceExportError(
+                f"parameter `{name}` (module {mods}): the gradient rebuilt from its sites {site_list} differs "
+                f"from autograd's at {int(bad.sum())} of {p.numel()} entries; worst entry {k}: rebuilt "
+                f"{float(rebuilt[k]):.6e}, autograd {float(want[k]):.6e}, |error| {float(err[k]):.3e} > "
+                f"tolerance {float(tol[k]):.3e}. The module's forward is not what the exporter models "
+                "(a subclass that changes forward, a scale or cast inside it, a class declared with "
+                "register_module that does not compute what its kind computes)"
+            )

@@ -1,0 +1,164 @@
+"""Functional calls on parameters, captured where no module handler models them.
+
+A parameter used through a function rather than a modelled module (`nn.MultiheadAttention`'s
+`in_proj_weight` and `out_proj`, which its forward passes to `F.linear`; a bare
+`nn.Parameter` in `F.linear(x, self.w)` or `x @ self.w`; a module's weight passed to a function
+by another module) is seen by a `TorchFunctionMode` during the forward: each call of a
+function below with a trainable parameter as its weight is a use of its own, with a site per
+parameter it reads. Inside a module a handler models (`kinds/`), calls are left to that
+handler. A parameter used any other way has no site, and the self-check refuses it by name.
+
+- `F.linear(x, w, b)`: a linear site (w out×in) and a bias site;
+- `x @ w`, `torch.matmul(x, w)` with w a 2-D parameter on the right: a conv1d site (w in×out);
+- `F.embedding(ids, w, padding_idx)`: an embedding site."""
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .kinds.base import Handler
+from .kinds.embedding import Embedding
+from .kinds.linear import Linear
+from .precision import autocast_dtype
+
+
+def _arg(args, kwargs, i, name):
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+class FunctionHandler(Handler):
+    """A handler for a function: `operands` picks the input and the parameters a call reads."""
+
+    def operands(self, args, kwargs):
+        """(input, {attr: tensor}[, entry fields]) of a call, attrs "weight" and "bias"; None to
+        leave it."""
+        raise NotImplementedError
+
+
+class FnLinear(FunctionHandler, Linear):
+    def operands(self, args, kwargs):
+        return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 1, "weight"),
+                                                 "bias": _arg(args, kwargs, 2, "bias")}
+
+
+class FnMatmul(FunctionHandler, Linear):
+    """`x @ w` is a conv1d site (w in×out); `x @ w.T`, w's transpose (a tied head written as
+    `h @ embedding.weight.T`), a linear site of w (out×in)."""
+
+    def operands(self, args, kwargs):
+        x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
+        if not torch.is_tensor(w) or w.dim() != 2:
+            return None
+        if isinstance(w, torch.nn.Parameter):
+            return x, {"weight": w}, {"site_kind": "conv1d"}
+        base = w._base
+        if (isinstance(base, torch.nn.Parameter) and base.dim() == 2 and w.shape == base.shape[::-1]
+                and w.stride() == base.stride()[::-1] and w.data_ptr() == base.data_ptr()):
+            return x, {"weight": base}, {"site_kind": "linear"}
+        return None
+
+    def site_kind(self, use):
+        return use.entry["site_kind"]
+
+
+class FnEmbedding(FunctionHandler, Embedding):
+    def operands(self, args, kwargs):
+        if _arg(args, kwargs, 3, "max_norm") is not None or _arg(args, kwargs, 5, "scale_grad_by_freq"):
+            return None  # not modelled: the self-check refuses the parameter by name
+        return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 1, "weight")}
+
+    def padding_idx(self, use):
+        p = use.entry["padding_idx"]
+        return None if p is None else p % use.param("weight").shape[0]  # a negative index counts from the end
+
+    def check_options(self, use):
+        pass  # `operands` leaves the calls with options it does not model
+
+
+# `x @ w` reaches the mode as the tensor method `matmul`, `torch.matmul(x, w)` as the function.
+FUNCTIONS = {F.linear: FnLinear(), torch.matmul: FnMatmul(), torch.Tensor.matmul: FnMatmul(),
+             torch.Tensor.__matmul__: FnMatmul(), F.embedding: FnEmbedding()}
+
+# Python-level functionals (`F.multi_head_attention_forward`) dispatch to the mode as a whole, and
+# the mode is off while it runs them: their own calls of `F.linear` would go unseen. They run
+# with the mode on and their dispatch checks answering no, so that the calls inside reach it.
+_DISPATCH_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _never(*args, **kwargs):
+    return False
+
+
+def _dtype(weight, output):
+    """As `precision.site_dtype`, for a weight passed to a function."""
+    ac = autocast_dtype(output.device.type)
+    if ac is not None and ac != weight.dtype and output.dtype == ac:
+        return ac
+    return weight.dtype
+
+
+class _Capture(TorchFunctionMode):
+    def __init__(self, rec, names):
+        super().__init__()
+        self.rec, self.names = rec, names
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in FUNCTIONS and inspect.isfunction(func) and func.__module__ == F.__name__:
+            return self._inside(func, args, kwargs)
+        out = func(*args, **kwargs)
+        handler = FUNCTIONS.get(func)
+        if handler is None or self.rec.inside_modelled_module() or not torch.is_tensor(out) or not out.requires_grad:
+            return out
+        found = handler.operands(args, kwargs)
+        if found is None:
+            return out
+        x, params = found[0], found[1]
+        extra = found[2] if len(found) > 2 else {}
+        params = {k: p for k, p in params.items()
+                  if isinstance(p, torch.nn.Parameter) and id(p) in self.rec.trainable}
+        if "weight" not in params or not torch.is_tensor(x):
+            return out
+        owner = self.rec.innermost()
+        site_names = {}
+        for attr, p in params.items():
+            local = next((k for k, v in owner[1]._parameters.items() if v is p), None) if owner else None
+            base = f"{owner[0]}.{local}" if local is not None and owner[0] else self.names[id(p)]
+            site_names[attr] = self.rec.use_name(base)
+        where = owner[0] if owner and owner[0] else "the model"
+        fname = getattr(func, "__name__", str(func))
+        entry = {"module": owner[1] if owner else None, "name": f"{where}: {fname}", "cls": f"a call of {fname}",
+                 "handler": handler, "input": x.detach(), "params": params, "site_names": site_names,
+                 "dtype": _dtype(params["weight"], out), **extra}
+        if isinstance(handler, FnEmbedding):
+            entry["padding_idx"] = _arg(args, kwargs, 2, "padding_idx")
+        return self.rec.add(entry, out)
+
+
+    def _inside(self, func, args, kwargs):
+        saved = {name: getattr(F, name) for name in _DISPATCH_CHECKS}
+        try:
+            for name in _DISPATCH_CHECKS:
+                setattr(F, name, _never)
+            with self:
+                return func(*args, **kwargs)
+        finally:
+            for name, f in saved.items():
+                setattr(F, name, f)
+
+
+class _CaptureHandle:
+    def __init__(self, mode):
+        self.mode = mode
+        mode.__enter__()
+
+    def remove(self):
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+
+def function_capture(rec, names):
+    """Starts capturing; the handle's `remove()` stops it (at most once)."""
+    return _CaptureHandle(_Capture(rec, names))

@@ -1,0 +1,201 @@
+"""What a module handler is, the use it turns into sites, and the registry of handlers.
+
+A handler says how one kind of module computes with its parameters, so that a call of it (a
+use) becomes trace sites whose factors rebuild the parameters' gradients: `input` picks what
+the module computed from, `sites` yields (spec, tensors) pairs. Built-in handlers are
+registered for exact module types (as Opacus's grad samplers are, never by `isinstance`: a
+subclass may change `forward`) or, for Hugging Face classes known by name, by a test on the
+module; users declare their own classes with `register_module`.
+"""
+import torch
+
+from ..errors import TraceExportError
+from ..layout import _batch_first
+
+
+class Handler:
+    """How the uses of one kind of module become sites. `kind` is the name `register_module`
+    declares a class with; subclasses implement `sites` and may override `input`."""
+
+    kind = None
+
+    def input(self, module, args, kwargs):
+        """What the module computed from: its first argument."""
+        if args:
+            return args[0]
+        return next(iter(kwargs.values()), None)
+
+    def sites(self, use):
+        """Yields (spec, tensors) for every trainable parameter the use reads."""
+        raise NotImplementedError
+
+
+class Use:
+    """One call of a modelled module, with what the sites are built from: the module, its
+    recorded input and output gradient, its batch layout, the batch size B, and the dtype
+    the factors are stored in."""
+
+    def __init__(self, entry, names, store_dtype, b):
+        self.entry = entry
+        self.module = entry["module"]
+        self.name = entry["name"]
+        self.cls = entry["cls"]
+        self.names = names
+        self.b = b
+        self._store = store_dtype
+
+    @property
+    def dtype(self):
+        """The precision the use computed in."""
+        return self.entry["dtype"]
+
+    @dtype.setter
+    def dtype(self, value):
+        self.entry["dtype"] = value
+
+    @property
+    def store(self):
+        """The dtype the factors are written in: the use's own unless the caller chose one."""
+        return self.dtype if self._store is None else self._store
+
+    @property
+    def input(self):
+        return self.entry["input"]
+
+    @property
+    def grad(self):
+        """The gradient of the summed losses with respect to the use's output, as recorded."""
+        return self.entry["grad"]
+
+    def batch_first(self, t):
+        return _batch_first(t, self.entry["layout"], self.b)
+
+    def per_example(self, t, what, features=True):
+        """`t` as B×rows×features (B×rows for ids, `features=False`): the examples first, as the
+        use's layout has them, and every other axis but the features flattened into rows (a
+        sequence, image positions, heads, bag members; one row for a B×F vector). A tensor
+        computed once for the batch (leading axis 1) is expanded to every example."""
+        t = self.batch_first(t)
+        if t.dim() >= 1 and t.shape[0] == 1 and self.b > 1:
+            t = t.expand(self.b, *t.shape[1:])
+        if t.dim() < (2 if features else 1) or t.shape[0] != self.b:
+            raise self.error(f"its {what} has shape {list(t.shape)} once the examples are put first; the exporter "
+                             f"needs {self.b} examples{' × rows × features' if features else ' × rows'}")
+        return t.reshape(self.b, -1, t.shape[-1]) if features else t.reshape(self.b, -1)
+
+    def error(self, message):
+        return TraceExportError(f"module `{self.name}` ({self.cls}): {message}")
+
+    @staticmethod
+    def trainable(p):
+        return isinstance(p, torch.nn.Parameter) and p.requires_grad
+
+    def param(self, attr):
+        """The parameter `attr` the use reads: the module's, or, for a functional call, the
+        tensor passed as that argument."""
+        params = self.entry.get("params")
+        return params.get(attr) if params is not None else getattr(self.module, attr, None)
+
+    def weight(self, kind):
+        w = self.param("weight")
+        if not isinstance(w, torch.nn.Parameter):
+            raise self.error(f"traced as {kind}, it has no `weight` parameter")
+        return w
+
+    def spec(self, attr, kind, **extra):
+        """The site spec of the parameter `attr` used as `kind`."""
+        p = self.param(attr)
+        names = self.entry.get("site_names")
+        name = names[attr] if names is not None else f"{self.name}.{attr}"
+        return {"name": name, "param": self.names[id(p)], "kind": kind, **extra}
+
+    def bias_site(self, g, attr="bias"):
+        """The bias site, where the module has a trainable bias: its backprops are the output
+        gradient `g` (B×rows×out), rows as the weight's site has them."""
+        bias = self.param(attr)
+        if not self.trainable(bias):
+            return []
+        return [(self.spec(attr, "bias"), {"backprops": g.to(self.store)})]
+
+
+# The registry. Declarations (`register_module`) come first, then built-in exact types, then
+# the built-in tests for classes known by name.
+_DECLARED = {}
+_BUILTIN = {}
+_BY_TEST = []
+_KINDS = {}
+
+
+def builtin(cls, handler):
+    """Registers `handler` for modules of exactly the class `cls`."""
+    _BUILTIN[cls] = handler
+    return handler
+
+
+def builtin_test(test, handler):
+    """Registers `handler` for modules that pass `test(module)` (Hugging Face classes known by
+    name and attributes)."""
+    _BY_TEST.append((test, handler))
+    return handler
+
+
+def declarable(handler):
+    """Makes `handler` the one `register_module(cls, handler.kind)` declares classes with."""
+    _KINDS[handler.kind] = handler
+    return handler
+
+
+def handler_for(module):
+    """The handler of `module`, or None when the exporter has no model of it."""
+    t = type(module)
+    h = _DECLARED.get(t) or _BUILTIN.get(t)
+    if h is not None:
+        return h
+    return next((h for test, h in _BY_TEST if test(module)), None)
+
+
+def is_declared(module):
+    return type(module) in _DECLARED
+
+
+def register_module(cls, kind):
+    """Declares that modules of exactly the class `cls` compute what the exporter's `kind`
+    computes, so that they are traced as such:
+
+    - `"linear"`: y = x Wᵀ (+ b), `weight` out×in (Falcon's `FalconLinear`);
+    - `"conv1d"`: y = x W (+ b), `weight` in×out (Hugging Face's Conv1D layout);
+    - `"embedding"`: y = W[ids], `weight` vocab×d, the ids the first argument;
+    - `"layernorm"`: y = x̂ ⊙ w (+ b) or x̂ ⊙ (1 + w) (+ b), x̂ a normalization of x over its last
+      axis that does not depend on w or b (a LayerNorm, an RMSNorm, `CohereLayerNorm`, a
+      LayerNorm without bias). x̂ is taken from the module's own forward, so its precision and
+      formula are the module's.
+
+    `kind` may also be a `Handler` instance of your own: a class whose math none of the kinds
+    describes then becomes sites the way its handler says.
+
+    Subclasses are not covered: each class is declared on its own, as a subclass may change
+    `forward`. The declaration is not trusted: every trace is still checked against autograd
+    before it is written, so a class that does not compute what it is declared to makes
+    `export_trace` raise `TraceExportError`, never write a wrong trace. Declaring a class again
+    replaces its kind. Returns `cls`."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise TypeError(f"register_module: {cls!r} is not a torch.nn.Module class")
+    if isinstance(kind, Handler):
+        _DECLARED[cls] = kind
+        return cls
+    if kind not in _KINDS:
+        hint = " (an RMSNorm is \"layernorm\": its weight's gradient has the same form)" if kind == "rmsnorm" else ""
+        raise ValueError(f"register_module({cls.__name__}, {kind!r}): the kind must be one of "
+                         f"{', '.join(repr(k) for k in _KINDS)}{hint}, or a Handler")
+    _DECLARED[cls] = _KINDS[kind]
+    return cls
+
+
+def unregister_module(cls):
+    """Withdraws a `register_module` declaration (a no-op for a class never declared)."""
+    _DECLARED.pop(cls, None)
+
+
+def kinds():
+    """The kinds `register_module` declares classes with."""
+    return tuple(_KINDS)

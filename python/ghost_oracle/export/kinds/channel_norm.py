@@ -1,0 +1,42 @@
+"""`nn.GroupNorm` and `nn.InstanceNorm1d/2d/3d` (affine): y = x̂ ⊙ w[c] + b[c] with one weight
+and bias per channel, x̂ normalized over a group of channels and the positions (GroupNorm) or
+over each channel's positions (InstanceNorm). A **layernorm** site with the channels last:
+one row per position, so that Σ over rows of δ ⊙ x̂ is the weight's gradient; a bias site on
+the same rows. x̂ is the module's own forward with w = 1 and b = 0 (its running statistics, if
+any, used as its forward uses them, and left untouched)."""
+import torch
+
+from .base import Handler, builtin
+
+
+def _channels_last(use, t):
+    """B×C×positions… → B×P×C."""
+    t = use.batch_first(t)
+    return t.reshape(t.shape[0], t.shape[1], -1).transpose(1, 2)
+
+
+class ChannelNorm(Handler):
+    kind = "layernorm"
+
+    def sites(self, use):
+        m = use.module
+        weight = use.weight("a channel norm")
+        if use.entry["layout"] != ("axis", 0) or use.input.dim() < 2:
+            raise use.error(f"its input has shape {list(use.input.shape)}; the exporter models a batched "
+                            "norm, examples × channels × positions")
+        g = _channels_last(use, use.grad)
+        if use.trainable(weight):
+            params = {"weight": torch.ones_like(m.weight)}
+            if m.bias is not None:
+                params["bias"] = torch.zeros_like(m.bias)
+            params.update({k: v.clone() for k, v in m.named_buffers(recurse=False) if v is not None})
+            with torch.no_grad():
+                xhat = torch.func.functional_call(m, params, (use.input,))
+            xhat = _channels_last(use, xhat)
+            yield use.spec("weight", self.kind), {"activations": xhat.to(use.store), "backprops": g.to(use.store)}
+        yield from use.bias_site(g)
+
+
+_norm = ChannelNorm()
+for _cls in (torch.nn.GroupNorm, torch.nn.InstanceNorm1d, torch.nn.InstanceNorm2d, torch.nn.InstanceNorm3d):
+    builtin(_cls, _norm)

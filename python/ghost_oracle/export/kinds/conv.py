@@ -1,0 +1,82 @@
+"""`nn.Conv1d`, `nn.Conv2d`, `nn.Conv3d`: a convolution is a linear map of each output position's
+input patch, so it is a **linear** site over unfolded patches: one row per output position,
+columns C_in/groups · ∏k in the weight's layout (C_out × C_in/groups × k…), and a bias site
+on the same rows.
+
+Groups: output channels of group j read only input channels of group j. Each row is then an
+(output position, group) pair whose activations are that group's patch and whose backprops
+are the output's gradient at that position with the other groups' channels zeroed, so that
+Σ over rows of backprops ⊗ activations is the grouped weight's gradient, entry for entry.
+Stride, padding (numbers, "same", "valid", and the non-zero padding modes), dilation and groups
+are all read from the module."""
+import torch
+import torch.nn.functional as F
+
+from .base import Handler, builtin
+
+
+def _padded(module, x):
+    """`x` padded as the module's forward pads it, and the padding the convolution then adds."""
+    n = x.dim() - 2
+    if module.padding_mode != "zeros":
+        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+    if isinstance(module.padding, str):
+        if module.padding == "valid":
+            return x
+        pads = []  # "same": the total padding split as PyTorch splits it, the odd one at the end
+        for d in reversed(range(n)):
+            total = module.dilation[d] * (module.kernel_size[d] - 1)
+            pads += [total // 2, total - total // 2]
+        return F.pad(x, pads)
+    pads = []
+    for d in reversed(range(n)):
+        pads += [module.padding[d], module.padding[d]]
+    return F.pad(x, pads)
+
+
+def patches(module, x):
+    """B×P×C_in×∏k: every output position's input patch, positions row-major."""
+    x = _padded(module, x)
+    n = x.dim() - 2
+    for d in range(n):
+        span = module.dilation[d] * (module.kernel_size[d] - 1) + 1
+        x = x.unfold(2 + d, span, module.stride[d])[..., ::module.dilation[d]]
+    # B×C×O_1…O_n×k_1…k_n → B×O_1…O_n×C×k_1…k_n
+    b, c = x.shape[:2]
+    out_dims = x.shape[2:2 + n]
+    x = x.permute(0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n))
+    return x.reshape(b, int(torch.tensor(out_dims).prod()) if n else 1, c, -1)
+
+
+class Conv(Handler):
+    kind = "linear"
+
+    def sites(self, use):
+        m = use.module
+        weight = use.weight("a convolution")
+        if use.entry["layout"] != ("axis", 0) or use.input.dim() != m.weight.dim():
+            raise use.error(f"its input has shape {list(use.input.shape)}; the exporter models a batched "
+                            "convolution, examples × channels × positions")
+        g = use.batch_first(use.grad)  # B×C_out×O…
+        b, c_out = g.shape[:2]
+        g = g.reshape(b, c_out, -1).transpose(1, 2)  # B×P×C_out
+        groups = m.groups
+        x = patches(m, use.input.to(use.dtype))  # B×P×C_in×∏k
+        p = x.shape[1]
+        if x.shape[1] != g.shape[1]:
+            raise use.error(f"its input unfolds to {x.shape[1]} positions but its output has {g.shape[1]}")
+        cin_g, cout_g = x.shape[2] // groups, c_out // groups
+        # rows: (position, group) pairs
+        acts = x.reshape(b, p, groups, cin_g * x.shape[3]).reshape(b, p * groups, -1)
+        mask = torch.zeros(groups, c_out, dtype=g.dtype, device=g.device)
+        for j in range(groups):
+            mask[j, j * cout_g:(j + 1) * cout_g] = 1
+        bps = (g.unsqueeze(2) * mask).reshape(b, p * groups, c_out)
+        if use.trainable(weight):
+            yield use.spec("weight", self.kind), {"activations": acts.to(use.store), "backprops": bps.to(use.store)}
+        yield from use.bias_site(g)
+
+
+_conv = Conv()
+for _cls in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
+    builtin(_cls, _conv)

@@ -1,0 +1,65 @@
+"""Embeddings: y = W[ids]. An embedding site: the ids and the gradient of the lookup.
+
+- `nn.Embedding` and the classes declared `"embedding"`;
+- scaled embeddings, whose forward is the lookup times `embed_scale` (class name ending in
+  `ScaledWordEmbedding`, e.g. `GemmaTextScaledWordEmbedding`): the lookup's gradient is the
+  output's gradient times the scale;
+- OPT's learned positions (`OPTLearnedPositionalEmbedding`: ids = positions + 2).
+
+Rows at `padding_idx` receive no gradient from a lookup, so their backprops are zero."""
+import torch
+
+from .base import Handler, builtin, builtin_test, declarable
+
+
+class Embedding(Handler):
+    kind = "embedding"
+
+    def lookup_grad(self, use, g):
+        """The gradient of the lookup, from the output's."""
+        return g
+
+    def padding_idx(self, use):
+        return getattr(use.module, "padding_idx", None)
+
+    def check_options(self, use):
+        m = use.module
+        if getattr(m, "max_norm", None) is not None or getattr(m, "scale_grad_by_freq", False):
+            raise use.error("max_norm / scale_grad_by_freq are not modelled")
+
+    def sites(self, use):
+        weight = use.weight(self.kind)
+        g = use.per_example(use.grad, "output gradient")
+        self.check_options(use)
+        ids = use.per_example(use.input.to(torch.int64), "ids", features=False)
+        g = self.lookup_grad(use, g)
+        padding_idx = self.padding_idx(use)
+        if padding_idx is not None:  # the padding row receives no gradient from a lookup
+            g = g.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
+        if use.trainable(weight):
+            yield use.spec("weight", self.kind, vocab=weight.shape[0]), {"ids": ids, "backprops": g.to(use.store)}
+
+
+class ScaledEmbedding(Embedding):
+    def lookup_grad(self, use, g):
+        s = use.module.embed_scale  # a buffer cast to the weight's dtype in Hugging Face's classes
+        s = s.to(use.module.weight.dtype) if torch.is_tensor(s) else float(s)
+        return g * s
+
+
+class OptPositions(Embedding):
+    def input(self, module, args, kwargs):
+        """The ids OPT's learned-position table is indexed with (its forward, replayed)."""
+        pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+        if pos is None:
+            mask = kwargs.get("attention_mask", args[0] if args else None)
+            cache = kwargs.get("cache_length", args[1] if len(args) > 1 else 0)
+            pos = (torch.cumsum(mask, dim=1) * mask - 1).long()[:, cache:]
+        return pos + module.offset
+
+
+builtin(torch.nn.Embedding, declarable(Embedding()))
+builtin_test(lambda m: isinstance(m, torch.nn.Embedding) and type(m).__name__.endswith("ScaledWordEmbedding")
+             and hasattr(m, "embed_scale"), ScaledEmbedding())
+builtin_test(lambda m: isinstance(m, torch.nn.Embedding) and type(m).__name__ == "OPTLearnedPositionalEmbedding"
+             and hasattr(m, "offset"), OptPositions())

@@ -1,0 +1,127 @@
+"""Norms: y = x̂ ⊙ w (+ b) or x̂ ⊙ (1 + w) (+ b), x̂ a normalization of x over its last axis that
+does not depend on w or b. A layernorm site (activations: x̂; backprops: the output's gradient;
+dL/dw = Σ over rows of δ ⊙ x̂ for both forms) and a bias site.
+
+- `nn.LayerNorm`, `nn.RMSNorm`, any module whose class name ends in `RMSNorm` with a `weight`
+  and an `eps` or `variance_epsilon`, and the classes declared `"layernorm"`;
+- x̂ is what the module's own forward computes (replayed with the weight set to the identity of
+  its form), so a norm that upcasts to float32 inside a float64 model (every Hugging Face
+  RMSNorm) is traced with the float32 x̂ it really used; the site's precision is the one in
+  which the module multiplies x̂ by its weight (`_normalized`);
+- a norm over the last axis of B×T×H×k (Qwen3's and Gemma 3's per-head q/k norms, whose one
+  weight is shared by every head and position) is one site with T·H rows per example.
+"""
+import contextlib
+
+import torch
+
+from ..errors import TraceExportError
+from ..precision import DTYPE_NAMES, PRECISIONS
+from .base import Handler, builtin, builtin_test, declarable
+
+
+def _replay(entry, x, params):
+    """The module's own forward on `x` with its direct parameters `params` substituted, under the
+    autocast the recorded forward ran in, without autograd."""
+    ac = entry["autocast"]
+    ctx = torch.autocast(ac[0], dtype=ac[1]) if ac is not None else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        y = torch.func.functional_call(entry["module"], params, (x,))
+    if not torch.is_tensor(y) or y.shape != x.shape:
+        shape = list(y.shape) if torch.is_tensor(y) else type(y).__name__
+        raise TraceExportError(f"module `{entry['name']}` ({entry['cls']}): traced as a norm, its forward on an "
+                               f"input of shape {list(x.shape)} returns {shape}, not a tensor of that shape")
+    return y
+
+
+def _normalized(entry, x):
+    """(x̂, precision) of a norm's use: x̂ as the module's own forward computes it (its upcasts,
+    formula and ε, cast back as it casts its output), and the precision in which it multiplies
+    x̂ by its weight, which is the precision of the weight's gradient.
+
+    Hugging Face's RMSNorms compute x̂ in float32 even in a float64 model: Llama's then
+    multiplies the float32 x̂, cast back to float64, by w in float64, while Gemma's multiplies x̂
+    by (1 + w) in float32. Neither is known by name. x̂ is the forward with the weight set to
+    the identity of its form (w = 1 for x̂ ⊙ w, w = 0 for x̂ ⊙ (1 + w); bias 0), which is exact;
+    the form and the precision are the first pair in which x̂ ⊙ w' (+ b') reproduces the forward
+    with a probe weight w' (and bias b'), finest precision first. A module that is neither form
+    is refused."""
+    m = entry["module"]
+    w = m.weight
+    extra = [k for k, v in m._parameters.items() if v is not None and k not in ("weight", "bias")]
+    if extra:
+        raise TraceExportError(f"module `{entry['name']}` ({entry['cls']}): traced as a norm (y = x̂ ⊙ w + b), it "
+                               f"holds other parameters too ({', '.join(extra)}), which that form has no place for")
+    k = tuple(w.shape)
+    if w.dim() < 1 or tuple(x.shape[x.dim() - w.dim():]) != k:
+        raise TraceExportError(
+            f"module `{entry['name']}` ({entry['cls']}): traced as a norm, its weight has shape {list(w.shape)}; the "
+            f"exporter models one weight over the input's last axes ({list(x.shape[x.dim() - w.dim():])} here), "
+            "shared by every position and head")
+    bias = m._parameters.get("bias")
+    gen = torch.Generator().manual_seed(20240607)
+    w_probe = (0.5 + 0.5 * torch.rand(k, generator=gen, dtype=torch.float64)).to(device=w.device, dtype=w.dtype)
+    params = {"weight": w_probe}
+    if bias is not None:
+        b_probe = (0.25 * torch.rand(k, generator=gen, dtype=torch.float64) - 0.125).to(device=bias.device,
+                                                                                       dtype=bias.dtype)
+        params["bias"] = b_probe
+    y = _replay(entry, x, params)
+    dts = {w.dtype, x.dtype, y.dtype, torch.float32} | ({bias.dtype} if bias is not None else set())
+    candidates = [d for d in PRECISIONS if d in dts]
+    for form, identity in (("w", torch.ones_like(w)), ("1+w", torch.zeros_like(w))):
+        ident = {"weight": identity}
+        if bias is not None:
+            ident["bias"] = torch.zeros_like(bias)
+        xhat = _replay(entry, x, ident)
+        scale = w_probe if form == "w" else 1.0 + w_probe
+        for d in candidates:
+            want = xhat.to(d) * scale.to(d)
+            mag = want.abs()
+            if bias is not None:
+                want = want + params["bias"].to(d)
+                mag = mag + params["bias"].to(d).abs()
+            err = (y.to(torch.float64) - want.to(y.dtype).to(torch.float64)).abs()
+            u = torch.finfo(d).eps / 2
+            if bool((err <= 8.0 * u * mag.to(torch.float64) + torch.finfo(d).tiny).all()):
+                # A product in a finer precision than the output is rounded to the output's,
+                # and so is the weight's gradient (a bf16 Llama's norm: bf16 × bf16 products
+                # are exact in float32, so that candidate matches too).
+                return xhat, max(d, y.dtype, key=lambda t: torch.finfo(t).eps)
+    raise TraceExportError(
+        f"module `{entry['name']}` ({entry['cls']}): traced as a norm, its forward is neither y = x̂ ⊙ w nor "
+        f"y = x̂ ⊙ (1 + w){' (+ b)' if bias is not None else ''} with x̂ independent of the weight, in any of "
+        f"{', '.join(DTYPE_NAMES[d] for d in candidates)}: the exporter has no model of it")
+
+
+def _features_last(t, weight):
+    """A norm over several axes (`LayerNorm([Z, W])`): its normalized axes as one feature axis,
+    in the weight's row-major order."""
+    return t.flatten(t.dim() - weight.dim()) if weight.dim() > 1 else t
+
+
+class Norm(Handler):
+    kind = "layernorm"
+
+    def sites(self, use):
+        weight = use.weight(self.kind)
+        if use.trainable(weight):
+            xhat, use.dtype = _normalized(use.entry, use.input)
+        g = use.per_example(_features_last(use.grad, weight), "output gradient")
+        if use.trainable(weight):
+            xhat = use.per_example(_features_last(xhat, weight), "input")
+            yield use.spec("weight", self.kind), {"activations": xhat.to(use.store), "backprops": g.to(use.store)}
+        yield from use.bias_site(g)
+
+
+def _hf_rmsnorm(module):
+    return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None),
+                                                                    torch.nn.Parameter) and (
+        hasattr(module, "eps") or hasattr(module, "variance_epsilon"))
+
+
+_norm = declarable(Norm())
+builtin(torch.nn.LayerNorm, _norm)
+if hasattr(torch.nn, "RMSNorm"):
+    builtin(torch.nn.RMSNorm, _norm)
+builtin_test(_hf_rmsnorm, _norm)

@@ -1,0 +1,150 @@
+"""The batch layout of each use, found rather than assumed, and each use's factors arranged as
+B×rows×features.
+
+A site's factors are per example only if its output's gradient splits into examples along a
+known axis. That axis is found by backpropagating single examples' losses: the gradient of
+example i's loss alone reaches example i's part of every output and nothing else, whatever
+the layout (B×T×d, seq-first T×B×d, B·T flattened rows, T·B flattened rows). An output that
+example i's loss reaches outside any one slice belongs to a model that mixes examples
+(attention across the batch, batch statistics), for which a per-example gradient, and so
+per-example clipping, is not defined.
+"""
+import torch
+
+from .errors import TraceExportError
+
+# Examples probed: every one up to this batch size; above it, this many, a seeded choice, and
+# more for a site that none of them reached.
+PROBE_ALL_UP_TO = 8
+PROBE_SEED = 20260612
+
+
+def _layouts(shape, b):
+    """The candidate batch layouts of an output of `shape`, as (form, axis): ("axis", a), the
+    examples along axis a (its size B); ("major", a), axis a of B·k rows, example-major (each
+    example's k rows together); ("minor", a), axis a of k·B rows, example-minor (rows i, i + B,
+    ...). The last axis holds features and is never the batch, unless it is the only one."""
+    last = len(shape) - 1 if len(shape) > 1 else len(shape)
+    out = []
+    for a in range(last):
+        n = shape[a]
+        if n == b:
+            out.append(("axis", a))
+        elif b > 1 and n > b and n % b == 0:
+            out += [("major", a), ("minor", a)]
+    return out
+
+
+def _batch_first(t, layout, b):
+    """`t` with the examples on a leading axis of size B (of size 1 for a per-batch input, which
+    the caller expands)."""
+    form, a = layout
+    if a >= t.dim():
+        return t
+    if form == "axis":
+        return t.movedim(a, 0)
+    if t.shape[a] % b != 0:  # a per-batch input of a flattened use: left for the shape checks
+        return t
+    if form == "major":
+        return t.unflatten(a, (b, t.shape[a] // b)).movedim(a, 0)
+    return t.unflatten(a, (t.shape[a] // b, b)).movedim(a + 1, 0)
+
+
+def _describe(layout):
+    form, a = layout
+    return {"axis": f"axis {a}", "major": f"axis {a} (example-major flattened rows)",
+            "minor": f"axis {a} (example-minor flattened rows)"}[form]
+
+
+def _probe_order(b):
+    if b <= PROBE_ALL_UP_TO:
+        return list(range(b))
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randperm(b, generator=gen).tolist()
+
+
+def _find_layouts(entries, losses, b, batch_axis, direct_inputs):
+    """Sets `entry["layout"]` for every use whose output received a gradient in the batch's
+    backward, from the gradients of single examples' losses (the graph must still be alive).
+    Raises `TraceExportError` for a use no layout fits (the model mixes examples), one several
+    layouts fit alike, and a use fed the inputs directly whose layout is not `batch_axis`."""
+    live = [e for e in entries if e["grad"] is not None]
+    if not live:
+        return
+    if b == 1:  # one example: the batch is the example, any axis of size 1 holds it
+        for e in live:
+            shape = tuple(e["output"].shape)
+            fits = [lay for lay in [("axis", batch_axis)] + _layouts(shape, 1)
+                    if lay[1] < len(shape) - 1 and shape[lay[1]] == 1]
+            e["layout"] = fits[0] if fits else ("major", 0)
+        return
+    status = {id(e): {lay: [True, False] for lay in _layouts(tuple(e["output"].shape), b)} for e in live}
+    spill = {id(e): None for e in live}  # the first probe that reached another example, for the message
+    reached = {id(e): False for e in live}
+    order = _probe_order(b)
+    for n, i in enumerate(order):
+        if n >= min(b, 4) and b > PROBE_ALL_UP_TO and all(reached.values()):
+            break
+        grads = torch.autograd.grad(losses[i], [e["output"] for e in live], retain_graph=True, allow_unused=True)
+        for e, g in zip(live, grads):
+            if g is None:
+                continue
+            for lay, st in status[id(e)].items():
+                nz = _batch_first(g, lay, b).ne(0).reshape(b, -1).any(1)
+                others = [j for j in nz.nonzero().flatten().tolist() if j != i]
+                if others:
+                    st[0] = False
+                    if lay == ("axis", batch_axis) or spill[id(e)] is None:
+                        spill[id(e)] = (i, others, lay)
+                if bool(nz[i]):
+                    st[1] = True
+                    reached[id(e)] = True
+    for e in live:
+        fits = [lay for lay, (confined, hit) in status[id(e)].items() if confined and hit]
+        where = f"module `{e['name']}` ({e['cls']})"
+        shape = list(e["output"].shape)
+        if not fits and not bool(e["grad"].ne(0).any()):
+            # A use whose gradient is exactly zero (autograd fills the unused part of a split
+            # output with zeros): its sites add nothing to any example, in any layout.
+            candidates = list(status[id(e)])
+            if candidates:
+                e["layout"] = candidates[0]
+            else:
+                e["grad"] = None
+            continue
+        if not fits:
+            if not reached[id(e)]:
+                raise TraceExportError(
+                    f"{where}: its output ({shape}) receives a gradient from the batch but from none of the "
+                    f"{len(order)} examples' losses alone; the batch axis of this use cannot be found")
+            if spill[id(e)] is None:
+                raise TraceExportError(
+                    f"{where}: its output has shape {shape}, with no axis of the batch's {b} examples (nor of "
+                    f"{b}·k flattened rows); the exporter cannot tell which part of it is which example's")
+            i, others, lay = spill[id(e)]
+            shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
+            raise TraceExportError(
+                f"the model mixes examples: the loss of example {i} alone sends gradient into the output of "
+                f"{where} ({shape}) at example(s) {shown} along {_describe(lay)}, and no axis of that output "
+                "keeps the examples apart. Example i's gradient then depends on the other examples of the "
+                "batch (attention or normalization across the batch: a seq-first attention fed batch-first "
+                "data, BatchNorm), so per-example clipping bounds nothing and no per-example norm is "
+                "defined. Give each example its own computation (batch_first=True, GroupNorm or LayerNorm "
+                "for BatchNorm)")
+        if len(fits) > 1:
+            raise TraceExportError(
+                f"{where}: its output ({shape}) is confined to one example along "
+                f"{' and '.join(_describe(f) for f in fits)} alike in every probed example; the batch axis of "
+                "this use is ambiguous (pass a batch whose examples differ at every position)")
+        e["layout"] = fits[0]
+        x = e["input"]
+        fed_inputs = torch.is_tensor(x) and any(t.shape == x.shape and t.data_ptr() == x.data_ptr()
+                         for t in direct_inputs)
+        if fed_inputs and fits[0] != ("axis", batch_axis):
+            raise TraceExportError(
+                f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
+                f"{_describe(fits[0])}, but the inputs were given with batch_axis={batch_axis}: the examples of "
+                f"these inputs lie along {_describe(fits[0])}. Pass batch_axis={fits[0][1]} (seq-first data: "
+                "batch_first=False)" if fits[0][0] == "axis" else
+                f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
+                f"{_describe(fits[0])}, not along the inputs' batch_axis={batch_axis}")

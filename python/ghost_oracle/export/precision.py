@@ -1,0 +1,96 @@
+"""Precision: the dtype each use really computed in, and the rounding each precision allows."""
+import torch
+
+DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+# The finest precision first: the first in which a norm's product with its weight reproduces the
+# module's output is the precision its weight's gradient is computed in.
+PRECISIONS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def unit_roundoff(dt):
+    return torch.finfo(dt).eps / 2
+
+
+def low_precision(dt):
+    """bf16 and f16: kernels take their products and accumulate them in f32, and store the
+    result rounded back."""
+    return unit_roundoff(dt) > unit_roundoff(torch.float32)
+
+
+def autocast_dtype(device_type):
+    """Autocast's dtype where autocast is enabled for `device_type` at this point of the forward,
+    else None."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except (TypeError, RuntimeError, AttributeError):  # torch < 2.4, or a device type autocast lacks
+        if device_type == "cpu" and hasattr(torch, "is_autocast_cpu_enabled"):
+            return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+        if device_type == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+        return None
+
+
+def autocast_state(device_type):
+    """(device type, dtype) of the autocast enabled at this point of the forward, else None: a
+    norm's forward is replayed under it."""
+    ac = autocast_dtype(device_type)
+    return None if ac is None else (device_type, ac)
+
+
+def site_dtype(module, output):
+    """The dtype `module`'s use computed in: autocast's, where autocast lowered the op (enabled
+    for the output's device type, and the output in autocast's dtype instead of the weight's),
+    else the weight's."""
+    weight = getattr(module, "weight", None)
+    if not torch.is_tensor(weight):
+        return output.dtype  # refused when its sites are built, naming the module
+    w = weight.dtype
+    ac = autocast_dtype(output.device.type)
+    if ac is not None and ac != w and output.dtype == ac:
+        return ac
+    return w
+
+
+def compute_dtype(model, error):
+    """The precision the model computes in: its trainable parameters' dtype (the coarsest, if
+    they differ)."""
+    dts = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    if not dts:
+        raise error("the model has no trainable floating-point parameter")
+    return max(dts, key=unit_roundoff)
+
+
+def reduction_tolerance(absum, site_dtype, store_dtype, n, low_precision_rounds=None):
+    """How far autograd's batch gradient of one site may lie from the gradient rebuilt (in f64)
+    from its stored factors, entry by entry; `absum` is Σ|terms|, n the number of terms per
+    entry (B·rows).
+
+    - f32 / f64 sites: autograd reduces the n terms in the site's precision, and an x̂
+      recomputed here may differ from the forward's by a few ulps: 2·(n + 16)·u·Σ|terms|.
+    - bf16 / f16 sites (a bf16 or f16 model, or a matmul under autocast): the factors are stored
+      exactly as the kernel saw them; products are exact in f32 or rounded once to the low
+      precision (an RMSNorm's δ ⊙ x̂), accumulated in f32 (up to log2 n partial sums rounded to
+      the low precision, as split reductions do), and the result is rounded to the low precision:
+      k·u·Σ|terms| plus the f32 accumulation, with k = 4 + log2 n unless the kind states its own
+      (`low_precision_rounds`, per entry: an embedding's backward rounds once per occurrence of
+      an id). Products and results that underflow lose up to half the smallest subnormal each.
+    - factors stored in a coarser dtype than the site computed in: each of the two factors of a
+      term rounded once, 3·u_store·Σ|terms|.
+    A site that is wrong by a structural factor (a missing scale, a skipped use, a wrong
+    position) is off by a fraction of Σ|terms| itself."""
+    import math
+
+    u = unit_roundoff(site_dtype)
+    if low_precision(site_dtype):
+        k = 4.0 + math.log2(max(n, 2)) if low_precision_rounds is None else low_precision_rounds
+        sub = torch.finfo(site_dtype).smallest_normal * torch.finfo(site_dtype).eps  # smallest subnormal
+        tol = k * u * absum + 2.0 * (n + 16) * unit_roundoff(torch.float32) * absum + (n + 4) * sub / 2
+    else:
+        tol = 2.0 * (n + 16) * u * absum
+    us = unit_roundoff(store_dtype)
+    if us > u:
+        tol = tol + 3.0 * us * absum
+    return tol

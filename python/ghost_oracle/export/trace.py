@@ -1,0 +1,237 @@
+"""The trace exporter: dump a ghost-oracle trace (docs/trace-format.md) from a PyTorch model, for
+auditing a clipper that lives in PyTorch (`ghost_oracle.check(TRACE)`, `ghost-oracle check TRACE`).
+
+    from ghost_oracle.torch import export_trace
+    export_trace(model, per_example_loss, inputs, "trace.safetensors",
+                 claimed_norms=my_clipper_norms, max_grad_norm=1.0, clipper="my-clipper")
+
+The stages, one module each: `record` hooks the modules a handler models (`kinds/`, one file
+per kind of module, registered by exact type; `register_module` declares users' classes) and,
+through `functions`, captures the functional calls on parameters no handler models (F.linear,
+F.embedding, `x @ w`: `nn.MultiheadAttention`'s projections, an RNN cell's linear layers at
+every step, a bare parameter); every call of a module or function is a use of its own, so a
+parameter used several times (a tied head, a cell at every time step) has a site per use;
+`layout` finds each use's batch axis by backpropagating single examples' losses and refuses a
+model that mixes examples; the handlers turn each use into sites whose factors are
+B×rows×features, rows whatever the use has (positions, image positions, (position, group)
+pairs of a grouped convolution, bag members, one row for a pooled B×F); `check` rebuilds every
+parameter's batch gradient from the sites and refuses a trace that does not match autograd's;
+`step` checks the claimed step; this module writes the file.
+
+`inputs` is the batch, passed to `per_example_loss` as it is: a tensor, a dict or a tuple of
+tensors, or a list of micro-batches (tensors or dicts), which is traced as the logical batch
+they make up (their concatenation along `batch_axis`). B is read from the tensor (a dict's
+`input_ids`, else its first tensor) along `batch_axis`, else from the per-example loss;
+`per_example_loss(model, inputs) -> tensor(B)`; `claimed_norms` is a tensor, array or list of
+the B norms the clipper under audit used, or a callable returning one (it is called after the
+trace is recorded, with the model and the batch). `dtype` is the dtype the factors are stored
+in (default: each site's compute dtype).
+
+Precision is per site: each use is recorded in the dtype its module really computed in. That is
+the parameters' dtype (an f32, bf16 or f16 model; for a norm, the dtype of its own product with
+its weight, found by replaying it), except where autocast lowered the module's op: when autocast
+is enabled for the output's device type inside the module's forward and the output comes out in
+autocast's dtype (not the weight's), the site computed in autocast's dtype. On CPU and CUDA that
+is true of `nn.Linear` and `Conv1D` (matmuls), not of embeddings or norms, which stay in the
+parameters' dtype; the output's dtype decides, not a list of ops. Such a site's activations are
+stored as the matmul saw them (cast to autocast's dtype, as autocast casts them) and its
+backprops as autograd produced them (in the output's dtype). The header carries `compute_dtype`
+(the coarsest of the sites' precisions; when they differ, every site's entry in `sites` carries
+its own) and the `parameters` manifest (every trainable parameter that received a gradient,
+with its number of elements; a tied parameter once).
+
+An output computed once for the batch (GPT-2's 1×T position embedding) is expanded to the
+batch first, so that its gradient stays per example, and activations flattened to B·T rows
+inside a block (OPT's MLP) are split back into examples by the layout found for them. The
+model's own module hooks (Opacus's) are set aside for the recorded forward and put back after
+it.
+
+Refused, with the parameter named: mixture-of-experts layers whose experts are one fused 3-D
+tensor (Qwen3-MoE's), where each token uses the slices its router picked; freezing the experts
+and the router traces the rest.
+
+The step (optional): `clipped_sum` and `update` map parameter names (`model.named_parameters()`
+names, a tied parameter under any of its names, or the trace's `param` names) to the library's
+clipped sum Σ_i c_i g_i before noise and to the update it steps with, (Σ_i c_i g_i + σ C ξ) / D.
+Each covers every trainable parameter of the trace or is left out; they are written as
+`claimed.clipped_sum.<param>` and `claimed.update.<param>` in the parameter's shape and in the
+dtype given. `batch_divisor` is D (required with `update`); `clip_stabilizer` (γ) and `clipping`
+(`flat`: c = min(1, C/(n + γ)); `automatic`: c = C/(n + γ)) say how the library forms its
+coefficients.
+"""
+import json
+import math
+import os
+import warnings
+
+import torch
+from safetensors.torch import save_file
+
+from .batch import _batch_size, _check_batch_axis, _concat_micro_batches, _input_tensors, _per_example
+from .check import self_check
+from .errors import TraceExportError
+from .kinds import Use
+from .layout import _find_layouts
+from .precision import DTYPE_NAMES, unit_roundoff
+from .precision import compute_dtype as model_compute_dtype
+from .record import param_names, param_owners, record
+from .step import _number, _resolve_step
+
+FORMAT = "ghost-oracle-trace/1"
+
+# `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
+# has computed the true ones.
+UNCLAIMED = object()
+
+
+def _sites(entry, names, dtype, b):
+    """The (spec, tensors) pairs of one use, from its module's handler; stored in `dtype` (None:
+    the use's own compute dtype)."""
+    if entry["grad"] is None:
+        return []  # output not on the loss path
+    return list(entry["handler"].sites(Use(entry, names, dtype, b)))
+
+
+def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_norm,
+                 clipper="claimed", claimed_coefficients=None, noise_multiplier=None, dtype=None,
+                 update=None, clipped_sum=None, batch_divisor=None, clip_stabilizer=0.0, clipping="flat",
+                 batch_axis=0):
+    """Records the trace of one batch, checks it against autograd and writes it with the claimed
+    norms (and, when given, the claimed step: `clipped_sum`, `update`, `batch_divisor`,
+    `clip_stabilizer`, `clipping`; see the module's docstring). Returns the site specs. Raises
+    `TraceExportError` (a ValueError) instead of writing a trace that is incomplete or wrong.
+
+    `inputs` may be a list of micro-batches: the trace is of their concatenation, the logical
+    batch a step is taken on.
+
+    `batch_axis` is the axis of `inputs` that holds the examples: 0 (batch × sequence), or 1 for
+    seq-first data (batch_first=False). Each use's own batch axis is found, not assumed: single
+    examples' losses are backpropagated alone (every example for B ≤ 8, else a seeded choice),
+    and example i's gradient must reach its use's output along one axis at index i and nowhere
+    else. A model that mixes examples is refused, naming the first use where it shows; so is a
+    use fed the inputs directly whose examples lie along another axis than `batch_axis`.
+
+    Runs one forward and backward pass of `per_example_loss(model, inputs).sum()`, then one
+    backward per probed example: the model's `.grad`s are reset first and hold the batch
+    gradient afterwards."""
+    batch_axis = _check_batch_axis(batch_axis)
+    if isinstance(inputs, list):  # micro-batches
+        inputs = _concat_micro_batches(inputs, batch_axis)
+    b_inputs = _batch_size(inputs, batch_axis)
+    c = float(max_grad_norm)
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm}")
+    if noise_multiplier is not None:
+        sigma = float(noise_multiplier)
+        if not (math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"noise_multiplier must be a non-negative number, got {noise_multiplier}")
+    compute_dtype = model_compute_dtype(model, TraceExportError)
+    if compute_dtype not in DTYPE_NAMES:
+        raise TraceExportError(f"the model computes in {compute_dtype}; traces record {list(DTYPE_NAMES)}")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype} cannot store a trace; use one of {list(DTYPE_NAMES)}")
+    names = param_names(model)
+    owners = param_owners(model)
+    step = {}
+    for what, claimed in (("clipped_sum", clipped_sum), ("update", update)):
+        if claimed is not None:
+            step[what] = _resolve_step(model, what, claimed, names)
+    if batch_divisor is not None:
+        batch_divisor = _number(batch_divisor, "batch_divisor", positive=True)
+    elif update is not None:
+        raise ValueError("update needs batch_divisor: the number the library divides the noisy sum by "
+                         "(Opacus: expected_batch_size × accumulated_iterations)")
+    clip_stabilizer = _number(clip_stabilizer, "clip_stabilizer", positive=False)
+    if clipping not in ("flat", "automatic"):
+        raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" (c = C/(n + γ)), "
+                         f"got {clipping!r}")
+    model.zero_grad(set_to_none=True)
+    rec, handles = record(model, b_inputs or 0, batch_axis)
+    entries = rec.entries
+    try:
+        try:
+            losses = per_example_loss(model, inputs)
+        finally:
+            for h in reversed(handles):  # the forward is over: nothing else is a use
+                h.remove()
+        b = b_inputs if b_inputs is not None else (losses.shape[0] if torch.is_tensor(losses) and losses.dim() == 1
+                                                   else None)
+        if b is None or not torch.is_tensor(losses) or losses.shape != (b,) or b == 0:
+            shape = tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__
+            want = f"({b},)" if b else "(B,)"
+            hint = (f" (the inputs' axis {batch_axis} has {b} entries: if the examples lie along another axis, "
+                    "pass batch_axis)" if torch.is_tensor(losses) and losses.dim() == 1 and b else "")
+            raise ValueError(f"per_example_loss returned {shape}; expected a tensor of shape {want}, one loss per "
+                             f"example{hint}")
+        losses.sum().backward(retain_graph=b > 1)
+        rec.probing = True
+        _find_layouts(entries, losses, b, batch_axis, _input_tensors(inputs))
+    finally:
+        for e in entries:  # the outputs hold the graph alive
+            e.pop("output", None)
+        losses = None
+    sites, tensors = [], {}
+    for entry in entries:
+        for spec, ts in _sites(entry, names, dtype, b):
+            if spec["name"] in tensors or any(s["name"] == spec["name"] for s, _, _ in sites):
+                raise TraceExportError(f"site name `{spec['name']}` appears twice")
+            # bias and weight share backprops; the file is written from host memory
+            ts = {k: v.detach().cpu().clone().contiguous() for k, v in ts.items()}
+            sites.append((spec, ts, entry))
+    for spec, _, entry in sites:
+        if entry["dtype"] not in DTYPE_NAMES:
+            raise TraceExportError(f"site `{spec['name']}` ({entry['cls']}) computed in {entry['dtype']}; traces "
+                                   f"record {list(DTYPE_NAMES)}")
+    self_check(model, sites, names, owners, dtype)
+    # The precision is per site: the header holds the coarsest (what a reader that knows no
+    # per-site precision judges at), and where the sites differ each carries its own.
+    site_dtypes = [entry["dtype"] for _, _, entry in sites]
+    if site_dtypes:
+        compute_dtype = max(site_dtypes, key=unit_roundoff)
+    if len(set(site_dtypes)) > 1:
+        for spec, _, entry in sites:
+            spec["compute_dtype"] = DTYPE_NAMES[entry["dtype"]]
+    specs = [s for s, _, _ in sites]
+    for spec, ts, _ in sites:
+        for k, v in ts.items():
+            tensors[f"{spec['name']}.{k}"] = v
+    parameters = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad and names[id(p)] not in parameters:
+            if p.grad is None:
+                warnings.warn(f"parameter `{names[id(p)]}` received no gradient: it is left out of the trace")
+                continue
+            parameters[names[id(p)]] = p.numel()
+    if claimed_norms is UNCLAIMED:
+        claimed_norms = torch.ones(b, dtype=torch.float64)
+    elif callable(claimed_norms):
+        claimed_norms = claimed_norms(model, inputs)
+    tensors["claimed.norms"] = _per_example(claimed_norms, b, "claimed_norms")
+    if claimed_coefficients is not None:
+        tensors["claimed.coefficients"] = _per_example(claimed_coefficients, b, "claimed_coefficients")
+    for what, given in step.items():
+        # every parameter of the manifest, each once (a tied parameter under its trace name)
+        for param in given:
+            if param not in parameters:
+                raise ValueError(f"{what}: parameter `{param}` received no gradient in this batch and is left out "
+                                 f"of the trace; leave it out of {what} too")
+        missing = [param for param in parameters if param not in given]
+        if missing:
+            raise ValueError(f"{what}: no tensor for parameter(s) {', '.join(f'`{m}`' for m in missing)}: it must "
+                             "cover every trainable parameter of the trace, or be left out")
+        for param in parameters:  # the manifest's order
+            p, t = given[param]
+            tensors[f"claimed.{what}.{param}"] = t.detach().to("cpu").reshape(p.shape).contiguous().clone()
+    meta = {"format": FORMAT, "max_grad_norm": repr(c), "clipper": str(clipper),
+            "sites": json.dumps(specs), "compute_dtype": DTYPE_NAMES[compute_dtype],
+            "parameters": json.dumps(parameters)}
+    if noise_multiplier is not None:
+        meta["noise_multiplier"] = repr(float(noise_multiplier))
+    if batch_divisor is not None:
+        meta["batch_divisor"] = repr(batch_divisor)
+    if step or clip_stabilizer != 0.0:
+        meta["clip_stabilizer"] = repr(clip_stabilizer)
+    if step or clipping != "flat":
+        meta["clipping"] = clipping
+    save_file(tensors, os.fspath(path), metadata=meta)
+    return specs
