@@ -10,7 +10,10 @@ handler. A parameter used any other way has no site, and the self-check refuses 
 
 - `F.linear(x, w, b)`: a linear site (w out×in) and a bias site;
 - `x @ w`, `torch.matmul(x, w)` with w a 2-D parameter on the right: a conv1d site (w in×out);
-- `F.embedding(ids, w, padding_idx)`: an embedding site."""
+- `F.embedding(ids, w, padding_idx)`: an embedding site;
+- `F.conv1d/2d/3d`: a linear site over unfolded patches (`kinds/conv.py`);
+- `F.layer_norm`, `F.rms_norm`, `F.group_norm`, `F.instance_norm`: a layernorm site, x̂ the same
+  call without its weight and bias."""
 import inspect
 
 import torch
@@ -18,8 +21,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .kinds.base import Handler
+from .kinds.channel_norm import ChannelNorm
+from .kinds.conv import Conv, Geometry
 from .kinds.embedding import Embedding
 from .kinds.linear import Linear
+from .kinds.norm import Norm
 from .precision import autocast_dtype
 
 
@@ -76,9 +82,92 @@ class FnEmbedding(FunctionHandler, Embedding):
         pass  # `operands` leaves the calls with options it does not model
 
 
+class FnConv(FunctionHandler, Conv):
+    """`F.conv1d/2d/3d(x, w, b, stride, padding, dilation, groups)`."""
+
+    def operands(self, args, kwargs):
+        w = _arg(args, kwargs, 1, "weight")
+        if not torch.is_tensor(w):
+            return None
+        geo = Geometry(w, _arg(args, kwargs, 3, "stride") or 1, _arg(args, kwargs, 4, "padding") or 0,
+                       _arg(args, kwargs, 5, "dilation") or 1, _arg(args, kwargs, 6, "groups") or 1)
+        return _arg(args, kwargs, 0, "input"), {"weight": w, "bias": _arg(args, kwargs, 2, "bias")}, {"geometry": geo}
+
+    def geometry(self, use):
+        return use.entry["geometry"]
+
+
+def _without_affine(use, position):
+    """The recorded call again, its weight and bias (from argument `position` on) left out: x̂,
+    in the precision the call computed in."""
+    func, args, kwargs = use.entry["call"]
+    args = list(args)
+    for k in range(position, min(len(args), position + 2)):
+        args[k] = None
+    kwargs = {k: (None if k in ("weight", "bias") else v) for k, v in kwargs.items()}
+    with torch.no_grad():
+        return func(*args, **kwargs)
+
+
+class FnLayerNorm(FunctionHandler, Norm):
+    """`F.layer_norm(x, shape, w, b, eps)` and `F.rms_norm(x, shape, w, eps)`: x̂ is the same
+    call without its weight and bias, and the product with the weight runs in the output's
+    precision."""
+
+    def operands(self, args, kwargs):
+        return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 2, "weight"),
+                                                 "bias": _arg(args, kwargs, 3, "bias")}
+
+    def normalized(self, use):
+        return _without_affine(use, 2), use.entry["out_dtype"]
+
+
+class FnRmsNorm(FnLayerNorm):
+    def operands(self, args, kwargs):
+        return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 2, "weight")}
+
+
+class FnGroupNorm(FunctionHandler, ChannelNorm):
+    """`F.group_norm(x, groups, w, b, eps)`."""
+
+    def operands(self, args, kwargs):
+        return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 2, "weight"),
+                                                 "bias": _arg(args, kwargs, 3, "bias")}
+
+    def normalized(self, use):
+        return _without_affine(use, 2)
+
+
+class FnInstanceNorm(FunctionHandler, ChannelNorm):
+    """`F.instance_norm(x, running_mean, running_var, w, b, use_input_stats, momentum, eps)`:
+    replayed without weight and bias, on copies of the running statistics."""
+
+    def operands(self, args, kwargs):
+        return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 3, "weight"),
+                                                 "bias": _arg(args, kwargs, 4, "bias")}
+
+    def normalized(self, use):
+        func, args, kwargs = use.entry["call"]
+        args = [a.clone() if k in (1, 2) and torch.is_tensor(a) else a for k, a in enumerate(args)]
+        kwargs = {k: (v.clone() if k in ("running_mean", "running_var") and torch.is_tensor(v) else v)
+                  for k, v in kwargs.items()}
+        return _without_affine(_Replay(func, args, kwargs), 3)
+
+
+class _Replay:
+    """A stand-in use for `_without_affine`: just the call."""
+
+    def __init__(self, func, args, kwargs):
+        self.entry = {"call": (func, args, kwargs)}
+
+
 # `x @ w` reaches the mode as the tensor method `matmul`, `torch.matmul(x, w)` as the function.
 FUNCTIONS = {F.linear: FnLinear(), torch.matmul: FnMatmul(), torch.Tensor.matmul: FnMatmul(),
-             torch.Tensor.__matmul__: FnMatmul(), F.embedding: FnEmbedding()}
+             torch.Tensor.__matmul__: FnMatmul(), F.embedding: FnEmbedding(), F.conv1d: FnConv(),
+             F.conv2d: FnConv(), F.conv3d: FnConv(), F.layer_norm: FnLayerNorm(), F.group_norm: FnGroupNorm(),
+             F.instance_norm: FnInstanceNorm()}
+if hasattr(F, "rms_norm"):
+    FUNCTIONS[F.rms_norm] = FnRmsNorm()
 
 # Python-level functionals (`F.multi_head_attention_forward`) dispatch to the mode as a whole, and
 # the mode is off while it runs them: their own calls of `F.linear` would go unseen. They run
@@ -88,6 +177,13 @@ _DISPATCH_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch
 
 def _never(*args, **kwargs):
     return False
+
+
+def _detached(values):
+    """The call's arguments without their graph (a replay needs their values only)."""
+    if isinstance(values, dict):
+        return {k: v.detach() if torch.is_tensor(v) else v for k, v in values.items()}
+    return tuple(v.detach() if torch.is_tensor(v) else v for v in values)
 
 
 def _dtype(weight, output):
@@ -130,7 +226,8 @@ class _Capture(TorchFunctionMode):
         fname = getattr(func, "__name__", str(func))
         entry = {"module": owner[1] if owner else None, "name": f"{where}: {fname}", "cls": f"a call of {fname}",
                  "handler": handler, "input": x.detach(), "params": params, "site_names": site_names,
-                 "dtype": _dtype(params["weight"], out), **extra}
+                 "dtype": _dtype(params["weight"], out), "out_dtype": out.dtype, "call": (func, _detached(args), _detached(kwargs)),
+                 **extra}
         if isinstance(handler, FnEmbedding):
             entry["padding_idx"] = _arg(args, kwargs, 2, "padding_idx")
         return self.rec.add(entry, out)

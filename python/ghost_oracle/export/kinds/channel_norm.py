@@ -18,21 +18,24 @@ def _channels_last(use, t):
 class ChannelNorm(Handler):
     kind = "layernorm"
 
-    def sites(self, use):
+    def normalized(self, use):
+        """x̂: the module's own forward with w = 1 and b = 0, on copies of its running statistics."""
         m = use.module
+        params = {"weight": torch.ones_like(m.weight)}
+        if m.bias is not None:
+            params["bias"] = torch.zeros_like(m.bias)
+        params.update({k: v.clone() for k, v in m.named_buffers(recurse=False) if v is not None})
+        with torch.no_grad():
+            return torch.func.functional_call(m, params, (use.input,))
+
+    def sites(self, use):
         weight = use.weight("a channel norm")
         if use.entry["layout"] != ("axis", 0) or use.input.dim() < 2:
             raise use.error(f"its input has shape {list(use.input.shape)}; the exporter models a batched "
                             "norm, examples × channels × positions")
         g = _channels_last(use, use.grad)
         if use.trainable(weight):
-            params = {"weight": torch.ones_like(m.weight)}
-            if m.bias is not None:
-                params["bias"] = torch.zeros_like(m.bias)
-            params.update({k: v.clone() for k, v in m.named_buffers(recurse=False) if v is not None})
-            with torch.no_grad():
-                xhat = torch.func.functional_call(m, params, (use.input,))
-            xhat = _channels_last(use, xhat)
+            xhat = _channels_last(use, self.normalized(use))
             yield use.spec("weight", self.kind), {"activations": xhat.to(use.store), "backprops": g.to(use.store)}
         yield from use.bias_site(g)
 

@@ -9,59 +9,86 @@ are the output's gradient at that position with the other groups' channels zeroe
 Σ over rows of backprops ⊗ activations is the grouped weight's gradient, entry for entry.
 Stride, padding (numbers, "same", "valid", and the non-zero padding modes), dilation and groups
 are all read from the module."""
+import math
+
 import torch
 import torch.nn.functional as F
 
 from .base import Handler, builtin
 
 
-def _padded(module, x):
-    """`x` padded as the module's forward pads it, and the padding the convolution then adds."""
+class Geometry:
+    """How a convolution slides: stride, padding (numbers per spatial axis, "same" or "valid"),
+    dilation, groups, kernel size, and a padding mode other than zeros with the padding it
+    applies first (`pre_pad`, in `F.pad`'s order)."""
+
+    def __init__(self, weight, stride, padding, dilation, groups, padding_mode="zeros", pre_pad=None):
+        n = weight.dim() - 2
+
+        def tup(v):
+            return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+        self.kernel = tuple(weight.shape[2:])
+        self.stride, self.dilation, self.groups = tup(stride), tup(dilation), groups
+        self.padding = padding if isinstance(padding, str) else tup(padding)
+        self.padding_mode, self.pre_pad = padding_mode, pre_pad
+
+    @classmethod
+    def of_module(cls, m):
+        return cls(m.weight, m.stride, m.padding, m.dilation, m.groups, m.padding_mode,
+                   m._reversed_padding_repeated_twice)
+
+
+def _padded(geo, x):
+    """`x` padded as the convolution pads it."""
     n = x.dim() - 2
-    if module.padding_mode != "zeros":
-        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
-    if isinstance(module.padding, str):
-        if module.padding == "valid":
+    if geo.padding_mode != "zeros":
+        return F.pad(x, geo.pre_pad, mode=geo.padding_mode)
+    if isinstance(geo.padding, str):
+        if geo.padding == "valid":
             return x
         pads = []  # "same": the total padding split as PyTorch splits it, the odd one at the end
         for d in reversed(range(n)):
-            total = module.dilation[d] * (module.kernel_size[d] - 1)
+            total = geo.dilation[d] * (geo.kernel[d] - 1)
             pads += [total // 2, total - total // 2]
         return F.pad(x, pads)
     pads = []
     for d in reversed(range(n)):
-        pads += [module.padding[d], module.padding[d]]
+        pads += [geo.padding[d], geo.padding[d]]
     return F.pad(x, pads)
 
 
-def patches(module, x):
+def patches(geo, x):
     """B×P×C_in×∏k: every output position's input patch, positions row-major."""
-    x = _padded(module, x)
+    x = _padded(geo, x)
     n = x.dim() - 2
     for d in range(n):
-        span = module.dilation[d] * (module.kernel_size[d] - 1) + 1
-        x = x.unfold(2 + d, span, module.stride[d])[..., ::module.dilation[d]]
+        span = geo.dilation[d] * (geo.kernel[d] - 1) + 1
+        x = x.unfold(2 + d, span, geo.stride[d])[..., ::geo.dilation[d]]
     # B×C×O_1…O_n×k_1…k_n → B×O_1…O_n×C×k_1…k_n
     b, c = x.shape[:2]
-    out_dims = x.shape[2:2 + n]
+    positions = math.prod(x.shape[2:2 + n])
     x = x.permute(0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n))
-    return x.reshape(b, int(torch.tensor(out_dims).prod()) if n else 1, c, -1)
+    return x.reshape(b, positions, c, -1)
 
 
 class Conv(Handler):
     kind = "linear"
 
+    def geometry(self, use):
+        return Geometry.of_module(use.module)
+
     def sites(self, use):
-        m = use.module
+        geo = self.geometry(use)
         weight = use.weight("a convolution")
-        if use.entry["layout"] != ("axis", 0) or use.input.dim() != m.weight.dim():
+        if use.entry["layout"] != ("axis", 0) or use.input.dim() != weight.dim():
             raise use.error(f"its input has shape {list(use.input.shape)}; the exporter models a batched "
                             "convolution, examples × channels × positions")
         g = use.batch_first(use.grad)  # B×C_out×O…
         b, c_out = g.shape[:2]
         g = g.reshape(b, c_out, -1).transpose(1, 2)  # B×P×C_out
-        groups = m.groups
-        x = patches(m, use.input.to(use.dtype))  # B×P×C_in×∏k
+        groups = geo.groups
+        x = patches(geo, use.input.to(use.dtype))  # B×P×C_in×∏k
         p = x.shape[1]
         if x.shape[1] != g.shape[1]:
             raise use.error(f"its input unfolds to {x.shape[1]} positions but its output has {g.shape[1]}")

@@ -103,10 +103,14 @@ def _features_last(t, weight):
 class Norm(Handler):
     kind = "layernorm"
 
+    def normalized(self, use):
+        """(x̂, the precision of the product with the weight): the module's forward, replayed."""
+        return _normalized(use.entry, use.input)
+
     def sites(self, use):
         weight = use.weight(self.kind)
         if use.trainable(weight):
-            xhat, use.dtype = _normalized(use.entry, use.input)
+            xhat, use.dtype = self.normalized(use)
         g = use.per_example(_features_last(use.grad, weight), "output gradient")
         if use.trainable(weight):
             xhat = use.per_example(_features_last(xhat, weight), "input")
