@@ -24,6 +24,7 @@ import importlib
 from typing import Any
 
 from ._api import BUILTIN_CLIPPERS, MUTANTS, audit, check, mutants
+from ._failure import ClippingCheckFailed
 from ._native import __version__
 from ._report import (VERDICTS, CaseResult, ClipperResult, NoiseCheck, NoisyUpdateCheck, Privacy, Report,
                       StepResult, SumCheck)
@@ -34,6 +35,7 @@ __all__ = [
     "VERDICTS",
     "CaseResult",
     "ClipperResult",
+    "ClippingCheckFailed",
     "NoiseCheck",
     "NoisyUpdateCheck",
     "Privacy",

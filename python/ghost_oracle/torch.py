@@ -60,12 +60,13 @@ from typing import Any, Union
 import torch
 
 from ._api import check
+from ._failure import ClippingCheckFailed
 from .export import FORMAT, KINDS, UNCLAIMED, TraceExportError, export_trace, register_module, unregister_module
 from ._report import Report
 
 Inputs = Union[torch.Tensor, Mapping[str, torch.Tensor]]
 
-__all__ = ["FORMAT", "KINDS", "TraceExportError", "assert_norms", "assert_update", "export_trace", "register_module",
+__all__ = ["FORMAT", "KINDS", "ClippingCheckFailed", "TraceExportError", "assert_norms", "assert_update", "export_trace", "register_module",
            "unregister_module"]
 
 
@@ -123,7 +124,8 @@ def assert_norms(
         the `Report`, when the claim passes.
 
     Raises:
-        AssertionError: the claimed norms are not the true ones.
+        ClippingCheckFailed: (an AssertionError) the claimed norms are not the true ones; its
+            `.report` is the whole `Report`.
         TraceExportError: the model cannot be traced faithfully.
         ValueError, TypeError: bad arguments.
 
@@ -163,7 +165,7 @@ def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clip
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(clipper)).strip("._") or "trace"
             report = run(os.path.join(d, f"{name}.safetensors"))
     if not report.passed:
-        raise AssertionError(report.explain())
+        raise ClippingCheckFailed(report)
     return report
 
 
@@ -248,7 +250,8 @@ def assert_update(
         the `Report` when the step passes; `report.step` holds its figures.
 
     Raises:
-        AssertionError: the step is wrong (or the claimed norms are).
+        ClippingCheckFailed: (an AssertionError) the step is wrong (or the claimed norms are);
+            its `.report` is the whole `Report`.
         TraceExportError: the model cannot be traced faithfully.
         ValueError, TypeError: bad arguments (a parameter missing from `update`, a bad divisor).
 

@@ -114,11 +114,11 @@ def test_default_position_ids_are_caught(tied_gpt2):
 
 
 def _documented_failure():
-    """The AssertionError message pasted in docs/python.md, as pytest printed it."""
+    """The ClippingCheckFailed message pasted in docs/python.md, as pytest printed it."""
     text = (REPO / "docs" / "python.md").read_text()
     block = text.split("## What a failure says", 1)[1].split("```", 2)[1]
     lines = [line[8:] for line in block.splitlines() if line.startswith("E ")]
-    lines[0] = lines[0].removeprefix("AssertionError: ")
+    lines[0] = lines[0].removeprefix("ghost_oracle.ClippingCheckFailed: ")
     return "\n".join(lines)
 
 
