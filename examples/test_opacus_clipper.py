@@ -4,11 +4,11 @@ A tiny GPT-2 whose LM head is tied to its input embedding (as in every GPT-2 che
 clips each example's gradient to norm C; if the norm a clipper computes is too small, the
 example's clipped contribution exceeds C and the run's (ε, δ) no longer holds. `assert_norms`
 checks the norms a clipper claims against ghost-oracle's f64 ground truth and raises a readable
-AssertionError when they are wrong. `assert_update` does the same for the step the library takes:
+AssertionError (`ghost_oracle.ClippingCheckFailed`, with the whole report) when they are wrong. `assert_update` does the same for the step the library takes:
 its clipped sum before noise, its noise and its update, against the exact Σ_i c*_i g*_i.
 
-    pip install ./python torch transformers opacus   # ./python: ghost-oracle's package
-    pytest examples/test_opacus_clipper.py -s
+    pip install ./python torch transformers opacus   # ./python: ghost-oracle's package, and its
+    pytest examples/test_opacus_clipper.py -s        # pytest plugin (the tied_gpt2 fixture)
 """
 import copy
 
@@ -16,49 +16,31 @@ import pytest
 import torch
 from opacus import GradSampleModule
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import ghost_oracle.opacus
+import ghost_oracle.testing
 from ghost_oracle.torch import assert_norms, assert_update
 
-B, T, V = 4, 12, 19
 MAX_GRAD_NORM = 2.5  # C: below most examples' norms, so that they are clipped
 NOISE_MULTIPLIER = 1.0
 
 
+# `tied_gpt2` is a fixture of ghost-oracle's pytest plugin (ghost_oracle.testing): a tiny
+# GPT-2 whose lm_head is its input embedding, a batch of 4 × 12 ids, and each example's own
+# loss (mean next-token cross entropy, with explicit B×T position_ids: with the default 1×T
+# ones Opacus sums the position embedding's per-sample gradients over the batch).
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(11)
-    cfg = GPT2Config(vocab_size=V, n_positions=16, n_embd=12, n_layer=1, n_head=3, bos_token_id=0, eos_token_id=0,
-                     attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    m = GPT2LMHeadModel(cfg)
-    with torch.no_grad():  # weights large enough that the tied head's share of the gradient shows
-        for name, p in m.named_parameters():
-            if ".ln_" in name or "ln_f" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.4 * torch.randn_like(p))
-    # Opacus records activations in training mode only; dropout is 0, so train == eval.
-    return m.train()
+def model(tied_gpt2):
+    return tied_gpt2.model
 
 
 @pytest.fixture(scope="module")
-def ids():
-    g = torch.Generator().manual_seed(12)
-    x = torch.randint(0, V, (B, T), generator=g)
-    x[:, 3] = x[:, 1]  # a repeated token
-    return x
+def ids(tied_gpt2):
+    return tied_gpt2.ids
 
 
 def per_example_loss(model, ids):
-    """Each example's own loss, tensor[B]: mean next-token cross entropy. Explicit B×T
-    position_ids: with the default 1×T ones Opacus sums the position embedding's per-sample
-    gradients over the batch."""
-    positions = torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)
-    logits = model(ids, position_ids=positions).logits
-    losses = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1),
-                                               reduction="none")
-    return losses.view(ids.shape[0], -1).mean(1)
+    return ghost_oracle.testing.gpt2_loss(model, ids)
 
 
 def test_opacus_per_sample_norms_are_exact(model, ids):

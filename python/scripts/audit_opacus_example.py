@@ -25,8 +25,9 @@ import torch
 from opacus import GradSampleModule
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from torch.func import functional_call, grad, vmap
-from transformers import GPT2Config, GPT2LMHeadModel
 
+from ghost_oracle.testing import gpt2, gpt2_loss  # noqa: E402
+from ghost_oracle.testing import positions as gpt2_positions  # noqa: E402
 from ghost_oracle.torch import export_trace  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -34,31 +35,9 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "orac
 B, T, V = 4, 12, 19
 
 
-def build():
-    torch.manual_seed(11)
-    cfg = GPT2Config(vocab_size=V, n_positions=16, n_embd=12, n_layer=1, n_head=3, bos_token_id=0, eos_token_id=0,
-                     attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln_" in name or "ln_f" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.4 * torch.randn_like(p))
-    # Opacus records activations only in training mode; dropout is 0 so train == eval.
-    return model.train()
-
-
-def positions(ids):
-    # Explicit B×T position ids: with HF's default 1×T, Opacus's wpe grad_sample has batch size 1
-    # (summed over the batch) and its ghost clipping crashes.
-    return torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)
-
-
-def per_example_loss(model, ids):
-    logits = model(ids, position_ids=positions(ids)).logits
-    losses = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1), reduction="none")
-    return losses.view(ids.shape[0], -1).mean(1)
+# The tiny tied GPT-2 of the package's test fixtures (ghost_oracle.testing), its positions and
+# its per-example loss.
+build, positions, per_example_loss = gpt2, gpt2_positions, gpt2_loss
 
 
 def opacus_per_sample_norms(model, ids):

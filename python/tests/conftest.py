@@ -24,56 +24,13 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:Full backward hook is firing:UserWarning")
 
 
-# ---------------------------------------------------------------------------------------------
-# A one-layer tied GPT-2 (python/scripts/audit_opacus_example.py's): B = 4, T = 12, V = 19.
-
-B, T, V = 4, 12, 19
-
-
-def gpt2(dtype=torch.float32, vocab=V, seed=11):
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=16, n_embd=12, n_layer=1, n_head=3, bos_token_id=0,
-                                  eos_token_id=0, attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln_" in name or "ln_f" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.4 * torch.randn_like(p))
-    assert model.lm_head.weight is model.transformer.wte.weight
-    # Opacus records activations only in training mode; dropout is 0, so train == eval.
-    return model.to(dtype).train()
-
-
-def gpt2_ids():
-    torch.manual_seed(12)
-    ids = torch.randint(0, V, (B, T))
-    ids[:, 3] = ids[:, 1]  # a repeated token
-    return ids
-
-
-def positions(ids):
-    # Explicit B×T position ids: with the default 1×T, Opacus sums wpe's grad_sample over the
-    # batch and its ghost clipping crashes.
-    return torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)
-
-
-def causal_lm_loss(logits, ids):
-    """Mean cross entropy of each example's next-token predictions: tensor[B]."""
-    losses = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                               ids[:, 1:].reshape(-1), reduction="none")
-    return losses.view(ids.shape[0], -1).mean(1)
-
-
-def gpt2_loss(model, ids):
-    return causal_lm_loss(model(ids, position_ids=positions(ids)).logits, ids)
-
-
-# ---------------------------------------------------------------------------------------------
-# A tiny tied Llama (HF LlamaForCausalLM) in float64, as Hugging Face computes it (its RMSNorms
-# compute x̂ in float32: the exporter records the x̂ they used).
+# The tiny tied models, their batches and losses, and the fixtures tied_gpt2 and tied_llama:
+# ghost_oracle.testing (a pytest plugin once the package is installed; imported here too, so
+# that the tests also run against a source checkout).
+from ghost_oracle.pytest_plugin import tied_gemma3, tied_gpt2, tied_llama, tied_qwen3  # noqa: E402, F401
+from ghost_oracle.testing import (GPT2_B as B, GPT2_T as T, GPT2_V as V, LLAMA_B as LB, LLAMA_T as LT,  # noqa: E402, F401
+                                  LLAMA_V as LV, causal_lm_loss, gpt2, gpt2_ids, gpt2_loss, llama, llama_ids,
+                                  llama_loss, positions)
 
 
 def llama_rmsnorm_in_input_dtype(model):
@@ -90,36 +47,6 @@ def llama_rmsnorm_in_input_dtype(model):
 
             m.forward = types.MethodType(forward, m)
     return model
-
-
-LB, LT, LV = 3, 9, 48
-
-
-def llama():
-    cfg = transformers.LlamaConfig(vocab_size=LV, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                   tie_word_embeddings=True, attn_implementation="eager", bos_token_id=0,
-                                   eos_token_id=0)
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.float64).eval()
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            p.copy_(1.0 + 0.1 * r if "norm" in name else 0.35 * r)
-    return model
-
-
-def llama_ids():
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, LV, (LB, LT), generator=g)
-    ids[:, 4] = ids[:, 1]  # a repeated token
-    return ids
-
-
-def llama_loss(model, ids):
-    return causal_lm_loss(model(ids).logits, ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,24 +68,6 @@ def func_norms(model, loss, ids, untie=None):
 
     g = vmap(grad(one), in_dims=(None, 0))(params, ids)
     return sum((v.reshape(ids.shape[0], -1) ** 2).sum(1) for v in g.values()).sqrt().detach()
-
-
-def tied_case(model, ids, loss, tied):
-    """A tied model with its batch, loss and exact torch.func norms; C at 0.8 × their median."""
-    exact = func_norms(model, loss, ids)
-    return types.SimpleNamespace(model=model, ids=ids, loss=loss, exact=exact,
-                                 c=float(exact.median()) * 0.8, tied=tied,
-                                 untie=(tied, "lm_head.weight"))
-
-
-@pytest.fixture(scope="session")
-def tied_gpt2():
-    return tied_case(gpt2(), gpt2_ids(), gpt2_loss, "transformer.wte.weight")
-
-
-@pytest.fixture(scope="session")
-def tied_llama():
-    return tied_case(llama(), llama_ids(), llama_loss, "model.embed_tokens.weight")
 
 
 def untied_copy(model, emb, head):
