@@ -258,9 +258,10 @@ fn the_reference_materializes_each_site_over_its_own_rows() {
         t.validate().unwrap();
         let brute = Brute::of(&t);
         let got = t.materialized_norms().unwrap();
-        for i in 0..B {
+        assert_eq!(got.len(), B);
+        for (i, norm) in got.iter().enumerate() {
             let n2 = brute.norms[i].powi(2);
-            assert_rel(got[i].total_sq, n2, n2, &format!("seed {seed} example {i}"));
+            assert_rel(norm.total_sq, n2, n2, &format!("seed {seed} example {i}"));
             for (j, s) in t.sites.iter().enumerate() {
                 let g = t.site_gradient(j, i).unwrap();
                 let want = &brute.site_grads[i][j];
@@ -270,7 +271,9 @@ fn the_reference_materializes_each_site_over_its_own_rows() {
                 }
             }
             // The k×k inner products of every shared parameter's sites.
-            for (param, m) in &got[i].shared_inner {
+            let shared: Vec<&str> = norm.shared_inner.keys().map(String::as_str).collect();
+            assert_eq!(shared, ["cell", "gn", "proj", "tied"]);
+            for (param, m) in &norm.shared_inner {
                 let js: Vec<usize> = (0..t.sites.len())
                     .filter(|&j| &t.sites[j].spec.param == param)
                     .collect();
@@ -464,7 +467,8 @@ fn a_trace_file_with_sites_of_different_rows_reads_back_and_is_checked_end_to_en
 /// the tensor.
 #[test]
 fn sites_that_disagree_on_the_batch_or_on_their_own_rows_are_refused_by_name() {
-    let cases: [(&dyn Fn(&mut RefTrace), &str); 5] = [
+    type Edit = dyn Fn(&mut RefTrace);
+    let cases: [(&Edit, &str); 5] = [
         (
             &|t| t.sites[5].backprops = Array3::zeros((B + 1, 2, 2)),
             "site `cell.h`: `cell.h.backprops` is 4×2×2 in batch × rows × features but site `wte` has batch 3",
