@@ -1,6 +1,7 @@
 //! Random factored traces with known structure, for property tests, the false-alarm sweep and
 //! fuzzing: every site kind, a tied embedding / head pair that can be made to cancel almost
-//! exactly, a layer used twice, repeated ids and a wide dynamic range.
+//! exactly, a layer used three times (once on a single pooled row), a layer on more rows than
+//! the sequence, repeated ids and a wide dynamic range.
 
 use ghost_oracle_reference::{Site, SiteKind, SiteSpec, SplitMix64, Trace};
 use ndarray::{Array2, Array3};
@@ -64,7 +65,8 @@ fn site(name: &str, param: &str, kind: SiteKind, vocab: Option<usize>) -> SiteSp
 }
 
 /// A trace with sites: a tied embedding + linear head, a conv1d with its bias, a layernorm with
-/// its bias, and one linear layer used twice.
+/// its bias, one linear layer used twice on T rows and once on one pooled row, and a linear layer
+/// with its bias on 2T + 1 rows (a convolution's output positions).
 pub fn synthetic_trace(spec: &SyntheticSpec, seed: u64) -> Trace {
     let s = spec.clamped();
     let mut rng = SplitMix64::new(seed);
@@ -142,5 +144,33 @@ pub fn synthetic_trace(spec: &SyntheticSpec, seed: u64) -> Trace {
             backprops: dense(&mut rng, b, t, q, s2),
         });
     }
+    // Drawn last, so that a seed's T-row sites do not depend on these.
+    let (s1, s2) = (scale(&mut rng), scale(&mut rng));
+    sites.push(Site {
+        spec: site(
+            "shared_linear.pooled",
+            "shared_linear.weight",
+            SiteKind::Linear,
+            None,
+        ),
+        activations: Some(dense(&mut rng, b, 1, p, s1)),
+        ids: None,
+        backprops: dense(&mut rng, b, 1, q, s2),
+    });
+    let patches = 2 * t + 1;
+    let (sa, sb) = (scale(&mut rng), scale(&mut rng));
+    let patch_bp = dense(&mut rng, b, patches, d, sb);
+    sites.push(Site {
+        spec: site("patch.weight", "patch.weight", SiteKind::Linear, None),
+        activations: Some(dense(&mut rng, b, patches, q, sa)),
+        ids: None,
+        backprops: patch_bp.clone(),
+    });
+    sites.push(Site {
+        spec: site("patch.bias", "patch.bias", SiteKind::Bias, None),
+        activations: None,
+        ids: None,
+        backprops: patch_bp,
+    });
     Trace { sites }
 }

@@ -13,5 +13,6 @@ mod precision;
 mod privacy;
 mod properties;
 mod report;
+mod rows;
 mod step;
 mod traces;

@@ -221,7 +221,10 @@ fn malformed_traces_are_rejected_with_the_site_and_tensor_named() {
     let mut r = valid_raw();
     let t = r.get("ln.bias.backprops");
     t.shape = vec![3, 2, t.shape[2]];
-    expect_check_error(&r.write("bt"), &["site `ln.bias`", "3×2", "2×3"]);
+    expect_check_error(
+        &r.write("bt"),
+        &["site `ln.bias`", "is 3×2×", "site `emb` has batch 2"],
+    );
 
     let mut r = valid_raw();
     let ids = r.get("emb.ids");

@@ -1,5 +1,6 @@
-//! Tied norm math on arbitrary shapes, values and ids: exact tied ghost clipping in f64 agrees
-//! with the reference's materialization within the derived bound, or the input is refused with
+//! Tied norm math on arbitrary shapes, values and ids, the embedding and the head each on rows of
+//! its own: exact tied ghost clipping in f64 agrees with the reference's materialization within
+//! the derived bound, or the input is refused with
 //! an error (ids outside the table); never a panic.
 #![no_main]
 
@@ -37,9 +38,12 @@ fuzz_target!(|inp: Input| {
         k += 1;
         m * 10f64.powi(e)
     };
+    // The head has rows of its own (a pooled head: 1; a head on every token: T), from the bits of
+    // `seq` that T does not read.
+    let head_rows = inp.seq as usize / 6 % 6 + 1;
     let e = Array3::from_shape_fn((b, t, d), |_| next());
-    let h = Array3::from_shape_fn((b, t, d), |_| next());
-    let delta = Array3::from_shape_fn((b, t, v), |_| next());
+    let h = Array3::from_shape_fn((b, head_rows, d), |_| next());
+    let delta = Array3::from_shape_fn((b, head_rows, v), |_| next());
     // Ids may fall outside the table: the trace must then be refused, not mis-read.
     let ids = Array2::from_shape_fn((b, t), |(i, j)| *inp.ids.get(i * t + j).unwrap_or(&0) as i64 % (v as i64 + 1));
     let rt = RefTrace {

@@ -11,7 +11,7 @@ use ndarray::{s, Array2, Array3, Axis};
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-/// One example's factors at one site (T rows).
+/// One example's factors at one site (its R rows).
 #[derive(Clone, Debug)]
 pub struct SiteRecord {
     pub name: String,
@@ -81,15 +81,15 @@ impl SiteRecord {
     }
 }
 
-/// A batch's factors, B×T leading.
+/// A batch's factors, B×R leading, R each site's own rows per example.
 #[derive(Clone, Debug)]
 pub struct Site {
     pub spec: SiteSpec,
-    /// B×T×in (linear, conv1d; for layernorm the normalized input x̂).
+    /// B×R×in (linear, conv1d; for layernorm the normalized input x̂).
     pub activations: Option<Array3<f64>>,
-    /// B×T ids (embedding).
+    /// B×R ids (embedding).
     pub ids: Option<Array2<i64>>,
-    /// B×T×out: gradient of each example's own loss with respect to the site's output.
+    /// B×R×out: gradient of each example's own loss with respect to the site's output.
     pub backprops: Array3<f64>,
 }
 
@@ -280,16 +280,16 @@ impl Trace {
                 SiteKind::Embedding => {
                     let vocab = site.spec.vocab.expect("embedding site has a vocabulary");
                     let ids = site.ids.as_ref().expect("embedding site has ids");
-                    for (t, &x) in ids.row(i).iter().enumerate() {
+                    for (r, &x) in ids.row(i).iter().enumerate() {
                         if x < 0 || x as usize >= vocab {
                             bail!(
-                                "site `{}`: id {x} at example {i}, position {t} is outside 0..{vocab}",
+                                "site `{}`: id {x} at example {i}, row {r} is outside 0..{vocab}",
                                 site.spec.name
                             );
                         }
                         let x = x as usize;
                         if rows.contains(&x) {
-                            out.row_mut(x - rows.start).scaled_add(w, &bp.row(t));
+                            out.row_mut(x - rows.start).scaled_add(w, &bp.row(r));
                         }
                     }
                 }

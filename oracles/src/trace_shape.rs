@@ -11,20 +11,21 @@ use std::collections::HashMap;
 pub struct IdAt {
     pub id: i64,
     pub example: usize,
-    pub position: usize,
+    /// The row of the example's ids (a token's position; a bag member for an embedding bag).
+    pub row: usize,
 }
 
 impl IdAt {
-    /// The smallest and the largest of B×T ids given in row-major order (`seq` = T), each where
-    /// it first occurs; `None` when there are none.
-    pub fn extremes(ids: impl IntoIterator<Item = i64>, seq: usize) -> Option<(IdAt, IdAt)> {
-        let seq = seq.max(1);
+    /// The smallest and the largest of B×R ids given in row-major order (`rows` = R, the site's
+    /// rows per example), each where it first occurs; `None` when there are none.
+    pub fn extremes(ids: impl IntoIterator<Item = i64>, rows: usize) -> Option<(IdAt, IdAt)> {
+        let rows = rows.max(1);
         let mut out: Option<(IdAt, IdAt)> = None;
         for (k, id) in ids.into_iter().enumerate() {
             let at = IdAt {
                 id,
-                example: k / seq,
-                position: k % seq,
+                example: k / rows,
+                row: k % rows,
             };
             match &mut out {
                 None => out = Some((at, at)),
@@ -42,15 +43,17 @@ impl IdAt {
     }
 }
 
-/// One site's factors as dimensions: what [`validate_shapes`] checks.
+/// One site's factors as dimensions: what [`validate_shapes`] checks. R, the site's rows per
+/// example, is its own: T for a token-wise layer, k·T for a per-head norm, the output positions of
+/// a convolution, the members of a bag, 1 for a pooled head.
 #[derive(Clone, Copy, Debug)]
 pub struct SiteShape<'a> {
     pub spec: &'a SiteSpec,
-    /// B×T×out.
+    /// B×R×out.
     pub backprops: &'a [usize],
-    /// B×T×in, for the kinds that read their input; `None` when absent.
+    /// B×R×in, for the kinds that read their input; `None` when absent.
     pub activations: Option<&'a [usize]>,
-    /// B×T, for embeddings; `None` when absent.
+    /// B×R, for embeddings; `None` when absent.
     pub ids: Option<&'a [usize]>,
     /// The smallest and the largest id ([`IdAt::extremes`]), when the site has ids.
     pub id_range: Option<(IdAt, IdAt)>,
@@ -70,47 +73,37 @@ impl SiteShape<'_> {
 }
 
 /// Checks that a trace's factors fit together: every factor has the rank its kind reads, every
-/// site the same batch × sequence, a layernorm's input the width of its output, every id inside
-/// its table, and every site of a parameter a gradient of one shape. The first inconsistency is
-/// the error, naming the site and the tensor.
+/// site the batch B of the first, each site's factors one row count R ≥ 1 of its own (its
+/// activations, backprops and ids all B×R), a layernorm's input the width of its output, every
+/// id inside its table, and every site of a parameter a gradient of one shape. The first
+/// inconsistency is the error, naming the site and the tensor.
 ///
-/// A layernorm site's rows may be any multiple k·T of the sequence: a norm applied to each of k
-/// heads at every position (Qwen3's and Gemma 3's q/k norms, one weight over head_dim) has one
-/// row per (position, head) pair, and its gradient is still the sum over its rows.
+/// Sites need not agree on R: a site's gradient is a sum over its own rows, and two uses of one
+/// parameter with R and S rows meet in an R×S Gram (a head on one pooled row tied to an
+/// embedding on T tokens, an RNN cell's weight at every step).
 pub fn validate_shapes(sites: &[SiteShape<'_>]) -> Result<()> {
-    let Some(first) = sites
-        .iter()
-        .find(|s| s.spec.kind != SiteKind::LayerNorm)
-        .or(sites.first())
-    else {
+    let Some(first) = sites.first() else {
         bail!("trace has no sites");
     };
-    let [b0, t0, _] = dims3(first.backprops, &format!("{}.backprops", first.spec.name))?;
+    let [batch, _, _] = dims3(first.backprops, &format!("{}.backprops", first.spec.name))?;
     for s in sites {
-        check_site(s, (first.spec.name.as_str(), b0, t0))?;
+        check_site(s, (first.spec.name.as_str(), batch))?;
     }
     check_parameters(sites)
 }
 
-/// One site's checks; `first` is the name and batch × sequence of the site the others are held to.
-fn check_site(s: &SiteShape<'_>, (first, b0, t0): (&str, usize, usize)) -> Result<()> {
+/// One site's checks; `first` is the name and batch of the site the others are held to.
+fn check_site(s: &SiteShape<'_>, (first, batch): (&str, usize)) -> Result<()> {
     let n = &s.spec.name;
     let kind = s.spec.kind;
     let bp = format!("{n}.backprops");
-    let [b, t, out] = dims3(s.backprops, &bp)?;
-    let rows_fit = match kind {
-        SiteKind::LayerNorm => t == t0 || (t0 > 0 && t > 0 && t % t0 == 0),
-        SiteKind::Linear | SiteKind::Conv1d | SiteKind::Embedding | SiteKind::Bias => t == t0,
-    };
-    if b != b0 || !rows_fit {
-        let rows = match kind {
-            SiteKind::LayerNorm => format!(" (a layernorm may have any multiple of {t0} rows)"),
-            SiteKind::Linear | SiteKind::Conv1d | SiteKind::Embedding | SiteKind::Bias => {
-                String::new()
-            }
-        };
+    let [b, rows, out] = dims3(s.backprops, &bp)?;
+    if b != batch {
+        bail!("site `{n}`: `{bp}` is {b}×{rows}×{out} in batch × rows × features but site `{first}` has batch {batch}; every site holds the same examples");
+    }
+    if rows == 0 {
         bail!(
-            "site `{n}`: `{bp}` is {b}×{t} in batch × sequence but site `{first}` is {b0}×{t0}{rows}"
+            "site `{n}`: `{bp}` is {b}×0×{out}: no rows; a site has at least one row per example"
         );
     }
     if kind.needs_activations() {
@@ -118,9 +111,9 @@ fn check_site(s: &SiteShape<'_>, (first, b0, t0): (&str, usize, usize)) -> Resul
         let Some(a) = s.activations else {
             bail!("site `{n}` ({}): tensor `{an}` is missing", kind.name());
         };
-        let [ab, at, width] = dims3(a, &an)?;
-        if (ab, at) != (b, t) {
-            bail!("site `{n}`: `{an}` is {ab}×{at} in batch × sequence but `{bp}` is {b}×{t}");
+        let [ab, ar, width] = dims3(a, &an)?;
+        if (ab, ar) != (b, rows) {
+            bail!("site `{n}`: `{an}` is {ab}×{ar} in batch × rows but `{bp}` is {b}×{rows}");
         }
         if kind == SiteKind::LayerNorm && width != out {
             bail!("site `{n}` (layernorm): `{an}` has width {width} but `{bp}` {out}");
@@ -132,11 +125,11 @@ fn check_site(s: &SiteShape<'_>, (first, b0, t0): (&str, usize, usize)) -> Resul
             bail!("site `{n}` ({}): tensor `{idn}` is missing", kind.name());
         };
         if d.len() != 2 {
-            bail!("`{idn}` has shape {d:?}; expected batch × sequence");
+            bail!("`{idn}` has shape {d:?}; expected batch × rows");
         }
-        if (d[0], d[1]) != (b, t) {
+        if (d[0], d[1]) != (b, rows) {
             bail!(
-                "site `{n}`: `{idn}` is ({}, {}) but `{bp}` is {b}×{t}",
+                "site `{n}`: `{idn}` is {}×{} in batch × rows but `{bp}` is {b}×{rows}",
                 d[0],
                 d[1]
             );
@@ -148,17 +141,17 @@ fn check_site(s: &SiteShape<'_>, (first, b0, t0): (&str, usize, usize)) -> Resul
             ))
         })?;
         if let Some((lo, hi)) = s.id_range {
-            let rows = i64::try_from(vocab).unwrap_or(i64::MAX);
+            let table = i64::try_from(vocab).unwrap_or(i64::MAX);
             let outside = if lo.id < 0 {
                 Some(lo)
             } else {
-                (hi.id >= rows).then_some(hi)
+                (hi.id >= table).then_some(hi)
             };
             if let Some(x) = outside {
                 bail!(
                     "site `{n}`: `{idn}`[{}][{}] = {} is outside the table's vocab 0..{vocab}",
                     x.example,
-                    x.position,
+                    x.row,
                     x.id
                 );
             }
@@ -204,6 +197,6 @@ fn check_parameters(sites: &[SiteShape<'_>]) -> Result<()> {
 fn dims3(d: &[usize], tensor: &str) -> Result<[usize; 3]> {
     match *d {
         [b, t, w] => Ok([b, t, w]),
-        _ => bail!("tensor `{tensor}` has shape {d:?}; expected 3-D (batch × sequence × features)"),
+        _ => bail!("tensor `{tensor}` has shape {d:?}; expected 3-D (batch × rows × features)"),
     }
 }

@@ -388,8 +388,16 @@ fn the_shape_rule_names_the_site_and_the_tensor_at_fault_in_memory_and_in_a_file
         "`norm.weight.activations` has width 5 but `norm.weight.backprops` 4",
     );
     check(
-        &|t| t.sites[3].backprops = filled((B, T + 1, 3), 0.5),
-        "site `fc.bias`: `fc.bias.backprops` is 2×4 in batch × sequence but site `wte` is 2×3",
+        &|t| t.sites[3].backprops = filled((B + 1, T, 3), 0.5),
+        "site `fc.bias`: `fc.bias.backprops` is 3×3×3 in batch × rows × features but site `wte` has batch 2",
+    );
+    check(
+        &|t| t.sites[2].backprops = filled((B, T + 1, 3), 0.5),
+        "site `fc.weight`: `fc.weight.activations` is 2×3 in batch × rows but `fc.weight.backprops` is 2×4",
+    );
+    check(
+        &|t| t.sites[0].backprops = filled((B, T + 1, D), 0.5),
+        "site `wte`: `wte.ids` is 2×3 in batch × rows but `wte.backprops` is 2×4",
     );
     check(
         &|t| t.sites[0].ids.as_mut().unwrap()[(1, 2)] = V as i64,

@@ -3,7 +3,7 @@
 //!
 //!   ⟨G_{j,i}, G_{l,k}⟩ = Σ_{t,s} (u_{j,i,t} · u_{l,k,s}) (v_{j,i,t} · v_{l,k,s}),
 //!
-//! T·S terms built from products of width rows + cols instead of rows·cols entries. This is
+//! T·S terms (T and S the two sites' rows) built from products of width rows + cols instead of rows·cols entries. This is
 //! the judge's own arithmetic on the f64 trace (ndarray), written apart from any clipper: a bug
 //! shared by a clipper's kernel and the judge would be invisible to the audit.
 
@@ -13,15 +13,15 @@ use ndarray::{s, Array2, Array3, ArrayView2, ArrayView3, CowArray, Ix3, Zip};
 
 /// The factor along the layout's rows (u_t), for every example.
 enum RowSide<'a> {
-    /// B×T×rows.
+    /// B×R×rows.
     Dense(CowArray<'a, f64, Ix3>),
-    /// B×T ids: u_t = onehot(id_t), so a product with it is a lookup.
+    /// B×R ids: u_t = onehot(id_t), so a product with it is a lookup.
     OneHot(Array2<usize>),
 }
 
 /// The factor along the layout's columns (v_t), for every example.
 enum ColSide<'a> {
-    /// B×T×cols.
+    /// B×R×cols.
     Dense(ArrayView3<'a, f64>),
     /// v_t = 1, the single column of a bias-like gradient.
     Ones,
@@ -31,7 +31,8 @@ enum ColSide<'a> {
 pub(super) struct SiteSides<'a> {
     rows: RowSide<'a>,
     cols: ColSide<'a>,
-    /// Rows each example's gradient sums over (T, or k·T for a per-head norm).
+    /// Rows R each example's gradient sums over: the site's own (T, k·T for a per-head norm, 1
+    /// for a pooled head, ...).
     terms: usize,
 }
 

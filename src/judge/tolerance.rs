@@ -109,8 +109,9 @@ pub struct Tolerance {
     pub dot_scale: Vec<f64>,
     /// max over sites of √p + √q (dot-product lengths).
     pub sqrt_width: f64,
-    /// The most rows any site sums over: T, or T·H for a per-head norm (Qwen3's q/k norms), whose
-    /// weight gradient accumulates over every (position, head) pair.
+    /// The most rows any site sums over: each site has its own R (T, T·H for a per-head norm
+    /// whose weight gradient accumulates over every (position, head) pair, a convolution's output
+    /// positions), and the longest accumulation bounds them all.
     pub seq_len: usize,
     /// Entries of the largest parameter: the reference's own f64 reduction length.
     pub largest_param: usize,
@@ -128,7 +129,7 @@ pub struct Tolerance {
     pub judgeable_bound: f64,
 }
 
-/// One side of a site's per-example gradient Σ_t l_t r_tᵀ, in f64 (T rows).
+/// One side of a site's per-example gradient Σ_t l_t r_tᵀ, in f64 (the site's R rows).
 enum Side {
     Dense(Array2<f64>),
     /// Row t is onehot(ids[t]).

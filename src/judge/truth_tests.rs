@@ -221,6 +221,41 @@ fn both_routes_equal_the_materialized_gradients_on_every_kind_and_tie() {
 }
 
 #[test]
+fn both_routes_hold_uses_of_one_parameter_with_different_rows() {
+    // Each site its own rows: a head on one pooled row tied to an embedding on 5 ids and a
+    // conv1d head on 3 rows; one linear on 4 rows and on 1; a norm on 6 rows with a bias on 2.
+    use Shape::*;
+    use SiteKind::*;
+    let (v, d, p) = (7, 3, 4);
+    for (seed, b) in [(31, 1), (32, 2), (33, 3)] {
+        let mut g = Gen {
+            rng: SplitMix64::new(seed),
+            b,
+            t: 5,
+        };
+        let mut site = |rows: usize, name: &str, param: &str, kind: SiteKind, shape: Shape| {
+            g.t = rows;
+            g.site(name, param, kind, shape)
+        };
+        let trace = RefTrace {
+            sites: vec![
+                site(5, "emb", "wte", Embedding, Table { vocab: v, out: d }),
+                site(1, "head", "wte", Linear, Dense { out: v, input: d }),
+                site(3, "conv_head", "wte", Conv1d, Dense { out: d, input: v }),
+                site(4, "lin.0", "lin", Linear, Dense { out: d, input: p }),
+                site(1, "lin.1", "lin", Linear, Dense { out: d, input: p }),
+                site(6, "bl.ln", "bl", LayerNorm, Norm { out: d, heads: 1 }),
+                site(2, "bl.bias", "bl", Bias, Norm { out: d, heads: 1 }),
+            ],
+        };
+        trace.validate().unwrap();
+        for route in [Route::Identity, Route::Materialize, Route::ByCost] {
+            check_route(&trace, route, &format!("{route:?} B={b} mixed rows"));
+        }
+    }
+}
+
+#[test]
 fn the_truth_takes_norms_param_sq_and_cross_share_from_the_identity() {
     // The public Truth of a trace against the brute force: norms, the split by parameter and
     // the cross share, whichever route each parameter took.

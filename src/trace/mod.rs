@@ -1,5 +1,6 @@
 //! A batch trace on a candle device: for every parameter use (site), the factors a ghost
-//! clipper reads. The layout is the trace file's (see docs/trace-format.md): B×T leading.
+//! clipper reads. The layout is the trace file's (see docs/trace-format.md): B×R leading, R each site's own
+//! rows per example.
 
 mod file;
 
@@ -42,11 +43,11 @@ pub fn to_f64_vec(t: &Tensor) -> Result<Vec<f64>> {
 #[derive(Clone, Debug)]
 pub struct Site {
     pub spec: SiteSpec,
-    /// B×T×in (linear, conv1d); for layernorm the normalized input x̂.
+    /// B×R×in (linear, conv1d); for layernorm the normalized input x̂.
     pub activations: Option<Tensor>,
-    /// B×T ids (u32), for embeddings.
+    /// B×R ids (u32), for embeddings.
     pub ids: Option<Tensor>,
-    /// B×T×out: gradient of each example's own loss with respect to the site's output.
+    /// B×R×out: gradient of each example's own loss with respect to the site's output.
     pub backprops: Tensor,
 }
 
@@ -183,9 +184,9 @@ impl Trace {
             .iter()
             .map(|s| match &s.ids {
                 Some(ids) if ids.rank() == 2 => {
-                    let seq = ids.dims()[1];
+                    let rows = ids.dims()[1];
                     let values = ids.flatten_all()?.to_vec1::<u32>()?;
-                    Ok(IdAt::extremes(values.into_iter().map(i64::from), seq))
+                    Ok(IdAt::extremes(values.into_iter().map(i64::from), rows))
                 }
                 _ => Ok(None),
             })

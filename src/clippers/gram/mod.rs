@@ -17,15 +17,16 @@ use crate::trace::{to_f64_vec, Site, SiteKind};
 use candle_core::{DType, Tensor};
 use cpu::{cpu_gram, onehot_inner_cpu, threads_for, CpuData, GramDims, PARALLEL_FLOPS};
 
-/// One side of a factored gradient, B×T rows.
+/// One side of a factored gradient, B×R rows (R the site's own rows per example: two sites of
+/// one parameter may have different R, and their Gram is then R×S).
 #[derive(Clone, Debug)]
 pub enum Factor {
-    /// B×T×m values.
+    /// B×R×m values.
     Dense(Tensor),
-    /// B×T ids (u32) into a table of `size` rows: row t is onehot(ids_t).
+    /// B×R ids (u32) into a table of `size` rows: row t is onehot(ids_t).
     OneHot { ids: Tensor, size: usize },
     /// The constant 1 (bias-like sites): m = 1.
-    Ones { batch: usize, seq: usize },
+    Ones { batch: usize, rows: usize },
 }
 
 impl Factor {
@@ -37,11 +38,11 @@ impl Factor {
         }
     }
 
-    fn batch_seq(&self) -> (usize, usize) {
+    fn batch_rows(&self) -> (usize, usize) {
         match self {
             Factor::Dense(t) => (t.dims()[0], t.dims()[1]),
             Factor::OneHot { ids, .. } => (ids.dims()[0], ids.dims()[1]),
-            Factor::Ones { batch, seq } => (*batch, *seq),
+            Factor::Ones { batch, rows } => (*batch, *rows),
         }
     }
 }
@@ -82,11 +83,11 @@ impl Factored {
             },
             SiteKind::Bias => Factored {
                 left: Factor::Dense(bp),
-                right: Factor::Ones { batch: b, seq: t },
+                right: Factor::Ones { batch: b, rows: t },
             },
             SiteKind::LayerNorm => Factored {
                 left: Factor::Dense((bp * act()?)?),
-                right: Factor::Ones { batch: b, seq: t },
+                right: Factor::Ones { batch: b, rows: t },
             },
         })
     }
@@ -97,7 +98,7 @@ impl Factored {
 
     /// Multiply-adds of the per-example Gram route versus materializing (mixed ghost's rule).
     pub fn prefers_gram(&self) -> bool {
-        let (_, t) = self.left.batch_seq();
+        let (_, t) = self.left.batch_rows();
         let (p, q) = self.shape();
         match (&self.left, &self.right) {
             // One-hot rows cost nothing in a Gram; a materialized table costs vocab × d memory.
@@ -111,7 +112,7 @@ impl Factored {
 
 /// The B×T×S matrix of inner products ⟨a_t, b_s⟩ of two factors of equal batch and width.
 pub fn gram(a: &Factor, b: &Factor, dtype: DType) -> Result<Tensor> {
-    let ((batch, t), (b_batch, s)) = (a.batch_seq(), b.batch_seq());
+    let ((batch, t), (b_batch, s)) = (a.batch_rows(), b.batch_rows());
     if (batch, a.width()) != (b_batch, b.width()) {
         return Err(Error::input(format!(
             "factor batch sizes or widths differ: {batch}×{t}×{} vs {b_batch}×{s}×{}",
