@@ -56,6 +56,33 @@ def _describe(layout):
             "minor": f"axis {a} (example-minor flattened rows)"}[form]
 
 
+def _input_spill(t, g, i, b, batch_axis):
+    """The examples other than i whose part of the input `t` example i's loss alone reaches
+    (`g` its gradient), along `batch_axis`; None where `t` has no such axis."""
+    if g is None or t.dim() <= batch_axis or t.shape[batch_axis] != b:
+        return None
+    nz = g.movedim(batch_axis, 0).ne(0).reshape(b, -1).any(1)
+    return [j for j in nz.nonzero().flatten().tolist() if j != i]
+
+
+def _refuse_spilled_input(name, t, g, i, others, b, batch_axis):
+    """An input whose examples example i's loss reaches beyond its own: another axis that keeps
+    the examples apart is a layout mismatch, none is a model that mixes examples."""
+    for a in range(t.dim()):
+        if a != batch_axis and t.shape[a] == b and _input_spill(t, g, i, b, a) == [] and bool(
+                g.movedim(a, 0)[i].ne(0).any()):
+            raise TraceExportError(
+                f"{name} were given with batch_axis={batch_axis}, but the loss of example {i} alone reaches them "
+                f"along axis {a} only: the examples of these inputs lie along axis {a}. Pass batch_axis={a}"
+                + (" (seq-first data: batch_first=False)" if a == 1 else ""))
+    shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
+    raise TraceExportError(
+        f"the model mixes examples: the loss of example {i} alone depends on {name} of example(s) {shown} (along "
+        f"axis {batch_axis}), so example {i}'s gradient changes with the other examples of the batch (batch "
+        "statistics, such as BatchNorm in training mode, or attention across the batch) and per-example "
+        "clipping bounds nothing: no per-example norm is defined")
+
+
 def _probe_order(b):
     if b <= PROBE_ALL_UP_TO:
         return list(range(b))
@@ -63,13 +90,17 @@ def _probe_order(b):
     return torch.randperm(b, generator=gen).tolist()
 
 
-def _find_layouts(entries, losses, b, batch_axis, direct_inputs):
+def _find_layouts(entries, losses, b, batch_axis, direct_inputs, leaves=()):
     """Sets `entry["layout"]` for every use whose output received a gradient in the batch's
     backward, from the gradients of single examples' losses (the graph must still be alive).
     Raises `TraceExportError` for a use no layout fits (the model mixes examples), one several
-    layouts fit alike, and a use fed the inputs directly whose layout is not `batch_axis`."""
+    layouts fit alike, and a use fed the inputs directly whose layout is not `batch_axis`.
+
+    `leaves` are (name, tensor) pairs of floating-point inputs made to require gradients: an
+    example's loss must not reach another example's inputs either (batch statistics taken of
+    the inputs before any parameter is used show there and nowhere else)."""
     live = [e for e in entries if e["grad"] is not None]
-    if not live:
+    if not live and not leaves:
         return
     if b == 1:  # one example: the batch is the example, any axis of size 1 holds it
         for e in live:
@@ -79,14 +110,21 @@ def _find_layouts(entries, losses, b, batch_axis, direct_inputs):
             e["layout"] = fits[0] if fits else ("major", 0)
         return
     status = {id(e): {lay: [True, False] for lay in _layouts(tuple(e["output"].shape), b)} for e in live}
+    reached_any = bool(live)  # with no use to reach, every example is probed for the inputs alone
     spill = {id(e): None for e in live}  # the first probe that reached another example, for the message
+    input_spill = {}
     reached = {id(e): False for e in live}
     order = _probe_order(b)
     for n, i in enumerate(order):
-        if n >= min(b, 4) and b > PROBE_ALL_UP_TO and all(reached.values()):
+        if n >= min(b, 4) and b > PROBE_ALL_UP_TO and all(reached.values()) and reached_any:
             break
-        grads = torch.autograd.grad(losses[i], [e["output"] for e in live], retain_graph=True, allow_unused=True)
-        for e, g in zip(live, grads):
+        grads = torch.autograd.grad(losses[i], [e["output"] for e in live] + [t for _, t in leaves],
+                                    retain_graph=True, allow_unused=True)
+        for (name, t), g in zip(leaves, grads[len(live):]):
+            others = _input_spill(t, g, i, b, batch_axis)
+            if others and name not in input_spill:
+                input_spill[name] = (t, g, i, others)
+        for e, g in zip(live, grads[:len(live)]):
             if g is None:
                 continue
             for lay, st in status[id(e)].items():
@@ -148,3 +186,5 @@ def _find_layouts(entries, losses, b, batch_axis, direct_inputs):
                 "batch_first=False)" if fits[0][0] == "axis" else
                 f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
                 f"{_describe(fits[0])}, not along the inputs' batch_axis={batch_axis}")
+    for name, (t, g, i, others) in input_spill.items():
+        _refuse_spilled_input(name, t, g, i, others, b, batch_axis)

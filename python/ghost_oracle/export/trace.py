@@ -63,6 +63,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -82,6 +83,24 @@ FORMAT = "ghost-oracle-trace/1"
 # `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
 # has computed the true ones.
 UNCLAIMED = object()
+
+
+def _input_leaves(inputs):
+    """(the inputs with every floating-point tensor replaced by a detached copy that requires
+    gradients, [(name, leaf)])."""
+    def leaf(t):
+        return t.detach().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t
+
+    if torch.is_tensor(inputs):
+        out = leaf(inputs)
+        return out, [("the inputs", out)] if out is not inputs else []
+    if isinstance(inputs, Mapping):
+        out = {k: leaf(v) for k, v in inputs.items()}
+        return out, [(f"input `{k}`", out[k]) for k in out if out[k] is not inputs[k]]
+    if isinstance(inputs, tuple):
+        out = tuple(leaf(v) for v in inputs)
+        return out, [(f"input {k}", v) for k, v in enumerate(out) if v is not inputs[k]]
+    return inputs, []
 
 
 def _sites(entry, names, dtype, b):
@@ -146,11 +165,15 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
         raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" (c = C/(n + γ)), "
                          f"got {clipping!r}")
     model.zero_grad(set_to_none=True)
+    # floating-point inputs made leaves that require gradients, so that the probes see whether
+    # an example's loss reaches another example's inputs; the model gets them, the user's
+    # callable `claimed_norms` the inputs as given
+    traced_inputs, leaves = _input_leaves(inputs)
     rec, handles = record(model, b_inputs or 0, batch_axis)
     entries = rec.entries
     try:
         try:
-            losses = per_example_loss(model, inputs)
+            losses = per_example_loss(model, traced_inputs)
         finally:
             for h in reversed(handles):  # the forward is over: nothing else is a use
                 h.remove()
@@ -165,7 +188,7 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
                              f"example{hint}")
         losses.sum().backward(retain_graph=b > 1)
         rec.probing = True
-        _find_layouts(entries, losses, b, batch_axis, _input_tensors(inputs))
+        _find_layouts(entries, losses, b, batch_axis, _input_tensors(inputs), leaves)
     finally:
         for e in entries:  # the outputs hold the graph alive
             e.pop("output", None)

@@ -1,6 +1,8 @@
-"""`nn.GroupNorm` and `nn.InstanceNorm1d/2d/3d` (affine): y = x̂ ⊙ w[c] + b[c] with one weight
-and bias per channel, x̂ normalized over a group of channels and the positions (GroupNorm) or
-over each channel's positions (InstanceNorm). A **layernorm** site with the channels last:
+"""`nn.GroupNorm`, `nn.InstanceNorm1d/2d/3d` (affine) and `nn.BatchNorm1d/2d/3d` in eval mode:
+y = x̂ ⊙ w[c] + b[c] with one weight and bias per channel, x̂ normalized over a group of
+channels and the positions (GroupNorm), over each channel's positions (InstanceNorm), or by
+the running statistics (BatchNorm in eval mode; in training mode it normalizes by the batch's
+statistics, which mixes examples, and the layout probes refuse the model). A **layernorm** site with the channels last:
 one row per position, so that Σ over rows of δ ⊙ x̂ is the weight's gradient; a bias site on
 the same rows. x̂ is the module's own forward with w = 1 and b = 0 (its running statistics, if
 any, used as its forward uses them, and left untouched)."""
@@ -41,5 +43,6 @@ class ChannelNorm(Handler):
 
 
 _norm = ChannelNorm()
-for _cls in (torch.nn.GroupNorm, torch.nn.InstanceNorm1d, torch.nn.InstanceNorm2d, torch.nn.InstanceNorm3d):
+for _cls in (torch.nn.GroupNorm, torch.nn.InstanceNorm1d, torch.nn.InstanceNorm2d, torch.nn.InstanceNorm3d,
+             torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d):
     builtin(_cls, _norm)
