@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ghost_oracle
+from ghost_oracle.testing import exact_norms as brute_force_norms  # each example's loss alone
 from ghost_oracle.torch import TraceExportError, assert_norms, export_trace
 
 opacus = pytest.importorskip("opacus")
@@ -17,17 +18,6 @@ from opacus import GradSampleModule  # noqa: E402
 from opacus.layers import DPMultiheadAttention  # noqa: E402
 
 V, D, O = 11, 6, 5
-
-
-def brute_force_norms(model, per_example_loss, inputs):
-    """‖∇θ loss_i‖ for each example, each loss differentiated alone (f64 model)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    losses = per_example_loss(model, inputs)
-    out = []
-    for i in range(losses.shape[0]):
-        g = torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True)
-        out.append(sum(float((x.double() ** 2).sum()) for x in g if x is not None) ** 0.5)
-    return torch.tensor(out, dtype=torch.float64)
 
 
 class SeqFirstEmbedding(torch.nn.Module):

@@ -7,13 +7,13 @@ example's loss differentiated alone), and every verdict to the brute-force compa
 within rounding of the truth must pass, a claim off by more must fail. A model whose examples
 the model itself mixes must be refused, never judged."""
 import copy
-import math
 
 import pytest
 import torch
 
 import ghost_oracle
 import ghost_oracle.opacus
+from ghost_oracle.testing import exact_norms as brute_force  # each example's loss differentiated alone
 from ghost_oracle.torch import TraceExportError, assert_norms, export_trace
 
 opacus = pytest.importorskip("opacus")
@@ -167,16 +167,6 @@ CASES = [
     ("functional", Functional, lambda: randn(B, 4, 5, 6), 0),
     ("tied-by-matmul", TiedByMatmul, lambda: ids(B, 5), 0),
 ]
-
-
-def brute_force(model, loss, x):
-    params = [p for p in model.parameters() if p.requires_grad]
-    losses = loss(model, x)
-    out = []
-    for i in range(losses.shape[0]):
-        g = torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True)
-        out.append(math.sqrt(sum(float((t ** 2).sum()) for t in g if t is not None)))
-    return torch.tensor(out, dtype=torch.float64)
 
 
 def opacus_claim(model, loss, x, batch_first, ghost):
