@@ -14,7 +14,8 @@
 //! ```text
 //! model          decoder.rs      the skeleton every family fills in (DecoderModel, ParamSet, Dims)
 //! ├─ gpt2        gpt2.rs, gpt2_config.rs
-//! ├─ llama       llama.rs, llama_config.rs (Llama, Qwen2, Qwen3, Gemma 1–3, VaultGemma);
+//! ├─ llama       llama/ (the model; params.rs: a layer's modules in one table; block.rs: a
+//! │              layer's passes), llama_config.rs (Llama, Qwen2, Qwen3, Gemma 1–3, VaultGemma);
 //! │              flavor.rs (what each member changes), gemma_config.rs (Gemma's keys),
 //! │              rope_config.rs (rope_theta / rope_scaling / rope_parameters)
 //! ├─ any family  model.rs        the family `model_type` names (Model)
