@@ -120,6 +120,11 @@ class SumCheck:
     implied_sensitivity: float = math.nan
     #: ‖X − Σ ĉ_i g*_i‖ / ‖X‖: the part of X no combination of this batch's gradients explains.
     unexplained: float = math.nan
+    #: Examples the sum leaves out: ĉ_i under half of c*_i (empty where the Gram is singular).
+    missing_examples: tuple[int, ...] = ()
+    #: X is S* times one positive `scale` beyond rounding (for the update: divided by another
+    #: divisor than the stated one).
+    shared_scale: bool = False
     #: The batch's Gram was singular (ĉ is the minimum-norm solution).
     singular: bool = False
     #: Some value of X is NaN or infinite.
@@ -138,16 +143,18 @@ class SumCheck:
                    worst_param=str(d["worst_param"]), worst_param_rel_err=_opt(d["worst_param_rel_err"]),
                    scale=_opt(d["scale"]), implied_coefficients=_array([_f(x) for x in d["implied_coefficients"]]),
                    implied_sensitivity=_f(d["implied_sensitivity"]), unexplained=_opt(d["unexplained"]),
-                   singular=bool(d["singular"]), invalid=bool(d["invalid"]), verdict=str(d["verdict"]))
+                   missing_examples=tuple(int(i) for i in d["missing_examples"]),
+                   shared_scale=bool(d["shared_scale"]), singular=bool(d["singular"]),
+                   invalid=bool(d["invalid"]), verdict=str(d["verdict"]))
 
 
 @dataclass(frozen=True)
 class NoiseCheck:
-    """The noise of one parameter tensor (or of the whole update, `param` "all"): ‖r‖²/(σC)²,
-    χ² with `entries` degrees of freedom for noise N(0, σ²C²) on every entry, against its
-    Laurent–Massart interval [low, high]."""
+    """The noise of one parameter tensor `param` (or of the whole update: `param` None,
+    `whole` True): ‖r‖²/(σC)², χ² with `entries` degrees of freedom for noise N(0, σ²C²) on
+    every entry, against its Laurent–Massart interval [low, high]."""
 
-    param: str
+    param: str | None
     entries: int
     chi2: float
     low: float
@@ -160,9 +167,17 @@ class NoiseCheck:
     def passed(self) -> bool:
         return self.verdict == "pass"
 
+    @property
+    def whole(self) -> bool:
+        """The check is over the whole update, every tensor together."""
+        return self.param is None
+
     @classmethod
     def _from_native(cls, d: dict) -> NoiseCheck:
-        return cls(param=str(d["param"]), entries=int(d["entries"]), chi2=_f(d["chi2"]), low=_f(d["low"]),
+        # The scope is {"tensor": name} for one tensor, "whole" for the whole update.
+        scope = d["scope"]
+        param = None if scope == "whole" else str(scope["tensor"])
+        return cls(param=param, entries=int(d["entries"]), chi2=_f(d["chi2"]), low=_f(d["low"]),
                    high=_f(d["high"]), sigma_ratio=_f(d["sigma_ratio"]), verdict=str(d["verdict"]))
 
 
@@ -203,7 +218,7 @@ class StepResult:
     - `clipped_sum`: the clipped sum before noise against S* (any σ), or None;
     - `update`: the update times its divisor against S* (σ = 0 only), or None;
     - `noise`: under σ > 0 with the clipped sum, one `NoiseCheck` per parameter tensor and one
-      over all of them (`param` "all");
+      over all of them (`param` None, `whole` True);
     - `noisy_update`: under σ > 0 without the clipped sum, the update judged by the
       coefficients it implies (`NoisyUpdateCheck`), or None;
     - `update_not_judged`: an update under noise that nothing could judge;
@@ -775,11 +790,12 @@ class Report:
             if x.singular:
                 lines.append("    the batch's Gram is singular: ĉ is the minimum-norm solution")
         failing = [n for n in s.noise if not n.passed]
-        for n in failing or [n for n in s.noise if n.param == "all"]:
+        for n in failing or [n for n in s.noise if n.whole]:
             what = {"privacy-violation": ": less noise than stated (missing, or divided twice)",
                     "utility-distortion": ": more noise than stated (added once per use of a tied weight? a larger C?)",
                     "invalid-norm": ": not finite"}.get(n.verdict, "")
-            lines.append(f"  step: noise on `{n.param}` ({n.entries} entries) {n.verdict}: χ² = {n.chi2:.1f} "
+            scope = "the whole update" if n.whole else f"`{n.param}`"
+            lines.append(f"  step: noise on {scope} ({n.entries} entries) {n.verdict}: χ² = {n.chi2:.1f} "
                          f"{'outside' if not n.passed else 'within'} [{n.low:.1f}, {n.high:.1f}] (false alarms ≤ "
                          f"1e-6 a step), σ̂/σ = {n.sigma_ratio:.4f}{what}")
         u = s.noisy_update

@@ -5,6 +5,9 @@
 //! sum Σ c_i g_i* and the tolerance) comes from the reference side; the clipper contributes only
 //! its claim.
 
+use super::example::ExampleMetrics;
+use super::numeric::{bilinear, nan_max, ratio};
+use super::step::StepMetrics;
 use super::tolerance::{Arithmetic, Tolerance};
 use super::truth::{for_each_param_block, Block, Truth};
 use super::verdict::Verdict;
@@ -59,27 +62,6 @@ impl ClippingRule {
             Clipping::Automatic => true,
         }
     }
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct ExampleMetrics {
-    pub true_norm: f64,
-    pub norm: f64,
-    pub norm_rel_err: f64,
-    pub bound: f64,
-    /// norm_rel_err / bound.
-    pub err_units: f64,
-    pub coefficient: f64,
-    pub true_coefficient: f64,
-    pub sensitivity: f64,
-    pub flipped: bool,
-    /// 2⟨g_in, g_out⟩ / ‖g*‖²; `null` where the true gradient is zero.
-    pub cross_share: Option<f64>,
-    /// The norm or coefficient is NaN, infinite, or negative beyond rounding.
-    pub invalid: bool,
-    /// The bound is tight enough to judge the norm (at most the tolerance's `judgeable_bound`,
-    /// a tenth of the norm).
-    pub judgeable: bool,
 }
 
 /// Which case a metric is of: the base case and, for a suite that tries several clipping norms,
@@ -153,31 +135,7 @@ pub struct CaseMetrics {
     pub examples: Vec<ExampleMetrics>,
     /// The DP-SGD step, when the trace carries one; its verdict is folded into `verdict`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub step: Option<super::step::StepMetrics>,
-}
-
-fn quad(k: &[Vec<f64>], a: &[f64], b: &[f64]) -> f64 {
-    let mut s = 0.0;
-    for (i, ai) in a.iter().enumerate() {
-        for (j, bj) in b.iter().enumerate() {
-            s += ai * k[i][j] * bj;
-        }
-    }
-    s
-}
-
-/// The larger of two values, NaN winning: a NaN metric must show, never vanish into a max.
-pub(crate) fn nan_max(a: f64, b: f64) -> f64 {
-    if a.is_nan() || b.is_nan() {
-        f64::NAN
-    } else {
-        a.max(b)
-    }
-}
-
-/// x / y where both are finite and y is not zero.
-pub(super) fn ratio(x: f64, y: f64) -> Option<f64> {
-    (y != 0.0 && x.is_finite() && y.is_finite()).then(|| x / y)
+    pub step: Option<StepMetrics>,
 }
 
 /// Compares a clipper's claim with the truth at clipping norm C and noise multiplier σ, for a
@@ -263,12 +221,14 @@ pub fn evaluate(
 
     // Noise over clipped signal, from the true per-example gradients: ‖Σ c_i g_i*‖² = cᵀKc.
     let coefs_for_sum = for_sum(claim.coefficients.iter().copied());
-    let sig = quad(&truth.gram, &coefs_for_sum, &coefs_for_sum)
+    let sig = bilinear(&truth.gram, &coefs_for_sum, &coefs_for_sum)
         .max(0.0)
         .sqrt();
-    let sig_ref = quad(&truth.gram, &true_coefs, &true_coefs).max(0.0).sqrt();
+    let sig_ref = bilinear(&truth.gram, &true_coefs, &true_coefs)
+        .max(0.0)
+        .sqrt();
     let cosine = ratio(
-        quad(&truth.gram, &coefs_for_sum, &true_coefs),
+        bilinear(&truth.gram, &coefs_for_sum, &true_coefs),
         sig * sig_ref,
     );
     let sum = clipped_sum_error(truth, tolerance, claim, &coefs_for_sum, arithmetic)?;

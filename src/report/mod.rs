@@ -8,7 +8,7 @@ pub(crate) use html::{audit_sections, page, verdict_colour};
 pub use kill_matrix::{kill_matrix_html, kill_matrix_json, kill_matrix_table};
 
 use crate::audit::ClipperAudit;
-use crate::judge::{nan_max, CaseMetrics, StepMetrics, Verdict};
+use crate::judge::{nan_max, CaseMetrics, NoiseScope, StepMetrics, Verdict};
 use ghost_oracle_reference::Reference;
 use serde_json::{json, Value};
 use std::fmt::Write;
@@ -194,7 +194,7 @@ fn step_figure(step: &StepMetrics, verdict: Verdict) -> Option<String> {
     {
         return Some(format!(
             "the step's {} is off by {} of the exact clipped sum (bound {}), scale {}, implied contributions up to {:.4}·C",
-            check.what,
+            check.what.name(),
             check.rel_err.map_or("n/a".into(), sci),
             check.bound.map_or("n/a".into(), sci),
             fixed(check.scale, 4),
@@ -203,8 +203,8 @@ fn step_figure(step: &StepMetrics, verdict: Verdict) -> Option<String> {
     }
     step.noise.iter().find(|n| n.verdict == verdict).map(|n| {
         format!(
-            "the step's noise on `{}` is {:.4}·σ (χ² {:.1} outside [{:.1}, {:.1}])",
-            n.param, n.sigma_ratio, n.chi2, n.low, n.high
+            "the step's noise on {} is {:.4}·σ (χ² {:.1} outside [{:.1}, {:.1}])",
+            n.scope, n.sigma_ratio, n.chi2, n.low, n.high
         )
     })
 }
@@ -218,13 +218,10 @@ fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
         .flatten()
         .filter(|c| shown(c.verdict))
     {
-        let dropped: Vec<usize> = (0..check.implied_coefficients.len())
-            .filter(|&i| check.implied_coefficients[i].abs() < 0.5 * step.true_coefficients[i])
-            .collect();
         let _ = writeln!(
             s,
             "  step ({case}): {} {}: off by {} of S* (bound {}), worst parameter `{}` ({}); scale {}; implied contributions up to {:.4}·C; unexplained {}{}{}",
-            check.what,
+            check.what.name(),
             check.verdict.name(),
             check.rel_err.map_or("n/a".into(), sci),
             check.bound.map_or("n/a".into(), sci),
@@ -233,10 +230,10 @@ fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
             fixed(check.scale, 4),
             check.implied_sensitivity,
             check.unexplained.map_or("n/a".into(), sci),
-            if dropped.is_empty() || check.verdict == Verdict::Pass || check.singular {
+            if check.missing_examples.is_empty() || check.verdict == Verdict::Pass {
                 String::new()
             } else {
-                format!("; examples {dropped:?} are missing from it (their implied coefficients are under half the true ones)")
+                format!("; examples {:?} are missing from it (their implied coefficients are under half the true ones)", check.missing_examples)
             },
             if check.singular { "; the batch's Gram is singular (minimum-norm coefficients)" } else { "" }
         );
@@ -244,12 +241,12 @@ fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
     for n in step
         .noise
         .iter()
-        .filter(|n| n.verdict != Verdict::Pass || (every && n.param == "all"))
+        .filter(|n| n.verdict != Verdict::Pass || (every && n.scope == NoiseScope::Whole))
     {
         let _ = writeln!(
             s,
-            "  step ({case}): noise on `{}` ({} entries) {}: χ² = {:.1} against [{:.1}, {:.1}] (false alarms ≤ 1e-6 a step), σ̂ = {:.4}·σ",
-            n.param,
+            "  step ({case}): noise on {} ({} entries) {}: χ² = {:.1} against [{:.1}, {:.1}] (false alarms ≤ 1e-6 a step), σ̂ = {:.4}·σ",
+            n.scope,
             n.entries,
             n.verdict.name(),
             n.chi2,
