@@ -9,7 +9,9 @@ use ghost_oracle::{CheckOptions, Verdict};
 use ghost_oracle_reference::{
     read_trace, write_trace, Clipping, Precision, Site, SiteKind, SiteSpec,
 };
-use ghost_oracle_reference::{Floats, SplitMix64, StepClaim, Trace as RefTrace, TraceMeta};
+use ghost_oracle_reference::{
+    Floats, SplitMix64, StepClaim, TiedParameter, Trace as RefTrace, TraceMeta,
+};
 use ndarray::Array3;
 use std::path::{Path, PathBuf};
 
@@ -166,7 +168,33 @@ fn scaled(s: &[(String, Vec<f64>)], k: f64) -> Vec<(String, Vec<f64>)> {
 }
 
 fn judge(path: &Path) -> ghost_oracle::ClipperAudit {
-    check_trace(path, &CheckOptions::default()).unwrap()
+    check_trace(path, &CheckOptions::default()).unwrap().audit
+}
+
+#[test]
+fn the_check_returns_the_headers_tied_parameters_and_divisor() {
+    let (t, _, _, coefs) = setup();
+    let checked = check_trace(
+        &write_exact_step("header", &weighted(&t, &coefs)),
+        &CheckOptions::default(),
+    )
+    .unwrap();
+    let sites = vec![
+        ("w.first".to_string(), SiteKind::Linear),
+        ("w.second".to_string(), SiteKind::Linear),
+    ];
+    assert_eq!(
+        checked.tied,
+        vec![TiedParameter {
+            param: "w".into(),
+            sites
+        }]
+    );
+    assert_eq!(checked.batch_divisor, Some(DIVISOR));
+    // Without an update no divisor is stated.
+    let path = write("no-update", Some(weighted(&t, &coefs)), None, 1.0);
+    let checked = check_trace(&path, &CheckOptions::default()).unwrap();
+    assert_eq!(checked.batch_divisor, None);
 }
 
 #[test]
@@ -583,6 +611,13 @@ fn real_opacus_steps_pass_and_ghost_modes_lost_micro_batch_is_caught() {
     assert!(out.contains("examples [0, 1] are missing from it"), "{out}");
     assert!(
         out.contains("the step's clipped sum is off by 7.05e-1"),
+        "{out}"
+    );
+    // Under the tables, the deciding case in words: the explanation the Python package raises.
+    assert!(
+        out.contains("utility-distortion in the step")
+            && out.contains("examples 0, 1 of 4 are missing from it (implied coefficient under half the true one)")
+            && out.contains("norms: the 4 claimed norms are within rounding of the true ones"),
         "{out}"
     );
     assert_eq!(sum.missing_examples, [0, 1]);

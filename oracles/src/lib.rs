@@ -94,7 +94,7 @@ pub use safetensors::Dtype;
 pub use site::{SiteKind, SiteSpec};
 pub use stored::StoredBlocks;
 pub use tensors::Floats;
-pub use trace::{Site, Trace};
+pub use trace::{Site, TiedParameter, Trace};
 pub use trace_file::{
     read_trace, read_trace_bytes, write_trace, Clipping, ParamValues, StepClaim, TraceMeta,
 };

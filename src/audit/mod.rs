@@ -4,7 +4,7 @@
 mod check;
 mod kill_matrix;
 
-pub use check::{check_trace, CheckOptions};
+pub use check::{check_trace, CheckOptions, CheckedTrace};
 pub use kill_matrix::{kill_matrix, KillMatrix, Row};
 
 use crate::clippers::{Clipped, Clipper, NoiseSpec};

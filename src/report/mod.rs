@@ -1,8 +1,11 @@
 //! Human-readable tables, the JSON document and JUnit XML.
 
+mod explain;
 mod html;
 mod kill_matrix;
+mod numbers;
 
+pub use explain::{kill_matrix_explanation, Explanation, Reader};
 pub use html::audit_html;
 pub(crate) use html::{audit_sections, page, verdict_colour};
 pub use kill_matrix::{kill_matrix_html, kill_matrix_json, kill_matrix_table};
