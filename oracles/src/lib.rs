@@ -79,6 +79,7 @@ mod trace_shape;
 
 pub use batch::{Batch, IGNORE};
 pub use checkpoint::{load, load_resident, Blocks, FromCheckpoint};
+pub use clipping::Clipping;
 pub use decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
 pub use gpt2::Gpt2;
@@ -99,6 +100,7 @@ pub use site::{SiteKind, SiteSpec};
 pub use stored::StoredBlocks;
 pub use tensors::Floats;
 pub use trace::{Site, TiedParameter, Trace};
-pub use clipping::Clipping;
-pub use trace_file::{read_trace, read_trace_bytes, write_trace, ParamValues, StepClaim, TraceMeta};
+pub use trace_file::{
+    read_trace, read_trace_bytes, write_trace, ParamValues, StepClaim, TraceMeta,
+};
 pub use trace_shape::{validate_shapes, IdAt, SiteShape};

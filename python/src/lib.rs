@@ -276,9 +276,9 @@ fn check<'py>(
             accounting: accounting_request(sampling_rate, steps, epochs, dataset_size, delta)
                 .resolve()?,
         };
-        Ok(check_trace(&path, &opts)
+        check_trace(&path, &opts)
             .map_err(Failure::from)
-            .map_err(on_paths(&[&path]))?)
+            .map_err(on_paths(&[&path]))
     })?;
     let precision = checked.audit.precision.name();
     let d = report_dict(

@@ -98,41 +98,7 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
             a.name,
             a.verdict.name().to_uppercase()
         );
-        let w = a
-            .cases
-            .iter()
-            .map(|c| c.case.len())
-            .max()
-            .unwrap_or(4)
-            .max(4);
-        let _ = writeln!(
-            s,
-            "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8}  {:>7}  {:>8}  {:>8}  {:>8}  {:>9}",
-            "case", "verdict", "norm err", "err/bound", "max |Δc|", "flips", "sens", "σ_eff", "ρ", "ρ*", "cos", "2x/n² max"
-        );
-        for (k, c) in a.cases.iter().enumerate() {
-            let mark = if k == a.worst_case && c.verdict != Verdict::Pass {
-                " <- worst"
-            } else {
-                ""
-            };
-            let _ = writeln!(
-                s,
-                "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8.5}  {:>7.4}  {:>8}  {:>8}  {:>8}  {:>9}{mark}",
-                c.case,
-                c.verdict.name(),
-                sci(c.max_norm_rel_err),
-                sci(c.max_err_units),
-                sci(c.max_coef_abs_diff),
-                c.decision_flips,
-                c.max_sensitivity_ratio,
-                c.effective_noise_multiplier,
-                fixed(c.effective_noise_ratio, 4),
-                fixed(c.reference_noise_ratio, 4),
-                fixed(c.clipped_sum_cosine, 5),
-                fixed(c.max_cross_share, 4)
-            );
-        }
+        s.push_str(&case_rows(a));
         if let Some(c) = a
             .cases
             .get(a.worst_case)
@@ -185,6 +151,58 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
     s
 }
 
+/// A clipper's cases, a row each, under the columns' header; the deciding case marked.
+fn case_rows(a: &ClipperAudit) -> String {
+    let mut s = String::new();
+    let w = a
+        .cases
+        .iter()
+        .map(|c| c.case.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    let _ = writeln!(
+        s,
+        "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8}  {:>7}  {:>8}  {:>8}  {:>8}  {:>9}",
+        "case",
+        "verdict",
+        "norm err",
+        "err/bound",
+        "max |Δc|",
+        "flips",
+        "sens",
+        "σ_eff",
+        "ρ",
+        "ρ*",
+        "cos",
+        "2x/n² max"
+    );
+    for (k, c) in a.cases.iter().enumerate() {
+        let mark = if k == a.worst_case && c.verdict != Verdict::Pass {
+            " <- worst"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            s,
+            "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8.5}  {:>7.4}  {:>8}  {:>8}  {:>8}  {:>9}{mark}",
+            c.case,
+            c.verdict.name(),
+            sci(c.max_norm_rel_err),
+            sci(c.max_err_units),
+            sci(c.max_coef_abs_diff),
+            c.decision_flips,
+            c.max_sensitivity_ratio,
+            c.effective_noise_multiplier,
+            fixed(c.effective_noise_ratio, 4),
+            fixed(c.reference_noise_ratio, 4),
+            fixed(c.clipped_sum_cosine, 5),
+            fixed(c.max_cross_share, 4)
+        );
+    }
+    s
+}
+
 /// What in the step decided a case's verdict, when the step did.
 fn step_figure(step: &StepMetrics, verdict: Verdict) -> Option<String> {
     if step.verdict != verdict || verdict == Verdict::Pass {
@@ -212,8 +230,8 @@ fn step_figure(step: &StepMetrics, verdict: Verdict) -> Option<String> {
     })
 }
 
-/// The step's checks of a case, a line each.
-fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
+/// The step's sum checks of a case, a line each (every check, or those that failed).
+fn sum_lines(case: &str, step: &StepMetrics, every: bool) -> String {
     let mut s = String::new();
     let shown = |v: Verdict| every || v != Verdict::Pass;
     for check in [&step.clipped_sum, &step.update]
@@ -241,6 +259,13 @@ fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
             if check.singular { "; the batch's Gram is singular (minimum-norm coefficients)" } else { "" }
         );
     }
+    s
+}
+
+/// The step's checks of a case, a line each.
+fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
+    let mut s = sum_lines(case, step, every);
+    let shown = |v: Verdict| every || v != Verdict::Pass;
     for n in step
         .noise
         .iter()

@@ -154,16 +154,13 @@ impl SiteTensors {
     }
 }
 
-/// Reads every site's factors: their shapes are checked from the header (and the ids) before
-/// any float tensor is converted, then each site's gradient against the size limit and the
-/// manifest. Returns the sites and the coarsest format each is stored in.
-fn read_sites(
+/// Every site's tensors as the file holds them: the float factors' shapes only, the ids read.
+fn site_tensors(
     st: &SafeTensors,
     specs: Vec<SiteSpec>,
-    manifest: Option<&BTreeMap<String, usize>>,
     label: &str,
     expected: &mut HashSet<String>,
-) -> Result<(Vec<Site>, Vec<Precision>)> {
+) -> Result<Vec<SiteTensors>> {
     let mut found = Vec::with_capacity(specs.len());
     for spec in specs {
         let n = spec.name.clone();
@@ -198,9 +195,16 @@ fn read_sites(
             ids,
         });
     }
-    let shapes: Vec<SiteShape> = found.iter().map(SiteTensors::shape).collect();
-    validate_shapes(&shapes).map_err(|e| Error::new(format!("{label}: {e}")))?;
-    for s in &shapes {
+    Ok(found)
+}
+
+/// Each site's gradient against the size the reference materializes and the manifest's count.
+fn check_sizes(
+    shapes: &[SiteShape],
+    manifest: Option<&BTreeMap<String, usize>>,
+    label: &str,
+) -> Result<()> {
+    for s in shapes {
         let (n, param) = (&s.spec.name, &s.spec.param);
         let (rows, cols) = s.gradient_shape();
         if rows.saturating_mul(cols) > MAX_SITE_ENTRIES {
@@ -215,7 +219,23 @@ fn read_sites(
             }
         }
     }
+    Ok(())
+}
 
+/// Reads every site's factors: their shapes are checked from the header (and the ids) before
+/// any float tensor is converted, then each site's gradient against the size limit and the
+/// manifest. Returns the sites and the coarsest format each is stored in.
+fn read_sites(
+    st: &SafeTensors,
+    specs: Vec<SiteSpec>,
+    manifest: Option<&BTreeMap<String, usize>>,
+    label: &str,
+    expected: &mut HashSet<String>,
+) -> Result<(Vec<Site>, Vec<Precision>)> {
+    let found = site_tensors(st, specs, label, expected)?;
+    let shapes: Vec<SiteShape> = found.iter().map(SiteTensors::shape).collect();
+    validate_shapes(&shapes).map_err(|e| Error::new(format!("{label}: {e}")))?;
+    check_sizes(&shapes, manifest, label)?;
     let mut sites = Vec::with_capacity(found.len());
     let mut dtypes = Vec::with_capacity(found.len());
     for f in found {

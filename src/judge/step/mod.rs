@@ -81,6 +81,7 @@ pub fn evaluate_step(
 ) -> Result<(StepMetrics, Option<(f64, f64)>)> {
     let c = at.max_grad_norm.get();
     let sigma_c = at.noise_multiplier.get() * c;
+    let without_noise = at.noise_multiplier.get() == 0.0;
     let true_coefficients: Vec<f64> = at
         .truth
         .norms
@@ -95,31 +96,17 @@ pub fn evaluate_step(
         true_coefficients: &true_coefficients,
         max_grad_norm: c,
     };
-    let clipped_sum = step
-        .clipped_sum
-        .as_ref()
-        .map(|k| {
-            let claimed = ClaimedSum {
-                what: SumKind::ClippedSum,
-                values: k,
-                scale: 1.0,
-            };
-            check_sum(&ctx, &claimed, claimed_coefficients)
-        })
-        .transpose()?;
-    let (clipped_sum, sum_at_claimed) = match clipped_sum {
-        Some((check, at_claimed)) => (Some(check), at_claimed),
+    let (clipped_sum, sum_at_claimed) = match &step.clipped_sum {
+        Some(k) => {
+            let (check, at_claimed) =
+                check_sum(&ctx, &ClaimedSum::clipped_sum(k), claimed_coefficients)?;
+            (Some(check), at_claimed)
+        }
         None => (None, None),
     };
-    let without_noise = at.noise_multiplier.get() == 0.0;
     let update = match (&step.update, step.batch_divisor) {
         (Some(u), Some(d)) if without_noise => {
-            let claimed = ClaimedSum {
-                what: SumKind::Update,
-                values: u,
-                scale: d,
-            };
-            Some(check_sum(&ctx, &claimed, None)?.0)
+            Some(check_sum(&ctx, &ClaimedSum::update(u, d), None)?.0)
         }
         (Some(_), Some(_)) | (Some(_), None) | (None, Some(_)) | (None, None) => None,
     };
@@ -140,17 +127,13 @@ pub fn evaluate_step(
     let update_not_judged =
         step.update.is_some() && !without_noise && noise.is_empty() && noisy_update.is_none();
     let drawn = true_coefficients.len();
-    let divisor = match (&update, &step.update, &step.clipped_sum, step.batch_divisor) {
-        (Some(check), _, _, Some(d)) => check
-            .scale
-            .and_then(|k| DivisorCheck::new(d, d / k, check.bound.unwrap_or(0.0), drawn)),
-        (None, Some(u), Some(k), Some(d)) if !without_noise => {
-            DivisorCheck::from_clipped_sum(u, k, d, sigma_c, drawn)
-        }
-        (Some(_), _, _, None) | (None, _, _, _) => {
-            noisy_update.as_ref().and_then(|n| n.divisor.clone())
-        }
-    };
+    let divisor = implied_divisor(
+        step,
+        (update.as_ref(), noisy_update.as_ref()),
+        !without_noise,
+        sigma_c,
+        drawn,
+    );
     let mut metrics = StepMetrics {
         true_coefficients,
         clipped_sum,
@@ -166,6 +149,26 @@ pub fn evaluate_step(
     };
     metrics.weigh(at);
     Ok((metrics, sum_at_claimed))
+}
+
+/// The divisor the update implies: without noise from its signal's scale, under noise from its
+/// projection on the clipped sum, or, without one, from its implied coefficients.
+fn implied_divisor(
+    step: &StepClaim,
+    (update, noisy_update): (Option<&SumCheck>, Option<&NoisyUpdateCheck>),
+    under_noise: bool,
+    sigma_c: f64,
+    drawn: usize,
+) -> Option<DivisorCheck> {
+    match (update, &step.update, &step.clipped_sum, step.batch_divisor) {
+        (Some(check), _, _, Some(d)) => check
+            .scale
+            .and_then(|k| DivisorCheck::new(d, d / k, check.bound.unwrap_or(0.0), drawn)),
+        (None, Some(u), Some(k), Some(d)) if under_noise => {
+            DivisorCheck::from_clipped_sum(u, k, d, sigma_c, drawn)
+        }
+        (Some(_), _, _, None) | (None, _, _, _) => noisy_update.and_then(|n| n.divisor.clone()),
+    }
 }
 
 impl StepMetrics {

@@ -95,6 +95,26 @@ pub(super) struct ClaimedSum<'a> {
     pub scale: f64,
 }
 
+impl<'a> ClaimedSum<'a> {
+    /// The clipped sum K, as it is.
+    pub fn clipped_sum(values: &'a [(String, Floats)]) -> Self {
+        ClaimedSum {
+            what: SumKind::ClippedSum,
+            values,
+            scale: 1.0,
+        }
+    }
+
+    /// The update u, times the divisor D the step states.
+    pub fn update(values: &'a [(String, Floats)], divisor: f64) -> Self {
+        ClaimedSum {
+            what: SumKind::Update,
+            values,
+            scale: divisor,
+        }
+    }
+}
+
 /// Σ_i c_i g_i* rebuilt block by block against a claimed X, with everything the decomposition
 /// needs: ‖X − S*‖², ‖S*‖², ⟨X, S*⟩, ‖X‖², b_i = ⟨g_i*, X⟩, and the same per parameter.
 pub(super) struct Sums {
