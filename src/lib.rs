@@ -57,7 +57,7 @@
 //! // 3. A trace file with the norms Opacus's per-sample clipper claimed.
 //! let trace = Path::new("oracles/golden/traces/opacus_per_sample.safetensors");
 //! let checked = audit::check_trace(trace, &CheckOptions::default()).unwrap();
-//! assert_eq!(checked.verdict, Verdict::Pass);
+//! assert_eq!(checked.audit.verdict, Verdict::Pass);
 //! ```
 //!
 //! # Writing a clipper

@@ -39,22 +39,191 @@ fn code(text: &str) -> String {
         .join("\n")
 }
 
-/// Every `crate::X` a file names, X a top-level module.
-fn crate_refs(text: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let code = code(text);
-    let mut rest = code.as_str();
-    while let Some(i) = rest.find("crate::") {
-        rest = &rest[i + "crate::".len()..];
-        let name: String = rest
+/// The paths a `use` tree names, from just after its first `::`: `a::b::C` is one,
+/// `{a, b::{c, d}}` three (`a`, `b::c`, `b::d`). A path ends at the first character that is no
+/// part of one (a `*`, `;`, `>`, `(`...).
+fn use_tree(s: &str) -> Vec<Vec<String>> {
+    let mut segments = Vec::new();
+    let mut rest = s;
+    loop {
+        rest = rest.trim_start();
+        if let Some(group) = rest.strip_prefix('{') {
+            let mut out = Vec::new();
+            let (mut depth, mut start) = (0usize, 0usize);
+            for (k, c) in group.char_indices() {
+                let end = match c {
+                    '{' => {
+                        depth += 1;
+                        false
+                    }
+                    '}' if depth == 0 => true,
+                    '}' => {
+                        depth -= 1;
+                        false
+                    }
+                    ',' => depth == 0,
+                    _ => false,
+                };
+                if end {
+                    for tail in use_tree(&group[start..k]) {
+                        out.push(segments.iter().cloned().chain(tail).collect());
+                    }
+                    start = k + 1;
+                    if c == '}' {
+                        break;
+                    }
+                }
+            }
+            return out;
+        }
+        let ident: String = rest
             .chars()
             .take_while(|c| c.is_alphanumeric() || *c == '_')
             .collect();
-        if !name.is_empty() {
-            out.insert(name);
+        if ident.is_empty() {
+            return vec![segments];
+        }
+        rest = &rest[ident.len()..];
+        segments.push(ident);
+        match rest.trim_start().strip_prefix("::") {
+            Some(r) => rest = r,
+            None => return vec![segments],
+        }
+    }
+}
+
+/// Every path a file names from `crate::`, `super::` or `self::`, grouped imports expanded, as
+/// written: its first segment is the prefix (`crate`, `super` or `self`).
+fn named_paths(text: &str) -> Vec<Vec<String>> {
+    let code = code(text);
+    let mut out = Vec::new();
+    for prefix in ["crate", "super", "self"] {
+        let token = format!("{prefix}::");
+        let mut from = 0;
+        while let Some(i) = code[from..].find(&token) {
+            let at = from + i;
+            from = at + token.len();
+            // The start of a path, not a later segment (`super::super::`) or another word's end.
+            let before = code[..at].chars().next_back();
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+                continue;
+            }
+            for tail in use_tree(&code[from..]) {
+                out.push(std::iter::once(prefix.to_string()).chain(tail).collect());
+            }
         }
     }
     out
+}
+
+/// A path as named in module `module`, made absolute (from the crate root).
+fn absolute(module: &[String], path: &[String]) -> Vec<String> {
+    match path.first().map(String::as_str) {
+        Some("crate") => path[1..].to_vec(),
+        Some("self") => module.iter().chain(&path[1..]).cloned().collect(),
+        Some("super") => {
+            let ups = path.iter().take_while(|s| *s == "super").count();
+            let base = &module[..module.len().saturating_sub(ups)];
+            base.iter().chain(&path[ups..]).cloned().collect()
+        }
+        _ => path.to_vec(),
+    }
+}
+
+/// Every `crate::X` a file names, X a top-level module (grouped imports included).
+fn crate_refs(text: &str) -> BTreeSet<String> {
+    named_paths(text)
+        .into_iter()
+        .filter(|p| p[0] == "crate")
+        .filter_map(|p| p.get(1).cloned())
+        .filter(|s| s != "self")
+        .collect()
+}
+
+/// A crate's modules, each with its source: the module path of every file under `root`
+/// (`judge/step/sum.rs` → `judge::step::sum`, `judge/step/mod.rs` → `judge::step`). The crate
+/// root files (`lib.rs`, `main.rs`) are left out: they declare modules.
+fn modules(root: &Path) -> BTreeMap<Vec<String>, String> {
+    let mut files = Vec::new();
+    rust_files(root, &mut files);
+    files
+        .iter()
+        .filter_map(|f| {
+            let rel = f.strip_prefix(root).unwrap().with_extension("");
+            let mut path: Vec<String> = rel
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect();
+            if path.last().is_some_and(|s| s == "mod") {
+                path.pop();
+            }
+            if path.len() == 1 && (path[0] == "lib" || path[0] == "main") {
+                return None;
+            }
+            Some((path, std::fs::read_to_string(f).unwrap()))
+        })
+        .collect()
+}
+
+/// The module a path leads into: its longest prefix that is a module of `known`.
+fn module_of<'a>(
+    known: &'a BTreeMap<Vec<String>, String>,
+    path: &[String],
+) -> Option<&'a [String]> {
+    (1..=path.len())
+        .rev()
+        .find_map(|n| known.get_key_value(&path[..n]).map(|(k, _)| k.as_slice()))
+}
+
+/// Per module (`judge::step`), the modules of the same top-level module (stage) it names: its
+/// imports and any path written in its code. A module naming its own ancestors (a child using
+/// what its parent declares, as `super::Trait`) is no arrow: the parent declares the child, and
+/// a cycle through a parent would be every folder's facade. Arrows to siblings and to other
+/// branches are.
+fn arrows_within_stages(
+    known: &BTreeMap<Vec<String>, String>,
+) -> BTreeMap<String, BTreeSet<String>> {
+    known
+        .iter()
+        .map(|(m, text)| {
+            let targets = named_paths(text)
+                .iter()
+                .map(|p| absolute(m, p))
+                .filter_map(|p| module_of(known, &p))
+                .filter(|t| t[0] == m[0] && !m.starts_with(t))
+                .map(|t| t.join("::"))
+                .collect();
+            (m.join("::"), targets)
+        })
+        .collect()
+}
+
+/// Depth-first search for a back edge; panics naming the cycle.
+fn assert_acyclic(deps: &BTreeMap<String, BTreeSet<String>>, what: &str) {
+    fn visit<'a>(
+        n: &'a str,
+        deps: &'a BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<&'a str>,
+        done: &mut BTreeSet<&'a str>,
+        what: &str,
+    ) {
+        if done.contains(n) {
+            return;
+        }
+        if let Some(i) = path.iter().position(|p| *p == n) {
+            panic!("import cycle in {what}: {} -> {n}", path[i..].join(" -> "));
+        }
+        path.push(n);
+        for d in deps.get(n).into_iter().flatten() {
+            visit(d, deps, path, done, what);
+        }
+        path.pop();
+        done.insert(n);
+    }
+    let mut done = BTreeSet::new();
+    for n in deps.keys() {
+        visit(n, deps, &mut Vec::new(), &mut done, what);
+    }
 }
 
 #[test]
@@ -135,30 +304,7 @@ fn the_stages_import_each_other_without_cycles() {
             }
         }
     }
-    // Depth-first search for a back edge.
-    fn visit(
-        n: &str,
-        deps: &BTreeMap<String, BTreeSet<String>>,
-        path: &mut Vec<String>,
-        done: &mut BTreeSet<String>,
-    ) {
-        if done.contains(n) {
-            return;
-        }
-        if let Some(i) = path.iter().position(|p| p == n) {
-            panic!("import cycle: {} -> {n}", path[i..].join(" -> "));
-        }
-        path.push(n.to_string());
-        for d in deps.get(n).into_iter().flatten() {
-            visit(d, deps, path, done);
-        }
-        path.pop();
-        done.insert(n.to_string());
-    }
-    let mut done = BTreeSet::new();
-    for s in deps.keys() {
-        visit(s, &deps, &mut Vec::new(), &mut done);
-    }
+    assert_acyclic(&deps, "src (between stages)");
     // The judge sits upstream of everything that reports on it.
     assert!(deps["audit"].contains("judge") && deps["audit"].contains("clippers"));
     assert!(
@@ -166,6 +312,22 @@ fn the_stages_import_each_other_without_cycles() {
             .is_none_or(|d| d.iter().all(|m| m == "accountant" || m == "options")),
         "{:?}",
         deps.get("judge")
+    );
+}
+
+/// Inside a stage, modules import each other without cycles too: what a folder's modules share
+/// sits in a leaf below them, and whatever uses them sits above (`judge::metrics` holds the
+/// step's metrics, so the step takes what it needs of the norms' metrics from a leaf, never
+/// from `metrics`).
+#[test]
+fn the_modules_of_a_stage_import_each_other_without_cycles() {
+    let known = modules(&src());
+    let arrows = arrows_within_stages(&known);
+    assert_acyclic(&arrows, "src (inside a stage)");
+    let count: usize = arrows.values().map(BTreeSet::len).sum();
+    assert!(
+        count > 10,
+        "only {count} arrows seen: is the scan broken? {arrows:?}"
     );
 }
 
@@ -249,103 +411,60 @@ fn mutants_and_models_do_not_reach_up() {
     assert!(!model.is_empty());
 }
 
-/// The reference crate's modules (one file each, named by its stem) import each other without
-/// cycles: what every family shares (the checkpoint files, the config keys) sits below the
-/// families, and the enum that chooses among them sits above.
+/// The reference crate's modules import each other without cycles: what every family shares
+/// (the checkpoint files, the config keys) sits below the families, and the enum that chooses
+/// among them sits above. A folder (`trace_file/`) is one module here, and its own modules are
+/// checked among themselves as a stage's are.
 #[test]
 fn the_oracle_modules_import_each_other_without_cycles() {
-    /// Every `crate::X` and `crate::{X, Y::..}` a file names, comments dropped.
-    fn imports(text: &str) -> BTreeSet<String> {
-        let code: String = text
-            .lines()
-            .map(|l| l.split("//").next().unwrap_or(""))
-            .collect::<Vec<_>>()
-            .join("\n");
-        let ident = |s: &str| -> String {
-            s.trim_start()
-                .chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_')
-                .collect()
-        };
-        let mut out = BTreeSet::new();
-        let mut rest = code.as_str();
-        while let Some(i) = rest.find("crate::") {
-            rest = &rest[i + "crate::".len()..];
-            if let Some(group) = rest.strip_prefix('{') {
-                let (mut depth, mut start) = (0usize, 0usize);
-                for (k, c) in group.char_indices() {
-                    match c {
-                        '{' => depth += 1,
-                        '}' if depth == 0 => {
-                            out.insert(ident(&group[start..k]));
-                            break;
-                        }
-                        '}' => depth -= 1,
-                        ',' if depth == 0 => {
-                            out.insert(ident(&group[start..k]));
-                            start = k + 1;
-                        }
-                        _ => {}
-                    }
+    let known = modules(&Path::new(env!("CARGO_MANIFEST_DIR")).join("oracles/src"));
+    let mut top: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (m, text) in &known {
+        let targets = top.entry(m[0].clone()).or_default();
+        for p in named_paths(text) {
+            if let Some(t) = module_of(&known, &absolute(m, &p)) {
+                if t[0] != m[0] {
+                    targets.insert(t[0].clone());
                 }
-            } else {
-                out.insert(ident(rest));
             }
         }
-        out.remove("");
-        out
     }
-    fn visit<'a>(
-        n: &'a str,
-        deps: &'a BTreeMap<String, BTreeSet<String>>,
-        path: &mut Vec<&'a str>,
-        done: &mut BTreeSet<&'a str>,
-    ) {
-        if done.contains(n) {
-            return;
-        }
-        if let Some(i) = path.iter().position(|p| *p == n) {
-            panic!(
-                "import cycle in oracles/src: {} -> {n}",
-                path[i..].join(" -> ")
-            );
-        }
-        path.push(n);
-        for d in deps.get(n).into_iter().flatten() {
-            visit(d, deps, path, done);
-        }
-        path.pop();
-        done.insert(n);
-    }
-
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("oracles/src");
-    let mut texts = BTreeMap::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_some_and(|e| e == "rs") {
-            let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
-            texts.insert(stem, std::fs::read_to_string(&path).unwrap());
-        }
-    }
-    // The crate root declares the modules; it is no module of its own.
-    texts.remove("lib");
-    let deps: BTreeMap<String, BTreeSet<String>> = texts
-        .iter()
-        .map(|(m, text)| {
-            let refs = imports(text)
-                .into_iter()
-                .filter(|r| r != m && texts.contains_key(r))
-                .collect();
-            (m.clone(), refs)
-        })
-        .collect();
-    let mut done = BTreeSet::new();
-    for m in deps.keys() {
-        visit(m, &deps, &mut Vec::new(), &mut done);
-    }
-    let edges: usize = deps.values().map(BTreeSet::len).sum();
+    assert_acyclic(&top, "oracles/src");
+    let edges: usize = top.values().map(BTreeSet::len).sum();
     assert!(
         edges > 40,
-        "only {edges} imports seen: is the scan broken? {deps:?}"
+        "only {edges} imports seen: is the scan broken? {top:?}"
+    );
+    assert_acyclic(
+        &arrows_within_stages(&known),
+        "oracles/src (inside a module)",
+    );
+}
+
+/// The scan reads what rustfmt writes: grouped and nested imports, paths in code, `super` chains.
+#[test]
+fn the_import_scan_reads_grouped_and_nested_paths() {
+    let text = "use crate::{a, b::{c, d::E}};\nuse super::super::f::G;\n\
+                // crate::commented\nfn x() -> Option<super::h::I> { self::j::k() }\n";
+    let module: Vec<String> = ["s", "m", "n"].iter().map(|s| s.to_string()).collect();
+    let paths: BTreeSet<Vec<String>> = named_paths(text)
+        .iter()
+        .map(|p| absolute(&module, p))
+        .collect();
+    let want: BTreeSet<Vec<String>> = [
+        "a",
+        "b::c",
+        "b::d::E",
+        "s::f::G",
+        "s::m::h::I",
+        "s::m::n::j::k",
+    ]
+    .iter()
+    .map(|p| p.split("::").map(str::to_string).collect())
+    .collect();
+    assert_eq!(paths, want);
+    assert_eq!(
+        crate_refs(text),
+        ["a", "b"].iter().map(|s| s.to_string()).collect()
     );
 }

@@ -58,7 +58,7 @@ fn real_opacus_bf16_and_autocast_norms_pass_and_their_bound_is_tight() {
         let sites = meta.site_precisions();
         assert!(sites.contains(&Precision::BF16));
         assert_eq!(sites.contains(&Precision::F32), autocast, "{path:?}");
-        let a = check_trace(&path, &CheckOptions::default()).unwrap();
+        let a = check_trace(&path, &CheckOptions::default()).unwrap().audit;
         let c = &a.cases[0];
         assert_eq!(a.verdict, Verdict::Pass, "{path:?}: {:?}", c.examples);
         assert_eq!(a.precision, Precision::BF16);
@@ -76,7 +76,9 @@ fn real_opacus_bf16_and_autocast_norms_pass_and_their_bound_is_tight() {
 fn claims_ten_fifty_and_a_hundred_percent_low_fail_at_bf16() {
     for path in golden_traces() {
         for factor in [0.98, 0.9, 0.5, 0.0] {
-            let a = check_trace(&scaled(&path, factor), &CheckOptions::default()).unwrap();
+            let a = check_trace(&scaled(&path, factor), &CheckOptions::default())
+                .unwrap()
+                .audit;
             assert_ne!(a.verdict, Verdict::Pass, "{path:?} × {factor}");
             // Too-small norms clip too little: every such claim that clips an example lets its
             // contribution past C, and the run's ε says so.
@@ -111,7 +113,9 @@ fn the_zero_claim_at_t32_is_refused_by_the_gate() {
 fn wherever_a_contribution_exceeds_c_the_actual_epsilon_exceeds_the_stated_one() {
     for path in golden_traces() {
         for factor in [1.0, 0.999, 0.9] {
-            let a = check_trace(&scaled(&path, factor), &CheckOptions::default()).unwrap();
+            let a = check_trace(&scaled(&path, factor), &CheckOptions::default())
+                .unwrap()
+                .audit;
             let s = a.cases[0].max_sensitivity_ratio;
             assert_eq!(
                 a.privacy.actual() > a.privacy.stated_epsilon,

@@ -4,11 +4,14 @@
 
 use crate::cli::{expect_input_error, tmp};
 use ghost_oracle::audit::check_trace;
+use ghost_oracle::judge::NoiseScope;
 use ghost_oracle::{CheckOptions, Verdict};
 use ghost_oracle_reference::{
     read_trace, write_trace, Clipping, Precision, Site, SiteKind, SiteSpec,
 };
-use ghost_oracle_reference::{Floats, SplitMix64, StepClaim, Trace as RefTrace, TraceMeta};
+use ghost_oracle_reference::{
+    Floats, SplitMix64, StepClaim, TiedParameter, Trace as RefTrace, TraceMeta,
+};
 use ndarray::Array3;
 use std::path::{Path, PathBuf};
 
@@ -165,7 +168,33 @@ fn scaled(s: &[(String, Vec<f64>)], k: f64) -> Vec<(String, Vec<f64>)> {
 }
 
 fn judge(path: &Path) -> ghost_oracle::ClipperAudit {
-    check_trace(path, &CheckOptions::default()).unwrap()
+    check_trace(path, &CheckOptions::default()).unwrap().audit
+}
+
+#[test]
+fn the_check_returns_the_headers_tied_parameters_and_divisor() {
+    let (t, _, _, coefs) = setup();
+    let checked = check_trace(
+        &write_exact_step("header", &weighted(&t, &coefs)),
+        &CheckOptions::default(),
+    )
+    .unwrap();
+    let sites = vec![
+        ("w.first".to_string(), SiteKind::Linear),
+        ("w.second".to_string(), SiteKind::Linear),
+    ];
+    assert_eq!(
+        checked.tied,
+        vec![TiedParameter {
+            param: "w".into(),
+            sites
+        }]
+    );
+    assert_eq!(checked.batch_divisor, Some(DIVISOR));
+    // Without an update no divisor is stated.
+    let path = write("no-update", Some(weighted(&t, &coefs)), None, 1.0);
+    let checked = check_trace(&path, &CheckOptions::default()).unwrap();
+    assert_eq!(checked.batch_divisor, None);
 }
 
 #[test]
@@ -279,6 +308,8 @@ fn a_lost_micro_batch_is_named_and_is_a_distortion() {
         check.implied_coefficients[0].abs() < 1e-9 && check.implied_coefficients[1].abs() < 1e-9
     );
     assert!((check.implied_coefficients[3] - coefs[3]).abs() < 1e-9);
+    assert_eq!(check.missing_examples, [0, 1]);
+    assert!(!check.shared_scale, "{check:?}");
 }
 
 #[test]
@@ -296,6 +327,8 @@ fn a_sum_five_percent_high_is_a_privacy_violation_and_spends_epsilon() {
     assert_eq!(check.verdict, Verdict::PrivacyViolation, "{check:?}");
     assert!((check.implied_sensitivity - 1.05).abs() < 1e-9);
     assert!((check.scale.unwrap() - 1.05).abs() < 1e-12);
+    // One scale for every example, and none of them missing.
+    assert!(check.shared_scale && check.missing_examples.is_empty());
     // ε is spent by the high end of the implied contribution: above the point estimate by no
     // more than what the sum's rounding bound allows.
     let spent = a.privacy.worst_contribution.unwrap();
@@ -322,6 +355,7 @@ fn a_divisor_one_and_a_half_times_the_applied_one_shows_as_a_scale() {
         (check.scale.unwrap() - 1.0 / 1.5).abs() < 1e-12,
         "{check:?}"
     );
+    assert!(check.shared_scale && check.scaled_by_divisor(), "{check:?}");
 }
 
 #[test]
@@ -484,7 +518,8 @@ fn the_noise_of_each_tensor_is_judged_against_the_stated_sigma() {
     // No noise on the tied weight: the stated σ buys nothing there.
     for (verdict, step, privacy) in verdict_of("missing", [0.0, 1.0], false) {
         assert_eq!(verdict, Verdict::PrivacyViolation);
-        assert_eq!(step.noise[0].param, "w");
+        assert_eq!(step.noise[0].scope, NoiseScope::Tensor("w".into()));
+        assert_eq!(step.noise[2].scope, NoiseScope::Whole);
         assert_eq!(step.noise[0].verdict, Verdict::PrivacyViolation);
         assert_eq!(step.noise_fraction, 0.0);
         assert_eq!(privacy.actual(), f64::INFINITY);
@@ -578,6 +613,14 @@ fn real_opacus_steps_pass_and_ghost_modes_lost_micro_batch_is_caught() {
         out.contains("the step's clipped sum is off by 7.05e-1"),
         "{out}"
     );
+    // Under the tables, the deciding case in words: the explanation the Python package raises.
+    assert!(
+        out.contains("utility-distortion in the step")
+            && out.contains("examples 0, 1 of 4 are missing from it (implied coefficient under half the true one)")
+            && out.contains("norms: the 4 claimed norms are within rounding of the true ones"),
+        "{out}"
+    );
+    assert_eq!(sum.missing_examples, [0, 1]);
 }
 
 /// The divisor an update applied is read from it. Divided by the batch's drawn size B = 4 while

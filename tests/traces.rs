@@ -53,6 +53,35 @@ fn pytorch_traces_exact_opacus_norms_pass_and_broken_claims_fail_with_the_right_
     }
 }
 
+/// Under a failing result the CLI words the deciding case as the Python package does: Opacus's
+/// ghost clipping on an untied copy of GPT-2 (how the trace was made) drops the tied cross
+/// term, and the explanation names the tied parameter from the trace header and says so. A
+/// passing trace gets no explanation.
+#[test]
+fn a_failing_check_ends_with_the_deciding_case_in_words() {
+    let o = run(&[
+        "check",
+        pytorch_trace("opacus_ghost_untied").to_str().unwrap(),
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let words = &out[out.find("\nghost-oracle: clipper `").expect(&out)..];
+    for line in [
+        "privacy-violation (an example's clipped contribution exceeds C: the DP guarantee does not hold at the stated noise)",
+        "\n  worst example ",
+        "\n  tied parameter: `transformer.wte.weight` (sites `transformer.wte.weight` (embedding) and `lm_head.weight` (linear))",
+        "\n    the claim is the truth without the cross term",
+        "a typical fine-tuning run; pass --sampling-rate, --steps, --delta for yours",
+        "\n  per example:",
+    ] {
+        assert!(words.contains(line), "{line}\n{words}");
+    }
+    let o = run(&[
+        "check",
+        pytorch_trace("opacus_per_sample").to_str().unwrap(),
+    ]);
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("ghost-oracle: clipper"));
+}
+
 #[test]
 fn exported_traces_round_trip_through_check() {
     let d = golden("tied_l2_h4_t33");

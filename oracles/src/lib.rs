@@ -29,7 +29,10 @@
 //! trace          site.rs         one use of a parameter: its kind, spec and gradient shape
 //! ├─ factors     trace.rs        a batch's factors per site, and their brute-force norms
 //! ├─ shapes      trace_shape.rs  the shapes the factors must have, on dimensions alone
-//! └─ file        trace_file.rs   the trace file (read_trace, write_trace)
+//! └─ file        trace_file/     the trace file (read_trace, write_trace): mod.rs the factors
+//!                                and claimed norms, header.rs `__metadata__`, step.rs the
+//!                                claimed DP-SGD step
+//! clipping       clipping.rs     the clipping rule (flat or automatic), C/(n + γ)
 //! formats        precision.rs, tensors.rs (reading safetensors), io.rs (writing it)
 //! ```
 //!
@@ -49,6 +52,7 @@
 
 mod batch;
 mod checkpoint;
+mod clipping;
 mod decoder;
 mod error;
 mod flavor;
@@ -76,6 +80,7 @@ mod trace_shape;
 
 pub use batch::{Batch, IGNORE};
 pub use checkpoint::{load, load_resident, Blocks, FromCheckpoint};
+pub use clipping::Clipping;
 pub use decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
 pub use gpt2::Gpt2;
@@ -95,8 +100,8 @@ pub use safetensors::Dtype;
 pub use site::{SiteKind, SiteSpec};
 pub use stored::StoredBlocks;
 pub use tensors::Floats;
-pub use trace::{Site, Trace};
+pub use trace::{Site, TiedParameter, Trace};
 pub use trace_file::{
-    read_trace, read_trace_bytes, write_trace, Clipping, ParamValues, StepClaim, TraceMeta,
+    read_trace, read_trace_bytes, write_trace, ParamValues, StepClaim, TraceMeta,
 };
 pub use trace_shape::{validate_shapes, IdAt, SiteShape};

@@ -93,6 +93,14 @@ pub struct Site {
     pub backprops: Array3<f64>,
 }
 
+/// A parameter more than one site writes, with those sites' names and kinds: its gradient is
+/// the sum of their gradients, and its norm has their cross terms.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TiedParameter {
+    pub param: String,
+    pub sites: Vec<(String, SiteKind)>,
+}
+
 #[derive(Clone, Debug)]
 pub struct Trace {
     pub sites: Vec<Site>,
@@ -187,6 +195,22 @@ impl Trace {
             }
         }
         order
+    }
+
+    /// The parameters written by more than one site (a tied embedding and LM head), in
+    /// first-use order, each with its sites in the trace's order.
+    pub fn tied_parameters(&self) -> Vec<TiedParameter> {
+        self.params()
+            .into_iter()
+            .filter(|(_, js)| js.len() > 1)
+            .map(|(param, js)| TiedParameter {
+                param,
+                sites: js
+                    .iter()
+                    .map(|&j| (self.sites[j].spec.name.clone(), self.sites[j].spec.kind))
+                    .collect(),
+            })
+            .collect()
     }
 
     /// Every site's factors as dimensions.

@@ -13,14 +13,16 @@
 use ghost_oracle::audit::{builtin_suite, check_trace, kill_matrix};
 use ghost_oracle::mutants::Mutant;
 use ghost_oracle::options::{Field, OptionError};
-use ghost_oracle::report::{audit_json, audit_tables, kill_matrix_json, kill_matrix_table};
+use ghost_oracle::report::{
+    audit_json, audit_tables, kill_matrix_explanation, kill_matrix_json, kill_matrix_table,
+    Explanation, Reader,
+};
 use ghost_oracle::{registry, AccountingRequest, AuditOptions, Case, CheckOptions};
 use ghost_oracle::{ClipNorm, ClipperAudit, Error, NoiseMultiplier, Precision};
-use ghost_oracle_reference::Reduction;
+use ghost_oracle_reference::{Reduction, TiedParameter};
 use pyo3::exceptions::{PyFileNotFoundError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList};
-use std::io::Read;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
@@ -149,46 +151,6 @@ fn parse_reduction(r: &str) -> Result<Reduction, Failure> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The trace header's tied parameters (the sites that share a `param`).
-
-/// Each parameter written by more than one site, with those sites' (name, kind), in the order
-/// of the header. Read after the trace passed the library's checks; any surprise gives none.
-fn tied_parameters(path: &Path) -> Vec<(String, Vec<(String, String)>)> {
-    let read = || -> Option<serde_json::Value> {
-        let mut f = std::fs::File::open(path).ok()?;
-        let size = f.metadata().ok()?.len();
-        let mut n = [0u8; 8];
-        f.read_exact(&mut n).ok()?;
-        let n = u64::from_le_bytes(n);
-        if n > size.saturating_sub(8) || n > (1 << 30) {
-            return None;
-        }
-        let mut header = vec![0u8; n as usize];
-        f.read_exact(&mut header).ok()?;
-        let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
-        let sites = header.get("__metadata__")?.get("sites")?.as_str()?;
-        serde_json::from_str(sites).ok()
-    };
-    let mut params: Vec<(String, Vec<(String, String)>)> = Vec::new();
-    let Some(serde_json::Value::Array(sites)) = read() else {
-        return params;
-    };
-    for s in &sites {
-        let field = |k: &str| s.get(k).and_then(|v| v.as_str()).map(str::to_string);
-        let (Some(name), Some(param), Some(kind)) = (field("name"), field("param"), field("kind"))
-        else {
-            continue;
-        };
-        match params.iter_mut().find(|(p, _)| *p == param) {
-            Some((_, v)) => v.push((name, kind)),
-            None => params.push((param, vec![(name, kind)])),
-        }
-    }
-    params.retain(|(_, v)| v.len() > 1);
-    params
-}
-
-// ---------------------------------------------------------------------------------------------
 // Results as Python data, from the library's own serde documents.
 
 /// A JSON value as Python data (dicts, lists, floats, ints, strings, None).
@@ -234,12 +196,15 @@ fn pretty(v: &serde_json::Value) -> String {
     serde_json::to_string_pretty(v).unwrap_or_default()
 }
 
+/// The report as Python data: its JSON document, the CLI's table and the deciding case in words
+/// (with a trace file's shared parameters, `tied`), and every clipper's audit.
 fn report_dict<'py>(
     py: Python<'py>,
     kind: &str,
     audits: &[ClipperAudit],
     dtype: &str,
     device: &str,
+    tied: Option<&[TiedParameter]>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("kind", kind)?;
@@ -247,6 +212,13 @@ fn report_dict<'py>(
     d.set_item("device", device)?;
     d.set_item("json", pretty(&audit_json(audits, dtype, device)))?;
     d.set_item("table", audit_tables(audits, dtype, device))?;
+    let explanation = Explanation {
+        audits,
+        precision: dtype,
+        tied,
+        reader: Reader::Python,
+    };
+    d.set_item("explanation", explanation.text())?;
     let clippers = audits
         .iter()
         .map(|a| clipper_dict(py, a))
@@ -297,31 +269,44 @@ fn check<'py>(
         .map(|p| parse_precision("precision", p))
         .transpose()?;
     let path = trace.clone();
-    let (checked, tied) = guarded(py, move || {
+    let checked = guarded(py, move || {
         let opts = CheckOptions {
             precision,
             noise_multiplier: noise_multiplier.map(NoiseMultiplier::new).transpose()?,
             accounting: accounting_request(sampling_rate, steps, epochs, dataset_size, delta)
                 .resolve()?,
         };
-        let checked = check_trace(&path, &opts)
+        check_trace(&path, &opts)
             .map_err(Failure::from)
-            .map_err(on_paths(&[&path]))?;
-        Ok((checked, tied_parameters(&path)))
+            .map_err(on_paths(&[&path]))
     })?;
-    let precision = checked.precision.name();
-    let d = report_dict(py, "check", &[checked], precision, "trace file")?;
+    let precision = checked.audit.precision.name();
+    let d = report_dict(
+        py,
+        "check",
+        std::slice::from_ref(&checked.audit),
+        precision,
+        "trace file",
+        Some(&checked.tied),
+    )?;
     d.set_item("trace", trace)?;
-    let tied = tied
-        .into_iter()
-        .map(|(param, sites)| {
-            let t = PyDict::new(py);
-            t.set_item("param", param)?;
-            t.set_item("sites", sites)?;
-            Ok(t)
+    let tied = checked
+        .tied
+        .iter()
+        .map(|t| {
+            let sites: Vec<(&str, &str)> = t
+                .sites
+                .iter()
+                .map(|(name, kind)| (name.as_str(), kind.name()))
+                .collect();
+            let entry = PyDict::new(py);
+            entry.set_item("param", &t.param)?;
+            entry.set_item("sites", sites)?;
+            Ok(entry)
         })
         .collect::<PyResult<Vec<_>>>()?;
     d.set_item("tied", tied)?;
+    d.set_item("batch_divisor", checked.batch_divisor)?;
     Ok(d)
 }
 
@@ -389,7 +374,7 @@ fn audit<'py>(
             &mut |_, _, _| {},
         )?)
     })?;
-    report_dict(py, "audit", &audits, precision.name(), "cpu")
+    report_dict(py, "audit", &audits, precision.name(), "cpu", None)
 }
 
 /// mutants(*, dtype="f32", sampling_rate=None, steps=None, epochs=None, dataset_size=None,
@@ -418,7 +403,8 @@ fn mutants<'py>(
         };
         Ok(kill_matrix(&builtin_suite(), &opts, &mut |_, _, _| {})?)
     })?;
-    let d = report_dict(py, "mutants", &matrix.audits, precision.name(), "cpu")?;
+    let d = report_dict(py, "mutants", &matrix.audits, precision.name(), "cpu", None)?;
+    d.set_item("explanation", kill_matrix_explanation(&matrix))?;
     let verdict_line = if matrix.ok() {
         "every mutant caught with the right verdict; no false alarm\n"
     } else {

@@ -7,7 +7,7 @@ use crate::judge::{Arithmetic, Claim, ClippingRule, Judge};
 use crate::options::{Accounting, ClipNorm, NoiseMultiplier};
 use crate::trace::Precision;
 use ghost_oracle_reference as reference;
-use ghost_oracle_reference::Clipping;
+use ghost_oracle_reference::{Clipping, TiedParameter};
 use std::path::Path;
 
 /// How a trace is judged.
@@ -32,9 +32,20 @@ impl Default for CheckOptions {
     }
 }
 
-/// Audits the norms claimed in a trace file.
-pub fn check_trace(path: &Path, opts: &CheckOptions) -> Result<ClipperAudit> {
+/// A trace file's audit, with what its header says that the audit's figures do not.
+#[derive(Clone, Debug)]
+pub struct CheckedTrace {
+    pub audit: ClipperAudit,
+    /// The parameters its sites share (a tied embedding and LM head), with their sites.
+    pub tied: Vec<TiedParameter>,
+    /// The divisor its step states (`batch_divisor`), when it states one.
+    pub batch_divisor: Option<f64>,
+}
+
+/// Audits the norms (and the step) claimed in a trace file.
+pub fn check_trace(path: &Path, opts: &CheckOptions) -> Result<CheckedTrace> {
     let (trace, meta) = reference::read_trace(path)?;
+    let tied = trace.tied_parameters();
     let judge = Judge::from_trace(trace).map_err(|e| e.context(path.display()))?;
     let invalid = |key: &str, e: crate::options::OptionError| {
         Error::input(e.message(&format!("{}: `__metadata__.{key}`", path.display())))
@@ -92,12 +103,17 @@ pub fn check_trace(path: &Path, opts: &CheckOptions) -> Result<ClipperAudit> {
     if let Some(step) = &meta.step {
         judge.judge_step(&mut metrics, step, c, sigma, &arithmetic)?;
     }
-    ClipperAudit::new(
+    let audit = ClipperAudit::new(
         meta.clipper.clone().unwrap_or_else(|| "claimed".into()),
         vec![metrics],
         Vec::new(),
         precision,
         &opts.accounting,
         sigma,
-    )
+    )?;
+    Ok(CheckedTrace {
+        audit,
+        tied,
+        batch_divisor: meta.step.as_ref().and_then(|s| s.batch_divisor),
+    })
 }

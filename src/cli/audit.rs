@@ -69,5 +69,6 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
     let audits = audit::run(cases, &clippers, &opts, &mut |d, t, l| {
         progress.update(d, t, l)
     })?;
-    a.report.emit(&audits, precision.name(), a.device.name())
+    a.report
+        .emit(&audits, precision.name(), a.device.name(), None)
 }

@@ -27,6 +27,11 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         accounting: a.report.accounting()?,
     };
     let checked = audit::check_trace(&a.trace, &opts)?;
-    let precision = checked.precision;
-    a.report.emit(&[checked], precision.name(), "trace file")
+    let precision = checked.audit.precision;
+    a.report.emit(
+        &[checked.audit],
+        precision.name(),
+        "trace file",
+        Some(&checked.tied),
+    )
 }

@@ -9,10 +9,12 @@ mod reference;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use ghost_oracle::options::{EpsilonBudget, Field, OptionError};
-use ghost_oracle::report::{audit_html, audit_json, audit_junit, audit_tables};
+use ghost_oracle::report::{
+    audit_html, audit_json, audit_junit, audit_tables, Explanation, Reader,
+};
 use ghost_oracle::{Accounting, AccountingRequest, ClipNorm, ClipperAudit, NoiseMultiplier};
 use ghost_oracle::{Error, Precision, Verdict};
-use ghost_oracle_reference::Reduction;
+use ghost_oracle_reference::{Reduction, TiedParameter};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -199,12 +201,14 @@ impl ReportArgs {
         .map_err(flag_error)
     }
 
-    /// Prints the tables, writes the files, and gives the exit status.
+    /// Prints the tables (and, when a clipper fails, the deciding case in words), writes the
+    /// files, and gives the exit status. `tied`: a trace file's shared parameters.
     pub fn emit(
         &self,
         audits: &[ClipperAudit],
         dtype: &str,
         device: &str,
+        tied: Option<&[TiedParameter]>,
     ) -> Result<ExitCode, Error> {
         if let Some(path) = &self.json {
             let doc = audit_json(audits, dtype, device);
@@ -218,6 +222,15 @@ impl ReportArgs {
         }
         out(&audit_tables(audits, dtype, device))?;
         let all_pass = audits.iter().all(|a| a.verdict == Verdict::Pass);
+        if !all_pass {
+            let explanation = Explanation {
+                audits,
+                precision: dtype,
+                tied,
+                reader: Reader::Cli,
+            };
+            out(&format!("\n{}\n", explanation.text()))?;
+        }
         let over_budget: Vec<&str> = match self.max_epsilon {
             Some(max) => audits
                 .iter()

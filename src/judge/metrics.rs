@@ -5,6 +5,9 @@
 //! sum Σ c_i g_i* and the tolerance) comes from the reference side; the clipper contributes only
 //! its claim.
 
+use super::example::ExampleMetrics;
+use super::numeric::{bilinear, nan_max, ratio};
+use super::step::StepMetrics;
 use super::tolerance::{Arithmetic, Tolerance};
 use super::truth::{for_each_param_block, Block, Truth};
 use super::verdict::Verdict;
@@ -45,6 +48,20 @@ impl Default for ClippingRule {
     }
 }
 
+impl Claim {
+    /// One norm and one coefficient per example of a batch of `b`.
+    fn check_batch(&self, b: usize, case: &str) -> Result<()> {
+        if self.norms.len() != b || self.coefficients.len() != b {
+            return Err(Error::input(format!(
+                "case {case}: the clipper returned {} norms and {} coefficients for a batch of {b}",
+                self.norms.len(),
+                self.coefficients.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl ClippingRule {
     /// The coefficient of norm n at clipping norm C.
     pub fn coefficient(&self, norm: f64, max_grad_norm: f64) -> f64 {
@@ -59,27 +76,6 @@ impl ClippingRule {
             Clipping::Automatic => true,
         }
     }
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct ExampleMetrics {
-    pub true_norm: f64,
-    pub norm: f64,
-    pub norm_rel_err: f64,
-    pub bound: f64,
-    /// norm_rel_err / bound.
-    pub err_units: f64,
-    pub coefficient: f64,
-    pub true_coefficient: f64,
-    pub sensitivity: f64,
-    pub flipped: bool,
-    /// 2⟨g_in, g_out⟩ / ‖g*‖²; `null` where the true gradient is zero.
-    pub cross_share: Option<f64>,
-    /// The norm or coefficient is NaN, infinite, or negative beyond rounding.
-    pub invalid: bool,
-    /// The bound is tight enough to judge the norm (at most the tolerance's `judgeable_bound`,
-    /// a tenth of the norm).
-    pub judgeable: bool,
 }
 
 /// Which case a metric is of: the base case and, for a suite that tries several clipping norms,
@@ -153,31 +149,7 @@ pub struct CaseMetrics {
     pub examples: Vec<ExampleMetrics>,
     /// The DP-SGD step, when the trace carries one; its verdict is folded into `verdict`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub step: Option<super::step::StepMetrics>,
-}
-
-fn quad(k: &[Vec<f64>], a: &[f64], b: &[f64]) -> f64 {
-    let mut s = 0.0;
-    for (i, ai) in a.iter().enumerate() {
-        for (j, bj) in b.iter().enumerate() {
-            s += ai * k[i][j] * bj;
-        }
-    }
-    s
-}
-
-/// The larger of two values, NaN winning: a NaN metric must show, never vanish into a max.
-pub(crate) fn nan_max(a: f64, b: f64) -> f64 {
-    if a.is_nan() || b.is_nan() {
-        f64::NAN
-    } else {
-        a.max(b)
-    }
-}
-
-/// x / y where both are finite and y is not zero.
-pub(super) fn ratio(x: f64, y: f64) -> Option<f64> {
-    (y != 0.0 && x.is_finite() && y.is_finite()).then(|| x / y)
+    pub step: Option<StepMetrics>,
 }
 
 /// Compares a clipper's claim with the truth at clipping norm C and noise multiplier σ, for a
@@ -193,103 +165,32 @@ pub fn evaluate(
 ) -> Result<CaseMetrics> {
     let label_parts: CaseLabel = case.into();
     let label = label_parts.label();
-    let case = &label;
     let c = max_grad_norm.get();
     let noise_multiplier = noise_multiplier.get();
     let b = truth.norms.len();
-    if claim.norms.len() != b || claim.coefficients.len() != b {
-        return Err(Error::input(format!(
-            "case {case}: the clipper returned {} norms and {} coefficients for a batch of {b}",
-            claim.norms.len(),
-            claim.coefficients.len()
-        )));
-    }
-    let rule = claim.clipping;
+    claim.check_batch(b, &label)?;
     let true_coefs: Vec<f64> = truth
         .norms
         .iter()
-        .map(|&n| rule.coefficient(n, c))
+        .map(|&n| claim.clipping.coefficient(n, c))
         .collect();
-    let mut examples = Vec::with_capacity(b);
-    for (i, &true_coef) in true_coefs.iter().enumerate() {
-        let (n, nt) = (claim.norms[i], truth.norms[i]);
-        let bound = tolerance.bound(i, nt, arithmetic);
-        let rel = if nt > 0.0 {
-            (n - nt).abs() / nt
-        } else if n == 0.0 {
-            0.0
-        } else {
-            f64::INFINITY
-        };
-        let coef = claim.coefficients[i];
-        // A negative norm is how a clipper reports a negative n²; rounding can explain one only
-        // when the whole norm is within the bound of zero.
-        let invalid = !n.is_finite() || (n < 0.0 && rel > bound) || !coef.is_finite() || coef < 0.0;
-        examples.push(ExampleMetrics {
-            true_norm: nt,
-            norm: n,
-            norm_rel_err: if rel.is_nan() { f64::INFINITY } else { rel },
-            bound,
-            // An exact answer is 0 units even where the bound is 0.
-            err_units: if rel == 0.0 {
-                0.0
-            } else if rel.is_nan() {
-                f64::INFINITY
-            } else {
-                rel / bound
-            },
-            coefficient: coef,
-            true_coefficient: true_coef,
-            sensitivity: coef * nt / c,
-            flipped: rule.clips(n, c) != rule.clips(nt, c),
-            cross_share: truth.cross_share[i],
-            invalid,
+    let examples: Vec<ExampleMetrics> = (0..b)
+        .map(|i| {
+            let bound = tolerance.bound(i, truth.norms[i], arithmetic);
             // NaN is never within the threshold.
-            judgeable: bound <= tolerance.judgeable_bound,
-        });
-    }
+            let judgeable = bound <= tolerance.judgeable_bound;
+            example_metrics(truth, claim, i, true_coefs[i], (bound, judgeable), c)
+        })
+        .collect();
     let fmax = |f: &dyn Fn(&ExampleMetrics) -> f64| examples.iter().map(f).fold(0.0_f64, nan_max);
     let invalid_examples: Vec<usize> = (0..b).filter(|&i| examples[i].invalid).collect();
     let unjudgeable_examples: Vec<usize> = (0..b).filter(|&i| !examples[i].judgeable).collect();
-    let privacy = examples.iter().any(|e| e.sensitivity > 1.0 + e.bound);
-    let coef_off = examples.iter().any(|e| {
-        let d = (e.coefficient - e.true_coefficient).abs();
-        d.is_nan() || d > e.true_coefficient * 2.0 * e.bound + f64::EPSILON
-    });
-    // NaN counts as off: it is never within the bound.
-    let norms_off = examples
-        .iter()
-        .any(|e| e.err_units > 1.0 || e.err_units.is_nan());
-
-    // Noise over clipped signal, from the true per-example gradients: ‖Σ c_i g_i*‖² = cᵀKc.
     let coefs_for_sum = for_sum(claim.coefficients.iter().copied());
-    let sig = quad(&truth.gram, &coefs_for_sum, &coefs_for_sum)
-        .max(0.0)
-        .sqrt();
-    let sig_ref = quad(&truth.gram, &true_coefs, &true_coefs).max(0.0).sqrt();
-    let cosine = ratio(
-        quad(&truth.gram, &coefs_for_sum, &true_coefs),
-        sig * sig_ref,
-    );
+    let (sig, sig_ref, cosine) = clipped_signals(&truth.gram, &coefs_for_sum, &true_coefs);
     let sum = clipped_sum_error(truth, tolerance, claim, &coefs_for_sum, arithmetic)?;
 
-    let verdict = if !invalid_examples.is_empty() {
-        Verdict::InvalidNorm
-    } else if privacy {
-        Verdict::PrivacyViolation
-    } else if !unjudgeable_examples.is_empty() {
-        Verdict::CannotJudge
-    } else if norms_off || coef_off {
-        Verdict::UtilityDistortion
-    } else {
-        Verdict::Pass
-    };
-    let worst_example = match verdict {
-        Verdict::InvalidNorm => invalid_examples[0],
-        Verdict::PrivacyViolation => argmax(examples.iter().map(|e| e.sensitivity - e.bound)),
-        Verdict::CannotJudge => argmax(examples.iter().map(|e| e.bound)),
-        Verdict::Pass | Verdict::UtilityDistortion => argmax(examples.iter().map(|e| e.err_units)),
-    };
+    let (verdict, worst_example) =
+        case_verdict(&examples, &invalid_examples, &unjudgeable_examples);
     let max_ratio = fmax(&|e| e.sensitivity);
     let worst_contribution = (verdict != Verdict::InvalidNorm).then_some(max_ratio);
     let max_cross_share = examples
@@ -330,6 +231,100 @@ pub fn evaluate(
         metrics.fold_clipped_sum(sum);
     }
     Ok(metrics)
+}
+
+/// The clipped signal with the claimed and with the true coefficients, ‖Σ c_i g_i*‖ = √(cᵀGc)
+/// from the true per-example gradients, and the cosine of the two sums.
+fn clipped_signals(
+    gram: &[Vec<f64>],
+    claimed: &[f64],
+    true_coefs: &[f64],
+) -> (f64, f64, Option<f64>) {
+    let sig = bilinear(gram, claimed, claimed).max(0.0).sqrt();
+    let sig_ref = bilinear(gram, true_coefs, true_coefs).max(0.0).sqrt();
+    let cosine = ratio(bilinear(gram, claimed, true_coefs), sig * sig_ref);
+    (sig, sig_ref, cosine)
+}
+
+/// One example's claim against the truth; `bound` is the rounding bound on its norm's relative
+/// error and whether that bound is tight enough to judge it.
+fn example_metrics(
+    truth: &Truth,
+    claim: &Claim,
+    i: usize,
+    true_coefficient: f64,
+    (bound, judgeable): (f64, bool),
+    c: f64,
+) -> ExampleMetrics {
+    let (n, nt) = (claim.norms[i], truth.norms[i]);
+    let rel = if nt > 0.0 {
+        (n - nt).abs() / nt
+    } else if n == 0.0 {
+        0.0
+    } else {
+        f64::INFINITY
+    };
+    let coef = claim.coefficients[i];
+    // A negative norm is how a clipper reports a negative n²; rounding can explain one only
+    // when the whole norm is within the bound of zero.
+    let invalid = !n.is_finite() || (n < 0.0 && rel > bound) || !coef.is_finite() || coef < 0.0;
+    ExampleMetrics {
+        true_norm: nt,
+        norm: n,
+        norm_rel_err: if rel.is_nan() { f64::INFINITY } else { rel },
+        bound,
+        // An exact answer is 0 units even where the bound is 0.
+        err_units: if rel == 0.0 {
+            0.0
+        } else if rel.is_nan() {
+            f64::INFINITY
+        } else {
+            rel / bound
+        },
+        coefficient: coef,
+        true_coefficient,
+        sensitivity: coef * nt / c,
+        flipped: claim.clipping.clips(n, c) != claim.clipping.clips(nt, c),
+        cross_share: truth.cross_share[i],
+        invalid,
+        judgeable,
+    }
+}
+
+/// The case's verdict from its examples, the most severe first, and the example that decided
+/// it.
+fn case_verdict(
+    examples: &[ExampleMetrics],
+    invalid_examples: &[usize],
+    unjudgeable_examples: &[usize],
+) -> (Verdict, usize) {
+    let privacy = examples.iter().any(|e| e.sensitivity > 1.0 + e.bound);
+    let coef_off = examples.iter().any(|e| {
+        let d = (e.coefficient - e.true_coefficient).abs();
+        d.is_nan() || d > e.true_coefficient * 2.0 * e.bound + f64::EPSILON
+    });
+    // NaN counts as off: it is never within the bound.
+    let norms_off = examples
+        .iter()
+        .any(|e| e.err_units > 1.0 || e.err_units.is_nan());
+    let verdict = if !invalid_examples.is_empty() {
+        Verdict::InvalidNorm
+    } else if privacy {
+        Verdict::PrivacyViolation
+    } else if !unjudgeable_examples.is_empty() {
+        Verdict::CannotJudge
+    } else if norms_off || coef_off {
+        Verdict::UtilityDistortion
+    } else {
+        Verdict::Pass
+    };
+    let worst_example = match verdict {
+        Verdict::InvalidNorm => invalid_examples[0],
+        Verdict::PrivacyViolation => argmax(examples.iter().map(|e| e.sensitivity - e.bound)),
+        Verdict::CannotJudge => argmax(examples.iter().map(|e| e.bound)),
+        Verdict::Pass | Verdict::UtilityDistortion => argmax(examples.iter().map(|e| e.err_units)),
+    };
+    (verdict, worst_example)
 }
 
 fn argmax(v: impl Iterator<Item = f64>) -> usize {

@@ -6,18 +6,24 @@
 //! Gram-kernel or mutant code, and no candle type reaches it (`tests/layout.rs` checks the
 //! imports), so no bug planted in a clipper can move a bound.
 
+mod example;
 mod inner;
 mod metrics;
+mod numeric;
 mod privacy;
 mod step;
 mod tolerance;
 mod truth;
 mod verdict;
 
-pub(crate) use metrics::nan_max;
-pub use metrics::{evaluate, CaseLabel, CaseMetrics, Claim, ClippingRule, ExampleMetrics};
+pub use example::ExampleMetrics;
+pub use metrics::{evaluate, CaseLabel, CaseMetrics, Claim, ClippingRule};
+pub(crate) use numeric::nan_max;
 pub use privacy::PrivacyReport;
-pub use step::{evaluate_step, StepMetrics, SumCheck};
+pub use step::{
+    evaluate_step, DivisorCheck, NoiseCheck, NoiseScope, NoisyUpdateCheck, StepJudge, StepMetrics,
+    SumCheck, SumKind,
+};
 pub use tolerance::{Arithmetic, Precision, Tolerance, JUDGEABLE_BOUND};
 pub use truth::Truth;
 pub use verdict::Verdict;
@@ -129,16 +135,15 @@ impl Judge {
         arithmetic: &Arithmetic,
         claimed_coefficients: Option<Vec<f64>>,
     ) -> Result<()> {
-        let (s, at_claimed) = evaluate_step(
-            &self.truth,
-            &self.tolerance,
-            metrics,
-            step,
+        let at = StepJudge {
+            truth: &self.truth,
+            tolerance: &self.tolerance,
+            arithmetic,
+            examples: &metrics.examples,
             max_grad_norm,
             noise_multiplier,
-            arithmetic,
-            claimed_coefficients.as_deref(),
-        )?;
+        };
+        let (s, at_claimed) = evaluate_step(&at, step, claimed_coefficients.as_deref())?;
         if let (Some(coefs), Some((err, reference))) = (&claimed_coefficients, at_claimed) {
             metrics.fold_clipped_sum(SumError {
                 err,

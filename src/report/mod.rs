@@ -1,14 +1,17 @@
 //! Human-readable tables, the JSON document and JUnit XML.
 
+mod explain;
 mod html;
 mod kill_matrix;
+mod numbers;
 
+pub use explain::{kill_matrix_explanation, Explanation, Reader};
 pub use html::audit_html;
 pub(crate) use html::{audit_sections, page, verdict_colour};
 pub use kill_matrix::{kill_matrix_html, kill_matrix_json, kill_matrix_table};
 
 use crate::audit::ClipperAudit;
-use crate::judge::{nan_max, CaseMetrics, StepMetrics, Verdict};
+use crate::judge::{nan_max, CaseMetrics, NoiseScope, StepMetrics, Verdict};
 use ghost_oracle_reference::Reference;
 use serde_json::{json, Value};
 use std::fmt::Write;
@@ -95,41 +98,7 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
             a.name,
             a.verdict.name().to_uppercase()
         );
-        let w = a
-            .cases
-            .iter()
-            .map(|c| c.case.len())
-            .max()
-            .unwrap_or(4)
-            .max(4);
-        let _ = writeln!(
-            s,
-            "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8}  {:>7}  {:>8}  {:>8}  {:>8}  {:>9}",
-            "case", "verdict", "norm err", "err/bound", "max |Δc|", "flips", "sens", "σ_eff", "ρ", "ρ*", "cos", "2x/n² max"
-        );
-        for (k, c) in a.cases.iter().enumerate() {
-            let mark = if k == a.worst_case && c.verdict != Verdict::Pass {
-                " <- worst"
-            } else {
-                ""
-            };
-            let _ = writeln!(
-                s,
-                "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8.5}  {:>7.4}  {:>8}  {:>8}  {:>8}  {:>9}{mark}",
-                c.case,
-                c.verdict.name(),
-                sci(c.max_norm_rel_err),
-                sci(c.max_err_units),
-                sci(c.max_coef_abs_diff),
-                c.decision_flips,
-                c.max_sensitivity_ratio,
-                c.effective_noise_multiplier,
-                fixed(c.effective_noise_ratio, 4),
-                fixed(c.reference_noise_ratio, 4),
-                fixed(c.clipped_sum_cosine, 5),
-                fixed(c.max_cross_share, 4)
-            );
-        }
+        s.push_str(&case_rows(a));
         if let Some(c) = a
             .cases
             .get(a.worst_case)
@@ -182,6 +151,58 @@ pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> Strin
     s
 }
 
+/// A clipper's cases, a row each, under the columns' header; the deciding case marked.
+fn case_rows(a: &ClipperAudit) -> String {
+    let mut s = String::new();
+    let w = a
+        .cases
+        .iter()
+        .map(|c| c.case.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    let _ = writeln!(
+        s,
+        "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8}  {:>7}  {:>8}  {:>8}  {:>8}  {:>9}",
+        "case",
+        "verdict",
+        "norm err",
+        "err/bound",
+        "max |Δc|",
+        "flips",
+        "sens",
+        "σ_eff",
+        "ρ",
+        "ρ*",
+        "cos",
+        "2x/n² max"
+    );
+    for (k, c) in a.cases.iter().enumerate() {
+        let mark = if k == a.worst_case && c.verdict != Verdict::Pass {
+            " <- worst"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            s,
+            "  {:<w$}  {:<18}  {:>9}  {:>9}  {:>9}  {:>5}  {:>8.5}  {:>7.4}  {:>8}  {:>8}  {:>8}  {:>9}{mark}",
+            c.case,
+            c.verdict.name(),
+            sci(c.max_norm_rel_err),
+            sci(c.max_err_units),
+            sci(c.max_coef_abs_diff),
+            c.decision_flips,
+            c.max_sensitivity_ratio,
+            c.effective_noise_multiplier,
+            fixed(c.effective_noise_ratio, 4),
+            fixed(c.reference_noise_ratio, 4),
+            fixed(c.clipped_sum_cosine, 5),
+            fixed(c.max_cross_share, 4)
+        );
+    }
+    s
+}
+
 /// What in the step decided a case's verdict, when the step did.
 fn step_figure(step: &StepMetrics, verdict: Verdict) -> Option<String> {
     if step.verdict != verdict || verdict == Verdict::Pass {
@@ -194,7 +215,7 @@ fn step_figure(step: &StepMetrics, verdict: Verdict) -> Option<String> {
     {
         return Some(format!(
             "the step's {} is off by {} of the exact clipped sum (bound {}), scale {}, implied contributions up to {:.4}·C",
-            check.what,
+            check.what.name(),
             check.rel_err.map_or("n/a".into(), sci),
             check.bound.map_or("n/a".into(), sci),
             fixed(check.scale, 4),
@@ -203,14 +224,14 @@ fn step_figure(step: &StepMetrics, verdict: Verdict) -> Option<String> {
     }
     step.noise.iter().find(|n| n.verdict == verdict).map(|n| {
         format!(
-            "the step's noise on `{}` is {:.4}·σ (χ² {:.1} outside [{:.1}, {:.1}])",
-            n.param, n.sigma_ratio, n.chi2, n.low, n.high
+            "the step's noise on {} is {:.4}·σ (χ² {:.1} outside [{:.1}, {:.1}])",
+            n.scope, n.sigma_ratio, n.chi2, n.low, n.high
         )
     })
 }
 
-/// The step's checks of a case, a line each.
-fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
+/// The step's sum checks of a case, a line each (every check, or those that failed).
+fn sum_lines(case: &str, step: &StepMetrics, every: bool) -> String {
     let mut s = String::new();
     let shown = |v: Verdict| every || v != Verdict::Pass;
     for check in [&step.clipped_sum, &step.update]
@@ -218,13 +239,10 @@ fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
         .flatten()
         .filter(|c| shown(c.verdict))
     {
-        let dropped: Vec<usize> = (0..check.implied_coefficients.len())
-            .filter(|&i| check.implied_coefficients[i].abs() < 0.5 * step.true_coefficients[i])
-            .collect();
         let _ = writeln!(
             s,
             "  step ({case}): {} {}: off by {} of S* (bound {}), worst parameter `{}` ({}); scale {}; implied contributions up to {:.4}·C; unexplained {}{}{}",
-            check.what,
+            check.what.name(),
             check.verdict.name(),
             check.rel_err.map_or("n/a".into(), sci),
             check.bound.map_or("n/a".into(), sci),
@@ -233,23 +251,30 @@ fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
             fixed(check.scale, 4),
             check.implied_sensitivity,
             check.unexplained.map_or("n/a".into(), sci),
-            if dropped.is_empty() || check.verdict == Verdict::Pass || check.singular {
+            if check.missing_examples.is_empty() || check.verdict == Verdict::Pass {
                 String::new()
             } else {
-                format!("; examples {dropped:?} are missing from it (their implied coefficients are under half the true ones)")
+                format!("; examples {:?} are missing from it (their implied coefficients are under half the true ones)", check.missing_examples)
             },
             if check.singular { "; the batch's Gram is singular (minimum-norm coefficients)" } else { "" }
         );
     }
+    s
+}
+
+/// The step's checks of a case, a line each.
+fn step_lines(case: &str, step: &StepMetrics, every: bool) -> String {
+    let mut s = sum_lines(case, step, every);
+    let shown = |v: Verdict| every || v != Verdict::Pass;
     for n in step
         .noise
         .iter()
-        .filter(|n| n.verdict != Verdict::Pass || (every && n.param == "all"))
+        .filter(|n| n.verdict != Verdict::Pass || (every && n.scope == NoiseScope::Whole))
     {
         let _ = writeln!(
             s,
-            "  step ({case}): noise on `{}` ({} entries) {}: χ² = {:.1} against [{:.1}, {:.1}] (false alarms ≤ 1e-6 a step), σ̂ = {:.4}·σ",
-            n.param,
+            "  step ({case}): noise on {} ({} entries) {}: χ² = {:.1} against [{:.1}, {:.1}] (false alarms ≤ 1e-6 a step), σ̂ = {:.4}·σ",
+            n.scope,
             n.entries,
             n.verdict.name(),
             n.chi2,

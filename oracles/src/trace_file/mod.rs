@@ -1,0 +1,355 @@
+//! The trace file (docs/trace-format.md): one safetensors file holding every site's factors for a
+//! batch, the claimed norms of the clipper under audit, and a `__metadata__` header describing
+//! the sites. Everything read from it is checked before it is used: a trace comes from other
+//! people's code. The header is read in [`header`], the claimed DP-SGD step in [`step`]; the
+//! sites' factors and the claimed norms here.
+
+mod header;
+mod step;
+
+pub use step::{ParamValues, StepClaim};
+
+use crate::error::{bail, Error, Result};
+use crate::io::{write_raw, RawTensor};
+use crate::precision::Precision;
+use crate::site::SiteSpec;
+use crate::tensors::{self, has};
+use crate::trace::{Site, Trace};
+use crate::trace_shape::{validate_shapes, IdAt, SiteShape};
+use header::read_header;
+use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3};
+use safetensors::SafeTensors;
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use step::read_step;
+
+pub(crate) const TRACE_FORMAT: &str = "ghost-oracle-trace/1";
+
+/// Embedding tables larger than this (rows) are refused: materializing one per example is the
+/// reference's job, and a header must not be able to ask for terabytes.
+pub(crate) const MAX_VOCAB: usize = 1 << 24;
+/// Largest gradient (entries) the reference will materialize for one site: 2²⁷ f64 is 1 GiB,
+/// three times GPT-2 XL's embedding. Checked before any allocation, since a small file can
+/// declare a huge `vocab`.
+pub(crate) const MAX_SITE_ENTRIES: usize = 1 << 27;
+
+/// What a trace says besides its factors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceMeta {
+    pub max_grad_norm: f64,
+    pub noise_multiplier: Option<f64>,
+    /// Name of the clipper that produced the claims, when the exporter says.
+    pub clipper: Option<String>,
+    pub claimed_norms: Vec<f64>,
+    pub claimed_coefficients: Option<Vec<f64>>,
+    /// The coarsest dtype of the factor tensors as stored (a mixed-precision trace is only as
+    /// accurate as its least precise site).
+    pub dtype: Precision,
+    /// The precision the model computed in (`__metadata__.compute_dtype`), when the exporter
+    /// says. It can be coarser than `dtype`: factors of an f32 model stored as f64 are still
+    /// only f32-accurate.
+    pub compute_dtype: Option<Precision>,
+    /// Per site, the precision it computed in where the exporter says (a site's own
+    /// `compute_dtype` in `sites`: under autocast the matmuls ran in bf16, the norms in f32).
+    /// Empty, or `None` for a site, where the header's `compute_dtype` holds.
+    pub site_compute_dtypes: Vec<Option<Precision>>,
+    /// Per site, the coarsest format its factor tensors are stored in (read from the file;
+    /// `write_trace` stores every site in `dtype`).
+    pub site_dtypes: Vec<Precision>,
+    /// The DP-SGD step the library took, when the trace carries it.
+    pub step: Option<StepClaim>,
+}
+
+impl TraceMeta {
+    /// The precision each site is judged at: the coarser of how it is stored and how it was
+    /// computed (its own `compute_dtype`, else the header's).
+    pub fn site_precisions(&self) -> Vec<Precision> {
+        self.site_dtypes
+            .iter()
+            .enumerate()
+            .map(|(j, &stored)| {
+                let computed = self
+                    .site_compute_dtypes
+                    .get(j)
+                    .copied()
+                    .flatten()
+                    .or(self.compute_dtype);
+                computed.map_or(stored, |c| stored.coarser(c))
+            })
+            .collect()
+    }
+}
+
+/// Reads and validates a trace file.
+pub fn read_trace(path: &Path) -> Result<(Trace, TraceMeta)> {
+    let bytes = tensors::read_bytes(path, "trace")?;
+    read_trace_bytes(&bytes, &path.display().to_string())
+}
+
+/// Parses and validates a trace file's contents; `label` names it in messages.
+pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)> {
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(bytes)
+        .map_err(|e| Error::new(format!("{label} is not a valid safetensors file ({e})")))?;
+    let st = tensors::parse(bytes, label)?;
+    let meta = metadata.metadata().clone().unwrap_or_default();
+    let header = read_header(&meta, label)?;
+    // Every tensor a site or a claim reads; any other is an error.
+    let mut expected: HashSet<String> = HashSet::new();
+    let (sites, site_dtypes) = read_sites(
+        &st,
+        header.specs,
+        header.manifest.as_ref(),
+        label,
+        &mut expected,
+    )?;
+    let trace = Trace { sites };
+    let (claimed_norms, claimed_coefficients) =
+        read_claims(&st, trace.batch_size(), label, &mut expected)?;
+    let step = read_step(&st, &meta, &trace, label, &mut expected)?;
+    for name in st.names() {
+        if !expected.contains(name) {
+            bail!("{label}: unexpected tensor `{name}` (no site in `__metadata__.sites` reads it)");
+        }
+    }
+    let meta = TraceMeta {
+        max_grad_norm: header.max_grad_norm,
+        noise_multiplier: header.noise_multiplier,
+        clipper: header.clipper,
+        claimed_norms,
+        claimed_coefficients,
+        dtype: site_dtypes
+            .iter()
+            .copied()
+            .max()
+            .expect("at least one site"),
+        compute_dtype: header.compute_dtype,
+        site_compute_dtypes: header.site_compute_dtypes,
+        site_dtypes,
+        step,
+    };
+    Ok((trace, meta))
+}
+
+/// One site's tensors as the file holds them, before their shapes are checked.
+struct SiteTensors {
+    spec: SiteSpec,
+    backprops: Vec<usize>,
+    activations: Option<Vec<usize>>,
+    ids: Option<ArrayD<i64>>,
+}
+
+impl SiteTensors {
+    fn shape(&self) -> SiteShape<'_> {
+        SiteShape {
+            spec: &self.spec,
+            backprops: &self.backprops,
+            activations: self.activations.as_deref(),
+            ids: self.ids.as_ref().map(|i| i.shape()),
+            id_range: self
+                .ids
+                .as_ref()
+                .filter(|i| i.ndim() == 2)
+                .and_then(|i| IdAt::extremes(i.iter().copied(), i.shape()[1])),
+        }
+    }
+}
+
+/// Every site's tensors as the file holds them: the float factors' shapes only, the ids read.
+fn site_tensors(
+    st: &SafeTensors,
+    specs: Vec<SiteSpec>,
+    label: &str,
+    expected: &mut HashSet<String>,
+) -> Result<Vec<SiteTensors>> {
+    let mut found = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let n = spec.name.clone();
+        let dims = |what: &str, expected: &mut HashSet<String>| -> Option<Vec<usize>> {
+            let tname = format!("{n}.{what}");
+            let view = st.tensor(&tname).ok()?;
+            expected.insert(tname);
+            Some(view.shape().to_vec())
+        };
+        let Some(backprops) = dims("backprops", expected) else {
+            bail!(
+                "{label}: site `{n}` ({}): tensor `{n}.backprops` is missing",
+                spec.kind.name()
+            );
+        };
+        let activations = if spec.kind.needs_activations() {
+            dims("activations", expected)
+        } else {
+            None
+        };
+        let ids = if spec.kind.needs_ids() && has(st, &format!("{n}.ids")) {
+            let tname = format!("{n}.ids");
+            expected.insert(tname.clone());
+            Some(tensors::to_i64(st, &tname, label)?)
+        } else {
+            None
+        };
+        found.push(SiteTensors {
+            spec,
+            backprops,
+            activations,
+            ids,
+        });
+    }
+    Ok(found)
+}
+
+/// Each site's gradient against the size the reference materializes and the manifest's count.
+fn check_sizes(
+    shapes: &[SiteShape],
+    manifest: Option<&BTreeMap<String, usize>>,
+    label: &str,
+) -> Result<()> {
+    for s in shapes {
+        let (n, param) = (&s.spec.name, &s.spec.param);
+        let (rows, cols) = s.gradient_shape();
+        if rows.saturating_mul(cols) > MAX_SITE_ENTRIES {
+            bail!("{label}: site `{n}` writes a {rows}×{cols} gradient; at most {MAX_SITE_ENTRIES} entries are materialized");
+        }
+        if let Some(&count) = manifest.and_then(|m| m.get(param)) {
+            if rows * cols != count {
+                bail!(
+                    "{label}: site `{n}` writes a {rows}×{cols} gradient ({} entries) but `__metadata__.parameters` lists parameter `{param}` with {count} elements",
+                    rows * cols
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads every site's factors: their shapes are checked from the header (and the ids) before
+/// any float tensor is converted, then each site's gradient against the size limit and the
+/// manifest. Returns the sites and the coarsest format each is stored in.
+fn read_sites(
+    st: &SafeTensors,
+    specs: Vec<SiteSpec>,
+    manifest: Option<&BTreeMap<String, usize>>,
+    label: &str,
+    expected: &mut HashSet<String>,
+) -> Result<(Vec<Site>, Vec<Precision>)> {
+    let found = site_tensors(st, specs, label, expected)?;
+    let shapes: Vec<SiteShape> = found.iter().map(SiteTensors::shape).collect();
+    validate_shapes(&shapes).map_err(|e| Error::new(format!("{label}: {e}")))?;
+    check_sizes(&shapes, manifest, label)?;
+    let mut sites = Vec::with_capacity(found.len());
+    let mut dtypes = Vec::with_capacity(found.len());
+    for f in found {
+        let n = &f.spec.name;
+        let mut dtype = None;
+        // Checked 3-D above; `tensors::to_f64` refuses every dtype that is not a float format.
+        let mut factor = |what: &str| -> Result<Array3<f64>> {
+            let tname = format!("{n}.{what}");
+            let a = tensors::to_f64(st, &tname, label)?;
+            let stored = Precision::of_stored(st.tensor(&tname).expect("checked").dtype())
+                .expect("a float tensor");
+            dtype = Some(coarser(dtype, stored));
+            Ok(a.into_dimensionality::<Ix3>().expect("checked 3-D"))
+        };
+        let backprops = factor("backprops")?;
+        let activations = match f.activations {
+            Some(_) => Some(factor("activations")?),
+            None => None,
+        };
+        dtypes.push(dtype.expect("a site has backprops"));
+        sites.push(Site {
+            activations,
+            ids: f
+                .ids
+                .map(|i| i.into_dimensionality::<Ix2>().expect("checked 2-D")),
+            backprops,
+            spec: f.spec,
+        });
+    }
+    Ok((sites, dtypes))
+}
+
+/// The clipper's claims: one norm (and optionally one coefficient) per example of a batch of
+/// `b`. Claims may be NaN or infinite: that is the clipper's defect, judged as a verdict.
+fn read_claims(
+    st: &SafeTensors,
+    b: usize,
+    label: &str,
+    expected: &mut HashSet<String>,
+) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
+    let mut vector = |name: &str| -> Result<Vec<f64>> {
+        expected.insert(name.to_string());
+        let a = tensors::to_f64_unchecked(st, name, label)?;
+        let shape = a.shape().to_vec();
+        let a = a.into_dimensionality::<Ix1>().map_err(|_| {
+            Error::new(format!(
+                "{label}: `{name}` has shape {shape:?}; expected ({b})"
+            ))
+        })?;
+        if a.len() != b {
+            bail!(
+                "{label}: `{name}` has {} entries but the batch has {b} examples",
+                a.len()
+            );
+        }
+        Ok(a.to_vec())
+    };
+    if !has(st, "claimed.norms") {
+        bail!(
+            "{label}: tensor `claimed.norms` is missing (the per-example norms the clipper used)"
+        );
+    }
+    let norms = vector("claimed.norms")?;
+    let coefficients = if has(st, "claimed.coefficients") {
+        Some(vector("claimed.coefficients")?)
+    } else {
+        None
+    };
+    Ok((norms, coefficients))
+}
+
+/// The less precise of the formats seen so far and another (a trace is only as accurate as its
+/// coarsest factor).
+fn coarser(a: Option<Precision>, b: Precision) -> Precision {
+    a.map_or(b, |a| a.coarser(b))
+}
+
+/// Writes a trace file; factor tensors in `dtype`, claims in f64.
+pub fn write_trace(path: &Path, trace: &Trace, meta: &TraceMeta) -> Result<()> {
+    let mut m = header::written(trace, meta);
+    let mut raw = Vec::new();
+    for s in &trace.sites {
+        let n = &s.spec.name;
+        if let Some(a) = &s.activations {
+            raw.push((
+                format!("{n}.activations"),
+                RawTensor::from_f64(&a.view().into_dyn(), meta.dtype),
+            ));
+        }
+        if let Some(ids) = &s.ids {
+            raw.push((
+                format!("{n}.ids"),
+                RawTensor::from_i64(&ids.view().into_dyn()),
+            ));
+        }
+        raw.push((
+            format!("{n}.backprops"),
+            RawTensor::from_f64(&s.backprops.view().into_dyn(), meta.dtype),
+        ));
+    }
+    let norms = Array1::from(meta.claimed_norms.clone()).into_dyn();
+    raw.push((
+        "claimed.norms".to_string(),
+        RawTensor::from_f64(&norms.view(), Precision::F64),
+    ));
+    if let Some(c) = &meta.claimed_coefficients {
+        let c = Array1::from(c.clone()).into_dyn();
+        raw.push((
+            "claimed.coefficients".to_string(),
+            RawTensor::from_f64(&c.view(), Precision::F64),
+        ));
+    }
+    if let Some(step) = &meta.step {
+        step::write_step(step, &mut raw, &mut m);
+    }
+    write_raw(path, &raw, Some(m))
+}

@@ -1,0 +1,34 @@
+//! One example's figures: its norm against the truth, its coefficient and its clipped
+//! contribution. A leaf: the case's metrics gather them, and the step reads the rounding bounds
+//! and contributions they hold.
+
+use serde::Serialize;
+
+/// One example of a case: the clipper's claim for it against the truth.
+#[derive(Clone, Debug, Serialize)]
+pub struct ExampleMetrics {
+    /// n*_i, from the f64 reference.
+    pub true_norm: f64,
+    /// n_i, as the clipper claims it.
+    pub norm: f64,
+    /// |n_i − n*_i| / n*_i (infinite where it is undefined).
+    pub norm_rel_err: f64,
+    /// The rounding bound on `norm_rel_err` at the clipper's precision.
+    pub bound: f64,
+    /// norm_rel_err / bound.
+    pub err_units: f64,
+    /// c_i, the clipper's clipping coefficient, and c*_i from the true norm by the same rule.
+    pub coefficient: f64,
+    pub true_coefficient: f64,
+    /// c_i n*_i / C: the example's clipped contribution in units of C.
+    pub sensitivity: f64,
+    /// The clipping decision differs: (n_i clipped) ≠ (n*_i clipped).
+    pub flipped: bool,
+    /// 2⟨g_in, g_out⟩ / ‖g*‖²; `null` where the true gradient is zero.
+    pub cross_share: Option<f64>,
+    /// The norm or coefficient is NaN, infinite, or negative beyond rounding.
+    pub invalid: bool,
+    /// The bound is tight enough to judge the norm (at most the tolerance's `judgeable_bound`,
+    /// a tenth of the norm).
+    pub judgeable: bool,
+}

@@ -1,0 +1,381 @@
+//! A claimed sum (the clipped sum, or the update times its divisor) against S* = Σ_i c*_i g_i*,
+//! and its decomposition against the batch's own gradients: ĉ = G⁺b with G_ik = ⟨g_i*, g_k*⟩
+//! and b_i = ⟨g_i*, X⟩, the coefficients the sum implies.
+
+use crate::error::{Error, Result};
+use crate::judge::example::ExampleMetrics;
+use crate::judge::numeric::{bilinear, ratio, GramSolver};
+use crate::judge::tolerance::{Arithmetic, Tolerance};
+use crate::judge::truth::{for_each_param_block, Block, Truth};
+use crate::judge::verdict::Verdict;
+use ghost_oracle_reference::Floats;
+use ndarray::Array2;
+use serde::Serialize;
+
+/// Which sum of the step a check judges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum SumKind {
+    /// Σ_i c_i g_i before noise, as the library holds it.
+    #[serde(rename = "clipped sum")]
+    ClippedSum,
+    /// The update times the divisor the step states, u·D (judged as a sum without noise only).
+    #[serde(rename = "update × divisor")]
+    Update,
+}
+
+impl SumKind {
+    /// `clipped sum` or `update × divisor`, as reports name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            SumKind::ClippedSum => "clipped sum",
+            SumKind::Update => "update × divisor",
+        }
+    }
+}
+
+/// One claimed sum (the clipped sum, or the update times its divisor) against S*.
+#[derive(Clone, Debug, Serialize)]
+pub struct SumCheck {
+    /// Which sum.
+    pub what: SumKind,
+    /// ‖X − S*‖ / ‖S*‖ and the rounding bound on it (`null` where S* = 0).
+    pub rel_err: Option<f64>,
+    pub bound: Option<f64>,
+    /// The parameter whose sum is furthest off, relative to its own ‖S*_p‖.
+    pub worst_param: String,
+    pub worst_param_rel_err: Option<f64>,
+    /// ⟨X, S*⟩ / ‖S*‖²: a wrong divisor scales the whole sum by this.
+    pub scale: Option<f64>,
+    /// ĉ = G⁺b, the coefficients X implies, and the largest ĉ_i n*_i / C.
+    pub implied_coefficients: Vec<f64>,
+    pub implied_sensitivity: f64,
+    /// ĉ_i plus the most the sum's rounding bound can move it: the high end, for privacy.
+    pub coefficient_high: Vec<f64>,
+    /// Examples the sum leaves out: ĉ_i under half of c*_i (a lost micro-batch has ĉ_i = 0 for
+    /// its examples). Empty where the Gram is singular, since ĉ is then one of many.
+    pub missing_examples: Vec<usize>,
+    /// X is S* times one positive scale, beyond rounding: every example's implied coefficient is
+    /// the true one times `scale`. For the update, the divisor it was divided by is another
+    /// than the stated one ([`SumCheck::scaled_by_divisor`]).
+    pub shared_scale: bool,
+    /// ‖X − Σ_i ĉ_i g_i*‖ / ‖X‖: the part of X outside the span of the batch's gradients.
+    pub unexplained: Option<f64>,
+    /// G was singular (e.g. two identical examples): ĉ is the minimum-norm solution, one of
+    /// many, and no privacy verdict is drawn from it.
+    pub singular: bool,
+    /// Some value of X is NaN or infinite.
+    pub invalid: bool,
+    pub verdict: Verdict,
+}
+
+impl SumCheck {
+    /// The update is S* times one scale: divided by another divisor than the stated one, which
+    /// scales signal and noise alike and leaves what the noise buys unchanged.
+    pub fn scaled_by_divisor(&self) -> bool {
+        self.what == SumKind::Update && self.shared_scale
+    }
+}
+
+/// What every sum of one step is judged against: the truth, its tolerance, the norms' metrics
+/// of the clipper that took the step, the true coefficients c*_i and C.
+pub(super) struct SumContext<'a> {
+    pub truth: &'a Truth,
+    pub tolerance: &'a Tolerance,
+    pub arithmetic: &'a Arithmetic,
+    pub examples: &'a [ExampleMetrics],
+    pub true_coefficients: &'a [f64],
+    pub max_grad_norm: f64,
+}
+
+/// A claimed sum: its values per parameter and what they are multiplied by before they are
+/// compared (the update's stated divisor, 1 for the clipped sum).
+pub(super) struct ClaimedSum<'a> {
+    pub what: SumKind,
+    pub values: &'a [(String, Floats)],
+    pub scale: f64,
+}
+
+impl<'a> ClaimedSum<'a> {
+    /// The clipped sum K, as it is.
+    pub fn clipped_sum(values: &'a [(String, Floats)]) -> Self {
+        ClaimedSum {
+            what: SumKind::ClippedSum,
+            values,
+            scale: 1.0,
+        }
+    }
+
+    /// The update u, times the divisor D the step states.
+    pub fn update(values: &'a [(String, Floats)], divisor: f64) -> Self {
+        ClaimedSum {
+            what: SumKind::Update,
+            values,
+            scale: divisor,
+        }
+    }
+}
+
+/// Σ_i c_i g_i* rebuilt block by block against a claimed X, with everything the decomposition
+/// needs: ‖X − S*‖², ‖S*‖², ⟨X, S*⟩, ‖X‖², b_i = ⟨g_i*, X⟩, and the same per parameter.
+pub(super) struct Sums {
+    pub err2: f64,
+    pub ref2: f64,
+    pub cross: f64,
+    pub x2: f64,
+    pub b: Vec<f64>,
+    /// (parameter, ‖X_p − S*_p‖², ‖S*_p‖²).
+    pub per_param: Vec<(String, f64, f64)>,
+    /// ‖X − Σ a_i g_i*‖² and ‖Σ a_i g_i*‖² for other coefficients a, when asked for: the
+    /// clipper's own, from the same gradients.
+    pub other: Option<(f64, f64)>,
+}
+
+/// `claimed` is read times `scale` (an update times its divisor), a block at a time; `other`
+/// coefficients are compared with in the same pass.
+pub(super) fn sums(
+    truth: &Truth,
+    coefs: &[f64],
+    claimed: &[(String, Floats)],
+    scale: f64,
+    other: Option<&[f64]>,
+) -> Result<Sums> {
+    let factors = truth
+        .factors
+        .as_ref()
+        .ok_or_else(|| Error::internal("the step is judged from the reference's factors"))?;
+    let n = coefs.len();
+    let mut s = Sums {
+        err2: 0.0,
+        ref2: 0.0,
+        cross: 0.0,
+        x2: 0.0,
+        b: vec![0.0; n],
+        per_param: Vec::new(),
+        other: other.map(|_| (0.0, 0.0)),
+    };
+    for_each_param_block(factors, n, &mut |block| {
+        let Block {
+            param,
+            sites,
+            size,
+            rows,
+            cols,
+        } = block;
+        let x = &claimed
+            .iter()
+            .find(|(p, _)| p == param)
+            .ok_or_else(|| Error::input(format!("the step has no sum for parameter `{param}`")))?
+            .1;
+        if x.len() != size {
+            return Err(Error::input(format!(
+                "the step's sum of `{param}` has {} values; expected {size}",
+                x.len()
+            )));
+        }
+        let mut x = x.widened(rows.start * cols..rows.end * cols);
+        if scale != 1.0 {
+            x.to_mut().iter_mut().for_each(|v| *v *= scale);
+        }
+        let x = &x[..];
+        let mut want = Array2::<f64>::zeros((rows.len(), cols));
+        let mut want_other = other.map(|_| Array2::<f64>::zeros((rows.len(), cols)));
+        for i in 0..n {
+            let mut unit = vec![0.0; n];
+            unit[i] = 1.0;
+            let mut g = Array2::<f64>::zeros((rows.len(), cols));
+            for &j in sites {
+                factors.add_site_gradient_rows(j, &unit, rows.clone(), &mut g)?;
+            }
+            s.b[i] += g.iter().zip(x).map(|(a, v)| a * v).sum::<f64>();
+            want.scaled_add(coefs[i], &g);
+            if let (Some(w), Some(a)) = (want_other.as_mut(), other) {
+                w.scaled_add(a[i], &g);
+            }
+        }
+        if let (Some(w), Some((e2, r2))) = (&want_other, s.other.as_mut()) {
+            for (w, v) in w.iter().zip(x) {
+                *e2 += (v - w) * (v - w);
+                *r2 += w * w;
+            }
+        }
+        s.add_block(param, &want, x);
+        Ok(())
+    })?;
+    Ok(s)
+}
+
+impl Sums {
+    /// One block of S* (`want`) against the same block of X.
+    fn add_block(&mut self, param: &str, want: &Array2<f64>, x: &[f64]) {
+        let (mut e2, mut r2) = (0.0, 0.0);
+        for (w, v) in want.iter().zip(x) {
+            e2 += (v - w) * (v - w);
+            r2 += w * w;
+            self.cross += v * w;
+            self.x2 += v * v;
+        }
+        self.err2 += e2;
+        self.ref2 += r2;
+        match self.per_param.last_mut() {
+            Some((p, pe, pr)) if p == param => {
+                *pe += e2;
+                *pr += r2;
+            }
+            Some(_) | None => self.per_param.push((param.to_string(), e2, r2)),
+        }
+    }
+}
+
+/// What X implies of each example, from ĉ = G⁺b.
+struct Implied {
+    coefficients: Vec<f64>,
+    /// ĉ_i plus how far the sum's rounding alone could move it.
+    high: Vec<f64>,
+    /// max_i ĉ_i n*_i / C, and the same at the low end of each ĉ_i.
+    sensitivity: f64,
+    low_sensitivity: f64,
+    /// ‖X − Σ_i ĉ_i g_i*‖².
+    unexplained2: f64,
+    singular: bool,
+}
+
+/// Decomposes X against the batch's gradients. An error δ of X moves ĉ by G⁺⟨g, δ⟩, whose i-th
+/// entry is at most √(G⁺)_ii·‖δ‖ (Cauchy–Schwarz in G's metric): a nearly dependent batch makes
+/// ĉ uncertain, and that must not read as a contribution above C.
+fn implied(ctx: &SumContext, s: &Sums, bound: f64) -> Implied {
+    let (gram, norms, c) = (&ctx.truth.gram, &ctx.truth.norms, ctx.max_grad_norm);
+    let n = ctx.true_coefficients.len();
+    let solver = GramSolver::new(gram);
+    let coefficients = solver.solve(&s.b);
+    let explained: f64 = coefficients.iter().zip(&s.b).map(|(ci, bi)| ci * bi).sum();
+    let unexplained2 =
+        (s.x2 - 2.0 * explained + bilinear(gram, &coefficients, &coefficients)).max(0.0);
+    let spread: Vec<f64> = (0..n)
+        .map(|i| {
+            let mut unit = vec![0.0; n];
+            unit[i] = 1.0;
+            solver.solve(&unit)[i].max(0.0).sqrt() * bound
+        })
+        .collect();
+    let sensitivity = |i: usize, ci: f64| ci * norms[i] / c;
+    Implied {
+        sensitivity: (0..n)
+            .map(|i| sensitivity(i, coefficients[i]))
+            .fold(0.0, f64::max),
+        low_sensitivity: (0..n)
+            .map(|i| sensitivity(i, coefficients[i] - spread[i]))
+            .fold(0.0, f64::max),
+        high: coefficients
+            .iter()
+            .zip(&spread)
+            .map(|(a, b)| a + b)
+            .collect(),
+        coefficients,
+        unexplained2,
+        singular: solver.rank() < n,
+    }
+}
+
+/// Judges one claimed sum X against S* = Σ c*_i g_i*. With `other` coefficients, also returns
+/// ‖X − Σ a_i g_i*‖ and ‖Σ a_i g_i*‖ at them, from the same rebuilt gradients.
+pub(super) fn check_sum(
+    ctx: &SumContext,
+    claimed: &ClaimedSum,
+    other: Option<&[f64]>,
+) -> Result<(SumCheck, Option<(f64, f64)>)> {
+    let coefs = ctx.true_coefficients;
+    let invalid = claimed.values.iter().any(|(_, v)| v.any_non_finite());
+    let s = sums(ctx.truth, coefs, claimed.values, claimed.scale, other)?;
+    let other_sums = s.other.map(|(e2, r2)| (e2.sqrt(), r2.sqrt()));
+    let reference = s.ref2.sqrt();
+    // Rounding of the sum itself, the coefficients' share of the norms' rounding (each c_i may
+    // be off by 2·bound_i·c*_i), and, for the update, the division's rounding.
+    let coefficient_slack: f64 = ctx
+        .examples
+        .iter()
+        .zip(coefs)
+        .map(|(e, ci)| 2.0 * e.bound * ci * e.true_norm)
+        .sum();
+    let extra_rounding = match claimed.what {
+        SumKind::ClippedSum => 0.0,
+        SumKind::Update => 2.0 * ctx.arithmetic.coarsest_unit_roundoff(),
+    };
+    let bound = ctx.tolerance.clipped_sum_bound_at(coefs, ctx.arithmetic)
+        + coefficient_slack
+        + extra_rounding * s.x2.sqrt();
+    let implied = implied(ctx, &s, bound);
+    let (worst_param, worst_param_rel_err) = s
+        .per_param
+        .iter()
+        .map(|(p, e2, r2)| (p.clone(), ratio(e2.sqrt(), r2.sqrt())))
+        .max_by(|a, b| {
+            a.1.unwrap_or(f64::INFINITY)
+                .total_cmp(&b.1.unwrap_or(f64::INFINITY))
+        })
+        .unwrap_or_default();
+    let err = s.err2.sqrt();
+    let within = err <= bound;
+    // ‖X − sS*‖ for the best single scale s = ⟨X, S*⟩/‖S*‖²: an update divided by a wrong divisor
+    // is S* times D/D' to rounding (whose bound scales with it).
+    let scale = ratio(s.cross, s.ref2);
+    let off_scale = (s.x2 - s.cross * s.cross / s.ref2.max(f64::MIN_POSITIVE))
+        .max(0.0)
+        .sqrt();
+    let shared_scale = !within && scale.is_some_and(|k| k > 0.0 && off_scale <= bound * k.max(1.0));
+    let missing_examples = if implied.singular {
+        Vec::new()
+    } else {
+        (0..coefs.len())
+            .filter(|&i| implied.coefficients[i].abs() < 0.5 * coefs[i])
+            .collect()
+    };
+    let verdict = sum_verdict(ctx, claimed.what, invalid, within, shared_scale, &implied);
+    let check = SumCheck {
+        what: claimed.what,
+        rel_err: ratio(err, reference),
+        bound: ratio(bound, reference),
+        worst_param,
+        worst_param_rel_err,
+        scale,
+        implied_sensitivity: implied.sensitivity,
+        coefficient_high: implied.high,
+        missing_examples,
+        shared_scale,
+        unexplained: ratio(implied.unexplained2.sqrt(), s.x2.sqrt()),
+        singular: implied.singular,
+        implied_coefficients: implied.coefficients,
+        invalid,
+        verdict,
+    };
+    Ok((check, other_sums))
+}
+
+/// Off beyond rounding: a privacy violation where even the low end of some example's implied
+/// contribution, ĉ_i less what the sum's rounding can move it by, exceeds C. A correct sum's ĉ
+/// lies within that spread of coefficients whose contributions are at most C times one norm
+/// bound (the coefficients' share of the norms' rounding is in the sum's bound already).
+fn sum_verdict(
+    ctx: &SumContext,
+    what: SumKind,
+    invalid: bool,
+    within: bool,
+    shared_scale: bool,
+    implied: &Implied,
+) -> Verdict {
+    let max_norm_bound = ctx.examples.iter().map(|e| e.bound).fold(0.0, f64::max);
+    if invalid {
+        Verdict::InvalidNorm
+    } else if within {
+        Verdict::Pass
+    } else if what == SumKind::Update && shared_scale {
+        // Signal and (were there any) noise scaled alike: what the noise buys is unchanged,
+        // the step's size is not.
+        Verdict::UtilityDistortion
+    } else if !implied.singular && implied.low_sensitivity > 1.0 + max_norm_bound {
+        // With a singular Gram the coefficients are not identifiable (ĉ is one of many), so
+        // only a regular one can show a contribution above C.
+        Verdict::PrivacyViolation
+    } else {
+        Verdict::UtilityDistortion
+    }
+}
