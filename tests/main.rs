@@ -9,6 +9,7 @@ mod detection;
 mod judge;
 mod layout;
 mod model;
+mod peer;
 mod precision;
 mod privacy;
 mod properties;
