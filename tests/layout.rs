@@ -1,5 +1,6 @@
 //! The source tree's data flow, checked on the source itself: the judge imports nothing from the
-//! code it judges, and no two stages import each other.
+//! code it judges, no two stages import each other, and no two modules inside a stage do
+//! (grouped imports, `use crate::{a, b::{c, d}}`, read like any other).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
