@@ -169,6 +169,15 @@ CASES = [
 ]
 
 
+NO_OPACUS_CLAIM = {
+    ("linear-4d", "ghost"), ("batchnorm-eval", "hooks"), ("batchnorm-eval", "ghost"), ("embedding-seq-first", "ghost"),
+    ("embeddingbag-sum", "hooks"), ("embeddingbag-sum", "ghost"), ("embeddingbag-mean", "hooks"),
+    ("embeddingbag-mean", "ghost"), ("dpmha-seq-first", "hooks"), ("dpmha-seq-first", "ghost"),
+    ("dpmha-bias-kv", "hooks"), ("dpmha-bias-kv", "ghost"), ("mha", "hooks"), ("mha", "ghost"),
+    ("dplstm-seq-first-2-layers", "hooks"), ("dplstm-seq-first-2-layers", "ghost"), ("tied-by-matmul", "ghost"),
+}
+
+
 def opacus_claim(model, loss, x, batch_first, ghost):
     """Opacus's per-sample norms, or None where Opacus refuses or fails on the model."""
     try:
@@ -210,8 +219,11 @@ def test_the_truth_is_each_examples_own_gradient(case, tmp_path):
 def test_opacus_claims_get_the_verdict_brute_force_gives(case, ghost):
     model, x, loss, axis = build(case)
     claim = opacus_claim(model, loss, x, batch_first=axis == 0, ghost=ghost)
+    # Where Opacus 1.6 raises (docs/results.md, "The peer suite"), there is no claim to judge;
+    # the truth test above still judges the model. Pinned, so that a change is seen.
+    assert (claim is None) == ((case[0], "ghost" if ghost else "hooks") in NO_OPACUS_CLAIM)
     if claim is None:
-        pytest.skip("Opacus runs no such model in this mode: no claim to judge")
+        return
     truth = brute_force(model, loss, x)
     c = float(truth.median())
     right = bool(((claim - truth).abs() <= 1e-6 * truth).all())
