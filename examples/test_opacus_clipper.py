@@ -81,6 +81,6 @@ def test_opacus_step_is_the_exact_clipped_sum_plus_the_stated_noise(model, ids, 
                                        noise_multiplier=noise_multiplier, seed=13)
     report = assert_update(model, per_example_loss, step.inputs, step.update, clipped_sum=step.clipped_sum,
                            max_grad_norm=MAX_GRAD_NORM, noise_multiplier=noise_multiplier,
-                           batch_divisor=step.batch_divisor, stabilizer=step.clip_stabilizer,
+                           batch_divisor=step.batch_divisor, clip_stabilizer=step.clip_stabilizer,
                            claimed_norms=step.norms, clipper="opacus-step")
     assert report.step.clipped_sum.passed

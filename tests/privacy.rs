@@ -109,7 +109,7 @@ fn the_privacy_report_and_the_sensitivity_never_disagree() {
         ("mutant:cauchy-schwarz", "f32"),
         ("mutant:batch-mean-loss", "bf16"),
     ] {
-        let (code, doc, out) = audit_json(clipper, &["--dtype", dtype]);
+        let (code, doc, out) = audit_json(clipper, &["--precision", dtype]);
         assert_eq!(code, Some(0), "{out}");
         let a = &doc["clippers"][0];
         let max_sens = a["cases"]

@@ -208,7 +208,7 @@ struct SweepStats {
 /// repeated ids, scales over six decades and near-total cancellation of the tied paths: each
 /// passes, or where the cancellation makes the bound useless the verdict is cannot-judge, never
 /// a wrong verdict; f16-gram is caught in f32. bf16 clippers read the trace rounded to bf16
-/// and are judged against the truth of exactly those factors, as `audit --dtype bf16` does. The
+/// and are judged against the truth of exactly those factors, as `audit --precision bf16` does. The
 /// runner is seeded, so CI never flakes; `PROPTEST_CASES=10000` runs the long sweep.
 #[test]
 fn false_alarm_sweep() {

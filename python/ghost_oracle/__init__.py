@@ -9,7 +9,7 @@
 
     from ghost_oracle.torch import assert_update          # the step: clipped sum, noise, update
     assert_update(model, per_example_loss, batch, update, clipped_sum=summed, max_grad_norm=1.0,
-                  noise_multiplier=1.0, batch_divisor=len(batch), stabilizer=1e-6)
+                  noise_multiplier=1.0, batch_divisor=len(batch), clip_stabilizer=1e-6)
 
     import ghost_oracle.opacus                            # claimed norms straight from Opacus
     norms = ghost_oracle.opacus.norms(gsm, per_example_loss, batch)

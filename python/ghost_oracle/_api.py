@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from . import _native
 from ._report import Report
+from ._types import Precision, Reduction
 
 #: The built-in clippers `audit` runs by default.
 BUILTIN_CLIPPERS: tuple[str, ...] = tuple(_native.BUILTIN_CLIPPERS)
@@ -54,7 +55,7 @@ def check(
     trace: str | os.PathLike[str],
     *,
     noise_multiplier: float | None = None,
-    precision: str | None = None,
+    precision: Precision | None = None,
     sampling_rate: float | None = None,
     steps: int | None = None,
     epochs: float | None = None,
@@ -98,8 +99,8 @@ def audit(
     clippers: str | Sequence[str] | None = None,
     max_grad_norm: float | None = None,
     noise_multiplier: float = 1.0,
-    dtype: str = "f32",
-    reduction: str = "mean",
+    precision: Precision = "f32",
+    reduction: Reduction = "mean",
     sampling_rate: float | None = None,
     steps: int | None = None,
     epochs: float | None = None,
@@ -117,7 +118,7 @@ def audit(
         max_grad_norm: C. Default: each case's median true norm (the built-in suite also tries
             0.5× and 2× that).
         noise_multiplier: σ of the DP-SGD run.
-        dtype: the precision the clippers compute in: "f64", "f32", "f16" or "bf16" (the
+        precision: the precision the clippers compute in: "f64", "f32", "f16" or "bf16" (the
             reference is f64; in f16 and bf16 the clippers accumulate in f32).
         reduction: how each example's loss is reduced over its tokens, "mean" or "sum".
         sampling_rate, steps, epochs, dataset_size, delta: the run the ε speaks of (see `check`).
@@ -137,7 +138,7 @@ def audit(
         clippers=names,
         max_grad_norm=_number("max_grad_norm", max_grad_norm),
         noise_multiplier=1.0 if sigma is None else sigma,
-        dtype=str(dtype),
+        precision=str(precision),
         reduction=str(reduction),
         **_accounting(sampling_rate, steps, epochs, dataset_size, delta),
     )
@@ -146,7 +147,7 @@ def audit(
 
 def mutants(
     *,
-    dtype: str = "f32",
+    precision: Precision = "f32",
     sampling_rate: float | None = None,
     steps: int | None = None,
     epochs: float | None = None,
@@ -159,10 +160,10 @@ def mutants(
     `passed` is true when every mutant is caught with the verdict it must get and no correct
     clipper is flagged. `to_json()` and `repr()` are the CLI's `--json` document and table.
 
-    `dtype` is the precision the clippers compute in ("f64", "f32", "f16" or "bf16"); the
+    `precision` is the precision the clippers compute in ("f64", "f32", "f16" or "bf16"); the
     accounting arguments are `check`'s.
     """
-    native = _native.mutants(dtype=str(dtype), **_accounting(sampling_rate, steps, epochs, dataset_size, delta))
+    native = _native.mutants(precision=str(precision), **_accounting(sampling_rate, steps, epochs, dataset_size, delta))
     return Report(native)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 __version__: str
 BUILTIN_CLIPPERS: list[str]
+VERDICTS: list[str]
 
 def check(
     trace: str,
@@ -31,7 +32,7 @@ def audit(
     clippers: list[str] | None = None,
     max_grad_norm: float | None = None,
     noise_multiplier: float = 1.0,
-    dtype: str = "f32",
+    precision: str = "f32",
     reduction: str = "mean",
     sampling_rate: float | None = None,
     steps: int | None = None,
@@ -41,7 +42,7 @@ def audit(
 ) -> dict[str, Any]: ...
 def mutants(
     *,
-    dtype: str = "f32",
+    precision: str = "f32",
     sampling_rate: float | None = None,
     steps: int | None = None,
     epochs: float | None = None,

@@ -8,8 +8,11 @@ from typing import Any
 
 import numpy as np
 
-#: Verdicts from the least to the most severe.
-VERDICTS = ("pass", "utility-distortion", "cannot-judge", "privacy-violation", "invalid-norm")
+from . import _native
+from ._types import Precision
+
+#: Every verdict, from the least to the most severe (the compiled judge's own list).
+VERDICTS: tuple[str, ...] = tuple(_native.VERDICTS)
 _SEVERITY = {v: k for k, v in enumerate(VERDICTS)}
 
 
@@ -454,7 +457,7 @@ class Report:
     def __init__(self, native: dict):
         self.kind: str = native["kind"]
         #: The precision the bound assumed (a check) or the clippers computed in.
-        self.dtype: str = native["dtype"]
+        self.precision: Precision = native["precision"]
         self.device: str = native["device"]
         self.trace: str | None = native.get("trace")
         self.tied_parameters: dict[str, tuple[tuple[str, str], ...]] = {

@@ -47,7 +47,7 @@ is given the library's):
 
     assert_update(model, per_example_loss, [mb1, mb2], step.update, clipped_sum=step.clipped_sum,
                   max_grad_norm=1.0, noise_multiplier=1.0, batch_divisor=step.batch_divisor,
-                  stabilizer=1e-6)
+                  clip_stabilizer=1e-6)
 """
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ from ._api import check
 from ._failure import ClippingCheckFailed
 from .export import FORMAT, KINDS, UNCLAIMED, TraceExportError, export_trace, register_module, unregister_module
 from ._report import Report
+from ._types import Clipping, Precision
 
 Inputs = Union[torch.Tensor, Mapping[str, torch.Tensor]]
 
@@ -81,9 +82,11 @@ def assert_norms(
     clipper: str = "claimed",
     claimed_coefficients: Any = None,
     dtype: torch.dtype | None = None,
-    precision: str | None = None,
+    precision: Precision | None = None,
     sampling_rate: float | None = None,
     steps: int | None = None,
+    epochs: float | None = None,
+    dataset_size: int | None = None,
     delta: float | None = None,
     trace_path: str | os.PathLike[str] | None = None,
     batch_axis: int = 0,
@@ -114,6 +117,8 @@ def assert_norms(
         precision: the precision the tolerance assumes (default: the trace's, see `check`).
         sampling_rate, steps, delta: the run the ε speaks of (default: q = 0.01, 1000 steps,
             δ = 1e-5).
+        epochs, dataset_size: the steps as epochs over a training set of N examples instead of
+            `steps` (give both, and not `steps`), as for `ghost_oracle.check`.
         trace_path: where to keep the trace (default: a temporary file, removed afterwards).
         batch_axis: the axis of `inputs` that holds the examples: 0, or 1 for seq-first data
             (batch_first=False). Each use's own batch axis is found by backpropagating single
@@ -135,13 +140,15 @@ def assert_norms(
     __tracebackhide__ = True  # pytest shows the failing test's line, not this function
     return _export_check_assert(
         model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
-        sampling_rate=sampling_rate, steps=steps, delta=delta, trace_path=trace_path,
+        accounting=dict(sampling_rate=sampling_rate, steps=steps, epochs=epochs, dataset_size=dataset_size,
+                        delta=delta),
+        trace_path=trace_path,
         export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
                     noise_multiplier=noise_multiplier, dtype=dtype, batch_axis=batch_axis))
 
 
-def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clipper, precision, sampling_rate,
-                         steps, delta, trace_path, export) -> Report:
+def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clipper, precision, accounting,
+                         trace_path, export) -> Report:
     """Export (to `trace_path`, or a temporary file), check, raise `AssertionError` unless pass.
     `claimed_norms` None: the exact norms, which the check computes from the trace's factors;
     the trace is exported once with placeholders, its `claimed.norms` replaced by the check's
@@ -151,10 +158,10 @@ def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clip
     def run(path: str) -> Report:
         norms = UNCLAIMED if claimed_norms is None else claimed_norms
         export_trace(model, per_example_loss, inputs, path, claimed_norms=norms, clipper=clipper, **export)
-        report = check(path, precision=precision, sampling_rate=sampling_rate, steps=steps, delta=delta)
+        report = check(path, precision=precision, **accounting)
         if claimed_norms is None:
             _replace_claimed_norms(path, report.true_norms)
-            report = check(path, precision=precision, sampling_rate=sampling_rate, steps=steps, delta=delta)
+            report = check(path, precision=precision, **accounting)
         return report
 
     if trace_path is not None:
@@ -192,15 +199,17 @@ def assert_update(
     max_grad_norm: float,
     noise_multiplier: float,
     batch_divisor: float,
-    stabilizer: float = 0.0,
-    clipping: str = "flat",
+    clip_stabilizer: float = 0.0,
+    clipping: Clipping = "flat",
     claimed_norms: Any = None,
     claimed_coefficients: Any = None,
     clipper: str = "claimed",
     dtype: torch.dtype | None = None,
-    precision: str | None = None,
+    precision: Precision | None = None,
     sampling_rate: float | None = None,
     steps: int | None = None,
+    epochs: float | None = None,
+    dataset_size: int | None = None,
     delta: float | None = None,
     trace_path: str | os.PathLike[str] | None = None,
     batch_axis: int = 0,
@@ -237,13 +246,15 @@ def assert_update(
         noise_multiplier: σ.
         batch_divisor: D, what the library says it divides the noisy sum by (Opacus:
             `expected_batch_size × accumulated_iterations`).
-        stabilizer: γ in min(1, C / (n + γ)) (Opacus: 1e-6).
-        clipping: "flat" (the only rule this version judges).
+        clip_stabilizer: γ in min(1, C / (n + γ)) (Opacus: 1e-6).
+        clipping: "flat", c = min(1, C / (n + γ)); or "automatic", c = C / (n + γ)
+            (automatic clipping, normalizing every example; needs γ > 0).
         claimed_norms: the norms the library clipped by (tensor, array, list or callable, as for
             `assert_norms`), judged too; default: the exact norms, so that only the step is judged.
         claimed_coefficients: the library's clip factors, with `claimed_norms`.
         clipper: the name the report gives the claim.
-        dtype, precision, sampling_rate, steps, delta, trace_path, batch_axis: as for
+        dtype, precision, sampling_rate, steps, epochs, dataset_size, delta, trace_path,
+            batch_axis: as for
             `assert_norms` (micro-batches are concatenated along `batch_axis`).
 
     Returns:
@@ -263,8 +274,10 @@ def assert_update(
         raise ValueError("update is required: the {name: tensor} the optimizer steps with")
     return _export_check_assert(
         model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
-        sampling_rate=sampling_rate, steps=steps, delta=delta, trace_path=trace_path,
+        accounting=dict(sampling_rate=sampling_rate, steps=steps, epochs=epochs, dataset_size=dataset_size,
+                        delta=delta),
+        trace_path=trace_path,
         export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
                     noise_multiplier=noise_multiplier, dtype=dtype, update=update, clipped_sum=clipped_sum,
-                    batch_divisor=batch_divisor, clip_stabilizer=stabilizer, clipping=clipping,
+                    batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping,
                     batch_axis=batch_axis))

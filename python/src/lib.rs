@@ -18,7 +18,7 @@ use ghost_oracle::report::{
     Explanation, Reader,
 };
 use ghost_oracle::{registry, AccountingRequest, AuditOptions, Case, CheckOptions};
-use ghost_oracle::{ClipNorm, ClipperAudit, Error, NoiseMultiplier, Precision};
+use ghost_oracle::{ClipNorm, ClipperAudit, Error, NoiseMultiplier, Precision, Verdict};
 use ghost_oracle_reference::{Reduction, TiedParameter};
 use pyo3::exceptions::{PyFileNotFoundError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -130,7 +130,7 @@ impl From<OptionError> for Failure {
     }
 }
 
-/// A precision by its name, for the `precision` and `dtype` arguments.
+/// A precision by its name, for the `precision` arguments.
 fn parse_precision(what: &str, p: &str) -> Result<Precision, Failure> {
     Precision::parse(p).ok_or_else(|| {
         input(format!(
@@ -208,7 +208,7 @@ fn report_dict<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("kind", kind)?;
-    d.set_item("dtype", dtype)?;
+    d.set_item("precision", dtype)?;
     d.set_item("device", device)?;
     d.set_item("json", pretty(&audit_json(audits, dtype, device)))?;
     d.set_item("table", audit_tables(audits, dtype, device))?;
@@ -311,13 +311,13 @@ fn check<'py>(
 }
 
 /// audit(*, model=None, batch=None, clippers=None, max_grad_norm=None, noise_multiplier=1.0,
-/// dtype="f32", reduction="mean", sampling_rate=None, steps=None, epochs=None,
+/// precision="f32", reduction="mean", sampling_rate=None, steps=None, epochs=None,
 /// dataset_size=None, delta=None) -> dict
 ///
 /// Audits clippers on the built-in suite, or on a checkpoint directory and a batch file
 /// (`ghost-oracle audit`).
 #[pyfunction]
-#[pyo3(signature = (*, model=None, batch=None, clippers=None, max_grad_norm=None, noise_multiplier=1.0, dtype="f32", reduction="mean", sampling_rate=None, steps=None, epochs=None, dataset_size=None, delta=None))]
+#[pyo3(signature = (*, model=None, batch=None, clippers=None, max_grad_norm=None, noise_multiplier=1.0, precision="f32", reduction="mean", sampling_rate=None, steps=None, epochs=None, dataset_size=None, delta=None))]
 #[allow(clippy::too_many_arguments)]
 fn audit<'py>(
     py: Python<'py>,
@@ -326,7 +326,7 @@ fn audit<'py>(
     clippers: Option<Vec<String>>,
     max_grad_norm: Option<f64>,
     noise_multiplier: f64,
-    dtype: &str,
+    precision: &str,
     reduction: &str,
     sampling_rate: Option<f64>,
     steps: Option<i64>,
@@ -334,7 +334,7 @@ fn audit<'py>(
     dataset_size: Option<i64>,
     delta: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let precision = parse_precision("dtype", dtype)?;
+    let precision = parse_precision("precision", precision)?;
     let reduction = parse_reduction(reduction)?;
     let audits = guarded(py, move || {
         let opts = AuditOptions {
@@ -377,23 +377,23 @@ fn audit<'py>(
     report_dict(py, "audit", &audits, precision.name(), "cpu", None)
 }
 
-/// mutants(*, dtype="f32", sampling_rate=None, steps=None, epochs=None, dataset_size=None,
+/// mutants(*, precision="f32", sampling_rate=None, steps=None, epochs=None, dataset_size=None,
 /// delta=None) -> dict
 ///
 /// The kill matrix: every seeded bug of a real DP library, and the correct clippers, on the
 /// built-in suite (`ghost-oracle mutants`).
 #[pyfunction]
-#[pyo3(signature = (*, dtype="f32", sampling_rate=None, steps=None, epochs=None, dataset_size=None, delta=None))]
+#[pyo3(signature = (*, precision="f32", sampling_rate=None, steps=None, epochs=None, dataset_size=None, delta=None))]
 fn mutants<'py>(
     py: Python<'py>,
-    dtype: &str,
+    precision: &str,
     sampling_rate: Option<f64>,
     steps: Option<i64>,
     epochs: Option<f64>,
     dataset_size: Option<i64>,
     delta: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let precision = parse_precision("dtype", dtype)?;
+    let precision = parse_precision("precision", precision)?;
     let matrix = guarded(py, move || {
         let opts = AuditOptions {
             precision,
@@ -464,6 +464,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mutant_list, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add("BUILTIN_CLIPPERS", registry::builtin_names())?;
+    let verdicts: Vec<&str> = Verdict::ALL.iter().map(|v| v.name()).collect();
+    m.add("VERDICTS", verdicts)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -38,12 +38,12 @@ def test_golden_trace_verdicts(path):
         assert report.verdict == "pass"
         assert report.max_sensitivity <= 1 + 1e-6
         assert report.privacy.actual_epsilon == pytest.approx(report.privacy.stated_epsilon)
-        assert report.privacy.rounding_at == report.dtype
+        assert report.privacy.rounding_at == report.precision
 
 
 def test_the_untied_workaround_is_flagged_with_its_tied_parameter():
     report = ghost_oracle.check(TRACES / "opacus_ghost_untied.safetensors")
-    assert report.kind == "check" and report.dtype == "f32" and report.device == "trace file"
+    assert report.kind == "check" and report.precision == "f32" and report.device == "trace file"
     assert report.tied_parameters == {
         "transformer.wte.weight": (("transformer.wte.weight", "embedding"), ("lm_head.weight", "linear"))}
     (clipper,) = report.clippers
@@ -136,8 +136,8 @@ def test_audit_and_mutants_take_epochs():
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_audit_in_half_precision(dtype):
     case = REPO / "oracles" / "golden" / "cases" / "tied_l1_h2_t2"
-    report = ghost_oracle.audit(case, case / "batch.safetensors", clippers=["ghost-tied", "materialize"], dtype=dtype)
-    assert report.dtype == dtype and report.passed, report.explain()
+    report = ghost_oracle.audit(case, case / "batch.safetensors", clippers=["ghost-tied", "materialize"], precision=dtype)
+    assert report.precision == dtype and report.passed, report.explain()
     f32 = ghost_oracle.audit(case, case / "batch.safetensors", clippers=["ghost-tied"])
     assert report.max_bound > 10 * f32.max_bound  # the bound of a coarser arithmetic
     assert report.judgeable.all() and report.unjudgeable_examples == ()
@@ -215,9 +215,9 @@ def test_an_invalid_claimed_norm_is_invalid_norm(tmp_path, bad):
 
 def test_precision_override():
     path = TRACES / "families" / "gpt2.safetensors"
-    assert ghost_oracle.check(path).dtype == "f64"
+    assert ghost_oracle.check(path).precision == "f64"
     coarse = ghost_oracle.check(path, precision="bf16")
-    assert coarse.dtype == "bf16" and coarse.passed
+    assert coarse.precision == "bf16" and coarse.passed
     assert coarse.worst.bound.max() > ghost_oracle.check(path).worst.bound.max()
 
 
@@ -245,8 +245,8 @@ def test_audit_builtin_suite_flags_standard_ghost_clipping():
 def test_audit_on_a_checkpoint():
     case = REPO / "oracles" / "golden" / "cases" / "tied_l1_h2_t2"
     report = ghost_oracle.audit(case, case / "batch.safetensors", clippers="ghost-tied", max_grad_norm=1.0,
-                                dtype="f64", reduction="sum")
-    assert report.passed and report.dtype == "f64"
+                                precision="f64", reduction="sum")
+    assert report.passed and report.precision == "f64"
     (clipper,) = report.clippers
     assert [c.name for c in clipper.cases] == ["tied_l1_h2_t2"]
     assert clipper.worst.max_grad_norm == 1.0

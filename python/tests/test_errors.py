@@ -123,7 +123,7 @@ def test_bad_check_arguments(kw, exc, text):
     (dict(max_grad_norm=-1.5), ValueError, "max_grad_norm must be a positive number, got -1.5"),
     (dict(max_grad_norm=math.nan), ValueError, "max_grad_norm must be a positive number, got NaN"),
     (dict(noise_multiplier=-0.5), ValueError, "noise_multiplier must be a non-negative number, got -0.5"),
-    (dict(dtype="f8"), ValueError, 'dtype must be one of f64, f32, f16, bf16, got "f8"'),
+    (dict(precision="f8"), ValueError, 'precision must be one of f64, f32, f16, bf16, got "f8"'),
     (dict(reduction="max"), ValueError, 'reduction must be "mean" or "sum"'),
     (dict(model=CASE), ValueError, "model needs batch"),
     (dict(batch=CASE / "batch.safetensors"), ValueError, "batch needs model"),
@@ -138,8 +138,8 @@ def test_bad_audit_arguments(kw, exc, text):
 
 
 def test_bad_mutants_arguments():
-    with pytest.raises(ValueError, match='^dtype must be one of f64, f32, f16, bf16, got "f8"$'):
-        ghost_oracle.mutants(dtype="f8")
+    with pytest.raises(ValueError, match='^precision must be one of f64, f32, f16, bf16, got "f8"$'):
+        ghost_oracle.mutants(precision="f8")
     with pytest.raises(ValueError, match="delta"):
         ghost_oracle.mutants(delta=2)
     with pytest.raises(ValueError, match="^epochs must be a positive number, got -2$"):

@@ -98,7 +98,7 @@ def test_a_stock_float64_llama_passes_at_float64(tmp_path):
     norms = func_norms(model, loss, x)
     path = tmp_path / "llama.safetensors"
     report = assert_norms(model, loss, x, norms, max_grad_norm=float(norms.median()), trace_path=path)
-    assert report.dtype == "f64"
+    assert report.precision == "f64"
     meta, specs, tensors = sites(path)
     assert meta["compute_dtype"] == "f64" and all("compute_dtype" not in s for s in specs.values())
     a = tensors["model.norm.weight.activations"]
@@ -116,7 +116,7 @@ def test_a_stock_float64_gemma_passes_with_its_norms_at_float32(tmp_path):
     path = tmp_path / "gemma.safetensors"
     report = assert_norms(model, loss, x, norms, max_grad_norm=float(norms.median()), trace_path=path)
     meta, specs, _ = sites(path)
-    assert meta["compute_dtype"] == "f32" and report.dtype == "f32"
+    assert meta["compute_dtype"] == "f32" and report.precision == "f32"
     for name, s in specs.items():
         assert s["compute_dtype"] == ("f32" if "norm" in name else "f64"), name
     with pytest.raises(AssertionError):
@@ -237,7 +237,7 @@ def test_falcon_passes_through_its_functional_matmul_and_declared(tmp_path, decl
     declared(FalconLinear, "linear")
     path = tmp_path / "falcon.safetensors"
     report = assert_norms(model, loss, x, norms, max_grad_norm=float(norms.median()), trace_path=path)
-    assert report.dtype == "f64"
+    assert report.precision == "f64"
     _, specs, _ = sites(path)
     assert specs["transformer.h.0.self_attention.query_key_value.weight"]["kind"] == "linear"
     with pytest.raises(AssertionError):
@@ -255,7 +255,7 @@ def test_cohere_passes_with_its_layernorm_declared(declared):
         norms = func_norms(model, loss, x)
         # CohereLayerNorm multiplies by its weight in float32, so the float64 model's norms are
         # float32 sites.
-        assert assert_norms(model, loss, x, norms, max_grad_norm=float(norms.median())).dtype == "f32"
+        assert assert_norms(model, loss, x, norms, max_grad_norm=float(norms.median())).precision == "f32"
 
 
 class DoubledLinear(torch.nn.Linear):

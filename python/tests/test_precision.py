@@ -122,7 +122,7 @@ def midpoint(norms):
 
 def describe(report):
     k = report.worst
-    return (f"verdict {k.verdict}, dtype {report.dtype}, max err/bound {k.max_err_units:.3g}, "
+    return (f"verdict {k.verdict}, precision {report.precision}, max err/bound {k.max_err_units:.3g}, "
             f"max |n-n*|/n* {k.max_norm_rel_err:.3g}, bound {list(map(float, k.bound))}, "
             f"max c·n*/C {k.max_sensitivity:.5f}")
 
@@ -241,7 +241,7 @@ def test_the_oracles_truth_is_the_factors_norm(exported):
 def test_the_factors_norms_pass(exported):
     setting, path, truth, c = exported
     report = ghost_oracle.check(with_claims(path, path.with_name("exact.safetensors"), truth, c))
-    assert report.dtype == "bf16"
+    assert report.precision == "bf16"
     assert report.passed, describe(report)
 
 
@@ -319,7 +319,7 @@ def test_golden_opacus_traces_pass(name):
         assert f.get_tensor("claimed.coefficients").tolist() == record["clip_factors"]  # Opacus's, as rounded
     torch.testing.assert_close(factor_norms(path).tolist(), record["factor_norms"], rtol=1e-12, atol=0)
     report = ghost_oracle.check(path)
-    assert report.dtype == "bf16"
+    assert report.precision == "bf16"
     assert report.passed, describe(report)
     assert math.isclose(report.max_sensitivity, record["max_clipped_contribution"], rel_tol=1e-9)
 

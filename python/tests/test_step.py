@@ -29,7 +29,7 @@ def judge(model, loss, step, *, clipped_sum=True, update=None, batch_divisor=Non
                          clipped_sum=(step.clipped_sum if clipped_sum is True else clipped_sum or None),
                          max_grad_norm=step.max_grad_norm, noise_multiplier=step.noise_multiplier,
                          batch_divisor=step.batch_divisor if batch_divisor is None else batch_divisor,
-                         stabilizer=step.clip_stabilizer, **kw)
+                         clip_stabilizer=step.clip_stabilizer, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_hooks_mode_step_passes_in_float64(sigma):
     step = dpo.dp_step(model, gpt2_loss, ids, max_grad_norm=c, noise_multiplier=sigma, seed=2)
     assert all(v.dtype == torch.float64 for v in step.update.values())
     report = judge(model, gpt2_loss, step)
-    assert report.passed and report.dtype == "f64"
+    assert report.passed and report.precision == "f64"
     if sigma == 0:
         assert report.step.update.bound < 1e-10  # the f64 bound: an f64 step is judged to f64
     else:

@@ -5,6 +5,7 @@ import copy
 import importlib
 import json
 import math
+import os
 import sys
 
 import pytest
@@ -78,9 +79,9 @@ def test_clipped_sum_alone_in_other_dtypes_shapes_and_names(tied_gpt2, tmp_trace
                for n, t in fake_step(m.model).items()}
     clipped["lm_head.weight"] = clipped.pop("transformer.wte.weight")
     export_trace(m.model, m.loss, m.ids, tmp_trace, claimed_norms=m.exact, max_grad_norm=m.c, clipped_sum=clipped,
-                 clipping="automatic")
+                 clipping="automatic", clip_stabilizer=1e-6)
     meta, ts = read(tmp_trace)
-    assert "batch_divisor" not in meta and meta["clipping"] == "automatic" and float(meta["clip_stabilizer"]) == 0
+    assert "batch_divisor" not in meta and meta["clipping"] == "automatic" and float(meta["clip_stabilizer"]) == 1e-6
     assert not [k for k in ts if k.startswith("claimed.update.")]
     wte = ts["claimed.clipped_sum.transformer.wte.weight"]
     assert wte.shape == (19, 12) and wte.dtype == torch.float64
@@ -396,4 +397,14 @@ def test_golden_step_traces(script, name):
 @pytest.mark.parametrize("name", GOLDEN)
 def test_golden_step_traces_are_read_by_check(name):
     report = ghost_oracle.check(STEP / f"{name}.safetensors")
-    assert report.dtype == "f32"
+    assert report.precision == "f32"
+
+
+def test_automatic_clipping_without_a_stabilizer_is_refused_before_writing(tied_gpt2, tmp_trace):
+    """C/(n + γ) with γ = 0 has no bound for a zero gradient; the reader refuses such a trace, so
+    the exporter refuses to write one."""
+    m = tied_gpt2
+    with pytest.raises(ValueError, match=r'^clipping "automatic" .* needs γ > 0 \(clip_stabilizer\), got 0$'):
+        export_trace(m.model, m.loss, m.ids, tmp_trace, claimed_norms=m.exact, max_grad_norm=m.c,
+                     clipped_sum=fake_step(m.model), clipping="automatic")
+    assert not os.path.exists(tmp_trace)

@@ -27,8 +27,8 @@ pub struct Args {
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     noise_multiplier: f64,
     /// Precision the clippers compute in (the reference is always f64).
-    #[arg(long, value_enum, default_value = "f32")]
-    dtype: PrecisionArg,
+    #[arg(long, value_enum, default_value = "f32", alias = "dtype")]
+    precision: PrecisionArg,
     /// Device the clippers run on (cuda needs a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
@@ -54,7 +54,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         // clap requires each with the other.
         (Some(_), None) | (None, Some(_)) => unreachable!("--model and --batch come together"),
     };
-    let precision = Precision::from(a.dtype);
+    let precision = Precision::from(a.precision);
     let opts = AuditOptions {
         max_grad_norm,
         noise_multiplier,

@@ -14,8 +14,8 @@ pub struct Args {
     #[arg(long)]
     list: bool,
     /// Precision the clippers compute in.
-    #[arg(long, value_enum, default_value = "f32")]
-    dtype: PrecisionArg,
+    #[arg(long, value_enum, default_value = "f32", alias = "dtype")]
+    precision: PrecisionArg,
     /// Also write the kill matrix as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -33,7 +33,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         out(&list)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let precision = Precision::from(a.dtype);
+    let precision = Precision::from(a.precision);
     let opts = AuditOptions {
         precision,
         ..AuditOptions::default()

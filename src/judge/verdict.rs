@@ -22,6 +22,16 @@ pub enum Verdict {
 }
 
 impl Verdict {
+    /// Every verdict, from the least to the most severe (the order `Ord` gives).
+    pub const ALL: [Verdict; 5] = [
+        Verdict::Pass,
+        Verdict::UtilityDistortion,
+        Verdict::CannotJudge,
+        Verdict::PrivacyViolation,
+        Verdict::InvalidNorm,
+    ];
+
+    /// The verdict's name in reports, the JSON and the Python API.
     pub fn name(self) -> &'static str {
         match self {
             Verdict::Pass => "pass",
@@ -30,5 +40,29 @@ impl Verdict {
             Verdict::PrivacyViolation => "privacy-violation",
             Verdict::InvalidNorm => "invalid-norm",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Verdict;
+
+    /// `ALL` lists each verdict once, in severity order: a verdict added to the enum and not to
+    /// `ALL` shows as a gap here, because `name` (an exhaustive match) would be missing from it.
+    #[test]
+    fn all_is_every_verdict_in_severity_order() {
+        for pair in Verdict::ALL.windows(2) {
+            assert!(pair[0] < pair[1], "{:?} before {:?}", pair[0], pair[1]);
+        }
+        let every = |v: Verdict| match v {
+            Verdict::Pass
+            | Verdict::UtilityDistortion
+            | Verdict::CannotJudge
+            | Verdict::PrivacyViolation
+            | Verdict::InvalidNorm => Verdict::ALL.contains(&v),
+        };
+        assert!(Verdict::ALL.iter().all(|&v| every(v)));
+        assert_eq!(Verdict::ALL[0], Verdict::Pass);
+        assert_eq!(*Verdict::ALL.last().unwrap(), Verdict::InvalidNorm);
     }
 }

@@ -164,6 +164,9 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
     if clipping not in ("flat", "automatic"):
         raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" (c = C/(n + γ)), "
                          f"got {clipping!r}")
+    if clipping == "automatic" and clip_stabilizer == 0.0:
+        # the reader refuses it too: C/(n + γ) with γ = 0 is unbounded for a zero gradient
+        raise ValueError("clipping \"automatic\" (c = C/(n + γ)) needs γ > 0 (clip_stabilizer), got 0")
     model.zero_grad(set_to_none=True)
     # floating-point inputs made leaves that require gradients, so that the probes see whether
     # an example's loss reaches another example's inputs; the model gets them, the user's
