@@ -236,7 +236,8 @@ fn row_norm(a: ndarray::ArrayView1<f64>) -> f64 {
 }
 
 impl Tolerance {
-    /// The term statistics of a trace, from its f64 factors.
+    /// The term statistics of a trace, from its f64 factors: each site's shape and per-example
+    /// scale, then every example's own and cross terms.
     pub fn from_trace(trace: &RefTrace) -> Result<Self> {
         let params = trace.params();
         let mut site_param = vec![0; trace.sites.len()];
@@ -246,64 +247,122 @@ impl Tolerance {
             }
         }
         let b = trace.batch_size();
-        let mut site_scale = Vec::with_capacity(trace.sites.len());
         let mut sqrt_width: f64 = 0.0;
         let mut largest_param = 1;
-        let mut site_entries = Vec::with_capacity(trace.sites.len());
         let mut widest_factor = 0;
+        let mut site_entries = Vec::with_capacity(trace.sites.len());
         for s in &trace.sites {
-            let (_, t, q) = s.backprops.dim();
-            let p = match s.spec.kind {
-                SiteKind::Embedding => s.spec.vocab.unwrap_or(1),
-                SiteKind::Bias | SiteKind::LayerNorm => 1,
-                SiteKind::Linear | SiteKind::Conv1d => {
-                    s.activations.as_ref().map_or(1, |a| a.dim().2)
-                }
-            };
-            sqrt_width = sqrt_width.max((p as f64).sqrt() + (q as f64).sqrt());
-            largest_param = largest_param.max(p * q);
-            site_entries.push(p * q);
-            widest_factor = widest_factor.max(q).max(match s.spec.kind {
-                SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm => {
-                    s.activations.as_ref().map_or(0, |a| a.dim().2)
-                }
-                SiteKind::Embedding | SiteKind::Bias => 0,
-            });
-            let scale: Vec<f64> = (0..b)
-                .map(|i| {
-                    (0..t)
-                        .map(|tt| {
-                            let bp = s.backprops.slice(s![i, tt, ..]);
-                            match (s.spec.kind, &s.activations) {
-                                (SiteKind::LayerNorm, Some(a)) => {
-                                    let x = a.slice(s![i, tt, ..]);
-                                    bp.iter()
-                                        .zip(x.iter())
-                                        .map(|(u, v)| (u * v) * (u * v))
-                                        .sum::<f64>()
-                                        .sqrt()
-                                }
-                                (SiteKind::Linear | SiteKind::Conv1d, Some(a)) => {
-                                    row_norm(bp) * row_norm(a.slice(s![i, tt, ..]))
-                                }
-                                // Validated traces carry the activations their kind needs.
-                                (SiteKind::Embedding | SiteKind::Bias, _)
-                                | (
-                                    SiteKind::LayerNorm | SiteKind::Linear | SiteKind::Conv1d,
-                                    None,
-                                ) => row_norm(bp),
-                            }
-                        })
-                        .sum()
-                })
-                .collect();
-            site_scale.push(scale);
+            let w = SiteWidths::of(s);
+            sqrt_width = sqrt_width.max((w.param_rows as f64).sqrt() + (w.out as f64).sqrt());
+            largest_param = largest_param.max(w.param_rows * w.out);
+            site_entries.push(w.param_rows * w.out);
+            widest_factor = widest_factor.max(w.widest_factor);
         }
+        let site_scale = trace.sites.iter().map(|s| site_scale(s, b)).collect();
+        let terms = ExampleTerms::of(trace, &params, &site_param)?;
+        Ok(Tolerance {
+            site_scale,
+            site_param,
+            n_params: params.len(),
+            abs_terms: terms.abs_terms,
+            dot_scale: terms.dot_scale,
+            sqrt_width,
+            seq_len: trace
+                .sites
+                .iter()
+                .map(|s| s.backprops.dim().1)
+                .max()
+                .unwrap_or(0),
+            largest_param,
+            own: terms.own,
+            cross: terms.cross,
+            site_entries,
+            widest_factor,
+            judgeable_bound: JUDGEABLE_BOUND,
+        })
+    }
+}
 
+/// A site's widths: its parameter is `param_rows × out`; `widest_factor` is its widest stored
+/// factor row.
+struct SiteWidths {
+    param_rows: usize,
+    out: usize,
+    widest_factor: usize,
+}
+
+impl SiteWidths {
+    fn of(s: &Site) -> Self {
+        let q = s.backprops.dim().2;
+        let in_width = s.activations.as_ref().map_or(1, |a| a.dim().2);
+        let param_rows = match s.spec.kind {
+            SiteKind::Embedding => s.spec.vocab.unwrap_or(1),
+            SiteKind::Bias | SiteKind::LayerNorm => 1,
+            SiteKind::Linear | SiteKind::Conv1d => in_width,
+        };
+        let widest_in = match s.spec.kind {
+            SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm => {
+                s.activations.as_ref().map_or(0, |a| a.dim().2)
+            }
+            SiteKind::Embedding | SiteKind::Bias => 0,
+        };
+        SiteWidths {
+            param_rows,
+            out: q,
+            widest_factor: q.max(widest_in),
+        }
+    }
+}
+
+/// Σ_t of the size of each row's gradient outer product, per example: the scale a site's
+/// per-example gradient is summed at.
+fn site_scale(s: &Site, b: usize) -> Vec<f64> {
+    let t = s.backprops.dim().1;
+    (0..b)
+        .map(|i| {
+            (0..t)
+                .map(|tt| {
+                    let bp = s.backprops.slice(s![i, tt, ..]);
+                    match (s.spec.kind, &s.activations) {
+                        (SiteKind::LayerNorm, Some(a)) => {
+                            let x = a.slice(s![i, tt, ..]);
+                            bp.iter()
+                                .zip(x.iter())
+                                .map(|(u, v)| (u * v) * (u * v))
+                                .sum::<f64>()
+                                .sqrt()
+                        }
+                        (SiteKind::Linear | SiteKind::Conv1d, Some(a)) => {
+                            row_norm(bp) * row_norm(a.slice(s![i, tt, ..]))
+                        }
+                        // Validated traces carry the activations their kind needs.
+                        (SiteKind::Embedding | SiteKind::Bias, _)
+                        | (SiteKind::LayerNorm | SiteKind::Linear | SiteKind::Conv1d, None) => {
+                            row_norm(bp)
+                        }
+                    }
+                })
+                .sum()
+        })
+        .collect()
+}
+
+/// Every example's terms: the sum of their magnitudes, the scale of a dot product with the
+/// per-example gradient, and the statistics of each site's own term and each tied pair's cross
+/// term.
+struct ExampleTerms {
+    abs_terms: Vec<f64>,
+    dot_scale: Vec<f64>,
+    own: Vec<TermStats>,
+    cross: Vec<PairStats>,
+}
+
+impl ExampleTerms {
+    fn of(trace: &RefTrace, params: &[(String, Vec<usize>)], site_param: &[usize]) -> Result<Self> {
+        let b = trace.batch_size();
         let mut abs_terms = vec![0.0; b];
         let mut sqrt_d = vec![vec![0.0; b]; params.len()];
-        let n_sites = trace.sites.len();
-        let mut own = vec![TermStats::default(); n_sites];
+        let mut own = vec![TermStats::default(); trace.sites.len()];
         let mut cross: Vec<PairStats> = params
             .iter()
             .flat_map(|(_, js)| {
@@ -343,27 +402,16 @@ impl Tolerance {
         let dot_scale = (0..b)
             .map(|i| sqrt_d.iter().map(|p| p[i] * p[i]).sum())
             .collect();
-        Ok(Tolerance {
-            site_scale,
-            site_param,
-            n_params: params.len(),
+        Ok(ExampleTerms {
             abs_terms,
             dot_scale,
-            sqrt_width,
-            seq_len: trace
-                .sites
-                .iter()
-                .map(|s| s.backprops.dim().1)
-                .max()
-                .unwrap_or(0),
-            largest_param,
             own,
             cross,
-            site_entries,
-            widest_factor,
-            judgeable_bound: JUDGEABLE_BOUND,
         })
     }
+}
+
+impl Tolerance {
 
     /// Relative bound on |n̂_i − n_i| / n_i for a clipper working in unit roundoff `u`, given the
     /// true norm n_i (docs/tolerances.md): dot-product and input rounding, the T² accumulation of

@@ -297,6 +297,40 @@ fn is_half(dtype: DType) -> bool {
 fn decode<F: Architecture>(family: &F, batch: &Batch, reduction: Reduction) -> Result<Extracted> {
     let core = family.core();
     batch.validate(&core.dims, "batch")?;
+    let (ids, shape) = batch_tensors(core, batch)?;
+    let ctx = family.context(&shape)?;
+    let mut taps = Taps::default();
+
+    let (tapped, emb_tap) = tapped_lookup(family, &ids, batch, &shape)?;
+    let (mut x, extra) = family.embed(tapped, &shape)?;
+    for l in 0..core.dims.layers {
+        x = family.block(l, x, &shape, &ctx, &mut taps)?;
+    }
+    let logits = lm_head(family, &x, &mut taps)?;
+    let losses = causal_lm_losses(&logits, batch, reduction, core.dtype)?;
+    let grads = losses.sum_all()?.backward()?;
+
+    let bp = |v: &Var| -> Result<Tensor> {
+        Ok(match grads.get(v.as_tensor()) {
+            Some(g) => g.clone(),
+            None => v.as_tensor().zeros_like()?,
+        })
+    };
+    let sites = collect_sites(core, ids, bp(&emb_tap)?, extra, taps, &bp)?;
+    let batch_gradient = core
+        .weights
+        .iter()
+        .map(|(n, v)| Ok((n.clone(), bp(v)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Extracted {
+        trace: Trace { sites },
+        batch_gradient,
+        losses: crate::trace::to_f64_vec(&losses)?,
+    })
+}
+
+/// The batch's ids as a B×T tensor, and its shape with the causal mask.
+fn batch_tensors(core: &Core, batch: &Batch) -> Result<(Tensor, BatchShape)> {
     let (b, t) = (batch.len(), batch.seq_len());
     let dev = &core.device;
     let ids_u32 = batch
@@ -316,14 +350,23 @@ fn decode<F: Architecture>(family: &F, batch: &Batch, reduction: Reduction) -> R
         t,
         mask: Tensor::from_vec(mask, (t, t), dev)?.to_dtype(core.dtype)?,
     };
-    let ctx = family.context(&shape)?;
-    let mut taps = Taps::default();
+    Ok((ids, shape))
+}
 
-    let embedding = core.w(&core.embedding)?;
-    let tokens =
-        embedding
-            .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, t, core.dims.hidden_size))?;
+/// The token lookup with its tap: the tapped B×T×d embeddings and the tap, whose gradient is
+/// the embedding site's backprops.
+fn tapped_lookup<F: Architecture>(
+    family: &F,
+    ids: &Tensor,
+    batch: &Batch,
+    shape: &BatchShape,
+) -> Result<(Tensor, Var)> {
+    let core = family.core();
+    let dev = &core.device;
+    let tokens = core
+        .w(&core.embedding)?
+        .index_select(&ids.flatten_all()?, 0)?
+        .reshape((shape.b, shape.t, core.dims.hidden_size))?;
     // The tap sits on the lookup's own output, so that its backprops are what the table's
     // input path accumulates (before Gemma's scale, and zero at a padding token, whose row HF's
     // `padding_idx` leaves without gradient: there the lookup enters detached).
@@ -335,15 +378,17 @@ fn decode<F: Architecture>(family: &F, batch: &Batch, reduction: Reduction) -> R
             .iter()
             .map(|&x| if x == pad as i64 { 0.0 } else { 1.0 })
             .collect();
-        let keep = Tensor::from_vec(keep, (b, t, 1), dev)?.to_dtype(core.dtype)?;
+        let keep = Tensor::from_vec(keep, (shape.b, shape.t, 1), dev)?.to_dtype(core.dtype)?;
         let dropped = (1.0 - &keep)?;
         tapped = (tapped.broadcast_mul(&keep)? + tokens.detach().broadcast_mul(&dropped)?)?;
     }
-    let (mut x, extra) = family.embed(tapped, &shape)?;
-    for l in 0..core.dims.layers {
-        x = family.block(l, x, &shape, &ctx, &mut taps)?;
-    }
-    let af = family.final_norm(&x, &mut taps)?;
+    Ok((tapped, emb_tap))
+}
+
+/// The final norm and the tapped LM head (softcapped where the family caps its logits).
+fn lm_head<F: Architecture>(family: &F, x: &Tensor, taps: &mut Taps) -> Result<Tensor> {
+    let core = family.core();
+    let af = family.final_norm(x, taps)?;
     let logits = af.broadcast_matmul(&core.w(&core.head_param)?.t()?)?;
     let head = SiteSpec {
         name: LM_HEAD.to_string(),
@@ -355,16 +400,19 @@ fn decode<F: Architecture>(family: &F, batch: &Batch, reduction: Reduction) -> R
     if let Some(cap) = family.final_logit_softcap() {
         logits = ((logits / cap)?.tanh()? * cap)?;
     }
-    let losses = causal_lm_losses(&logits, batch, reduction, core.dtype)?;
-    let grads = losses.sum_all()?.backward()?;
+    Ok(logits)
+}
 
-    let bp = |v: &Var| -> Result<Tensor> {
-        Ok(match grads.get(v.as_tensor()) {
-            Some(g) => g.clone(),
-            None => v.as_tensor().zeros_like()?,
-        })
-    };
-    let emb_bp = bp(&emb_tap)?;
+/// Every site of the pass, from the backward's gradients: the embedding (and the family's extra
+/// lookups, which share its backprops), then each tap with its bias.
+fn collect_sites(
+    core: &Core,
+    ids: Tensor,
+    emb_bp: Tensor,
+    extra: Vec<ExtraEmbedding>,
+    taps: Taps,
+    bp: &dyn Fn(&Var) -> Result<Tensor>,
+) -> Result<Vec<Site>> {
     let mut sites = vec![Site {
         spec: SiteSpec {
             name: core.embedding.clone(),
@@ -411,16 +459,7 @@ fn decode<F: Architecture>(family: &F, batch: &Batch, reduction: Reduction) -> R
             });
         }
     }
-    let batch_gradient = core
-        .weights
-        .iter()
-        .map(|(n, v)| Ok((n.clone(), bp(v)?)))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(Extracted {
-        trace: Trace { sites },
-        batch_gradient,
-        losses: crate::trace::to_f64_vec(&losses)?,
-    })
+    Ok(sites)
 }
 
 /// Per-example causal-LM loss (B): logits at t predict the label at t + 1; each example's kept
