@@ -311,85 +311,13 @@ def dp_step(
             the micro-batches and the default is the first micro-batch's size.
         seed: seeds `torch.manual_seed` and the noise generator.
     """
-    if grad_sample_mode not in ("hooks", "ghost"):
-        raise ValueError(f"grad_sample_mode must be \"hooks\" or \"ghost\", got {grad_sample_mode!r}")
-    if accumulation not in ("skip_step", "backward"):
-        raise ValueError(f"accumulation must be \"skip_step\" or \"backward\", got {accumulation!r}")
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction must be \"mean\" or \"sum\", got {loss_reduction!r}")
-    mbs = list(inputs) if isinstance(inputs, list) else [inputs]
-    if not mbs:
-        raise ValueError("inputs is an empty list: pass the batch, or the list of its micro-batches")
-    sizes = [_batch_size(mb) for mb in mbs]
-    if expected_batch_size is None:
-        expected_batch_size = sizes[0] if accumulation == "backward" and len(mbs) > 1 else sum(sizes)
-    if int(expected_batch_size) != expected_batch_size or expected_batch_size < 1:
-        raise ValueError(f"expected_batch_size must be a positive integer, got {expected_batch_size}")
-    expected_batch_size = int(expected_batch_size)
-
+    mbs, sizes, expected_batch_size = _step_arguments(inputs, grad_sample_mode, accumulation, loss_reduction,
+                                                      expected_batch_size)
     torch.manual_seed(seed)
-    module = copy.deepcopy(model)
-    module.zero_grad(set_to_none=True)
-    device = next(module.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    # A data loader of one batch of `expected_batch_size` examples: make_private reads
-    # expected_batch_size = len(dataset) / len(loader) from it; it is never iterated.
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(expected_batch_size)),
-                                         batch_size=expected_batch_size)
-    sgd = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1.0)
-    criterion = _PerExampleLoss(loss_reduction)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Secure RNG turned off")  # seeded noise, on purpose
-        engine = PrivacyEngine(secure_mode=False)
-        made = engine.make_private(module=module, optimizer=sgd, criterion=criterion, data_loader=loader,
-                                   noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
-                                   loss_reduction=loss_reduction, poisson_sampling=False,
-                                   noise_generator=generator, grad_sample_mode=grad_sample_mode)
-    if grad_sample_mode == "ghost":
-        gsm, optimizer, dp_criterion, _ = made
-    else:
-        (gsm, optimizer, _), dp_criterion = made, None
-
-    norms_seen: list[torch.Tensor] = []
-    factors_seen: list[torch.Tensor] = []
-    record: dict[str, Any] = {}
-
-    if grad_sample_mode == "hooks":
-        clip_and_accumulate = optimizer.clip_and_accumulate
-
-        def recording_clip_and_accumulate() -> None:
-            # DPOptimizer.clip_and_accumulate's norms and factors, by its own arithmetic, read
-            # from the same grad samples just before it runs.
-            gs = optimizer.grad_samples
-            per_param = [g.reshape(len(g), -1).norm(2, dim=-1) for g in gs]
-            per_param = [n.to(per_param[0].device) for n in per_param]
-            n = torch.stack(per_param, dim=1).norm(2, dim=1)
-            norms_seen.append(n.detach().clone())
-            factors_seen.append((optimizer.max_grad_norm / (n + OPACUS_CLIP_STABILIZER)).clamp(max=1.0).detach())
-            clip_and_accumulate()
-
-        optimizer.clip_and_accumulate = recording_clip_and_accumulate
-    else:
-        get_clipping_coef = gsm.get_clipping_coef
-
-        def recording_get_clipping_coef() -> torch.Tensor:
-            coef = get_clipping_coef()  # sets per_sample_gradient_norms
-            norms_seen.append(gsm.per_sample_gradient_norms.detach().clone())
-            factors_seen.append(coef.detach().clone())
-            return coef
-
-        gsm.get_clipping_coef = recording_get_clipping_coef
-
-    scale_grad = optimizer.scale_grad
-
-    def recording_scale_grad() -> None:
-        record["noisy"] = {id(p): p.grad.detach().clone() for p in optimizer.params}
-        record["accumulated_iterations"] = int(optimizer.accumulated_iterations)
-        record["divisor"] = (float(optimizer.expected_batch_size * optimizer.accumulated_iterations)
-                             if optimizer.loss_reduction == "mean" else 1.0)
-        scale_grad()
-
-    optimizer.scale_grad = recording_scale_grad
+    gsm, optimizer, dp_criterion = _make_private_copy(
+        model, grad_sample_mode=grad_sample_mode, loss_reduction=loss_reduction, seed=seed,
+        expected_batch_size=expected_batch_size, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier)
+    recorder = _StepRecorder(gsm, optimizer, grad_sample_mode)
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -409,29 +337,135 @@ def dp_step(
                 optimizer.step()  # clip and accumulate; no noise, no update
                 optimizer.zero_grad(set_to_none=True)
 
-    names = {}
-    for name, p in gsm._module.named_parameters():  # a tied parameter once
-        if p.requires_grad:
-            names[name] = p
-    clipped_sum, update = {}, {}
-    for name, p in names.items():
-        if p.summed_grad is None or p.grad is None:
-            raise ValueError(f"parameter `{name}`: Opacus left no clipped sum or update (it received no gradient)")
-        clipped_sum[name] = p.summed_grad.detach().reshape(p.shape).clone()
-        update[name] = p.grad.detach().clone()
-        noisy = record["noisy"][id(p)]
-        if not torch.allclose(update[name].double() * record["divisor"], noisy.double(), rtol=1e-5,
-                              atol=1e-30 + 1e-5 * float(noisy.abs().max())):
-            raise RuntimeError(f"parameter `{name}`: the update is not the noisy sum divided by "
-                               f"{record['divisor']}")  # pragma: no cover
-    norms_all = torch.cat([n.to(device="cpu", dtype=torch.float64) for n in norms_seen])
-    factors_all = torch.cat([c.to(device="cpu", dtype=torch.float64) for c in factors_seen])
+    clipped_sum, update = recorder.sums(gsm)
+    norms_all = torch.cat([n.to(device="cpu", dtype=torch.float64) for n in recorder.norms])
+    factors_all = torch.cat([c.to(device="cpu", dtype=torch.float64) for c in recorder.factors])
     if norms_all.shape[0] != sum(sizes):
         raise RuntimeError(f"Opacus clipped {norms_all.shape[0]} examples; the batch has {sum(sizes)}")
     if hasattr(gsm, "_close"):
         gsm._close()
     return Step(norms=norms_all, coefficients=factors_all, clipped_sum=clipped_sum, update=update,
-                batch_divisor=record["divisor"], max_grad_norm=float(max_grad_norm),
+                batch_divisor=recorder.divisor, max_grad_norm=float(max_grad_norm),
                 noise_multiplier=float(noise_multiplier), expected_batch_size=int(optimizer.expected_batch_size),
-                accumulated_iterations=record["accumulated_iterations"], grad_sample_mode=grad_sample_mode,
+                accumulated_iterations=recorder.accumulated_iterations, grad_sample_mode=grad_sample_mode,
                 accumulation=accumulation if len(mbs) > 1 else "none", inputs=mbs)
+
+
+def _step_arguments(inputs: Any, grad_sample_mode: str, accumulation: str, loss_reduction: str,
+                    expected_batch_size: int | None) -> tuple[list[Any], list[int], int]:
+    """`dp_step`'s arguments checked: the micro-batches, their sizes and the expected batch size
+    (its default resolved)."""
+    if grad_sample_mode not in ("hooks", "ghost"):
+        raise ValueError(f"grad_sample_mode must be \"hooks\" or \"ghost\", got {grad_sample_mode!r}")
+    if accumulation not in ("skip_step", "backward"):
+        raise ValueError(f"accumulation must be \"skip_step\" or \"backward\", got {accumulation!r}")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be \"mean\" or \"sum\", got {loss_reduction!r}")
+    mbs = list(inputs) if isinstance(inputs, list) else [inputs]
+    if not mbs:
+        raise ValueError("inputs is an empty list: pass the batch, or the list of its micro-batches")
+    sizes = [_batch_size(mb) for mb in mbs]
+    if expected_batch_size is None:
+        expected_batch_size = sizes[0] if accumulation == "backward" and len(mbs) > 1 else sum(sizes)
+    if int(expected_batch_size) != expected_batch_size or expected_batch_size < 1:
+        raise ValueError(f"expected_batch_size must be a positive integer, got {expected_batch_size}")
+    return mbs, sizes, int(expected_batch_size)
+
+
+def _make_private_copy(model: torch.nn.Module, *, grad_sample_mode: str, loss_reduction: str, seed: int,
+                       expected_batch_size: int, max_grad_norm: float,
+                       noise_multiplier: float) -> tuple[Any, Any, Any]:
+    """A deep copy of `model` made private by Opacus's own `PrivacyEngine` with an SGD optimizer
+    and seeded noise: (the wrapped module, the DP optimizer, the DP criterion in ghost mode or
+    None)."""
+    module = copy.deepcopy(model)
+    module.zero_grad(set_to_none=True)
+    device = next(module.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    # A data loader of one batch of `expected_batch_size` examples: make_private reads
+    # expected_batch_size = len(dataset) / len(loader) from it; it is never iterated.
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(expected_batch_size)),
+                                         batch_size=expected_batch_size)
+    sgd = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1.0)
+    criterion = _PerExampleLoss(loss_reduction)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")  # seeded noise, on purpose
+        engine = PrivacyEngine(secure_mode=False)
+        made = engine.make_private(module=module, optimizer=sgd, criterion=criterion, data_loader=loader,
+                                   noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
+                                   loss_reduction=loss_reduction, poisson_sampling=False,
+                                   noise_generator=generator, grad_sample_mode=grad_sample_mode)
+    if grad_sample_mode == "ghost":
+        gsm, optimizer, dp_criterion, _ = made
+        return gsm, optimizer, dp_criterion
+    (gsm, optimizer, _) = made
+    return gsm, optimizer, None
+
+
+class _StepRecorder:
+    """Records what an Opacus step computes, from inside it: the norms and clip factors of every
+    micro-batch (by the optimizer's or the ghost module's own arithmetic), and the noisy sum and
+    divisor just before the optimizer divides."""
+
+    def __init__(self, gsm: Any, optimizer: Any, grad_sample_mode: str):
+        self.norms: list[torch.Tensor] = []
+        self.factors: list[torch.Tensor] = []
+        self.noisy: dict[int, torch.Tensor] = {}
+        self.accumulated_iterations = 0
+        self.divisor = 1.0
+        if grad_sample_mode == "hooks":
+            clip_and_accumulate = optimizer.clip_and_accumulate
+
+            def recording_clip_and_accumulate() -> None:
+                # DPOptimizer.clip_and_accumulate's norms and factors, by its own arithmetic, read
+                # from the same grad samples just before it runs.
+                gs = optimizer.grad_samples
+                per_param = [g.reshape(len(g), -1).norm(2, dim=-1) for g in gs]
+                per_param = [n.to(per_param[0].device) for n in per_param]
+                n = torch.stack(per_param, dim=1).norm(2, dim=1)
+                self.norms.append(n.detach().clone())
+                factor = (optimizer.max_grad_norm / (n + OPACUS_CLIP_STABILIZER)).clamp(max=1.0)
+                self.factors.append(factor.detach())
+                clip_and_accumulate()
+
+            optimizer.clip_and_accumulate = recording_clip_and_accumulate
+        else:
+            get_clipping_coef = gsm.get_clipping_coef
+
+            def recording_get_clipping_coef() -> torch.Tensor:
+                coef = get_clipping_coef()  # sets per_sample_gradient_norms
+                self.norms.append(gsm.per_sample_gradient_norms.detach().clone())
+                self.factors.append(coef.detach().clone())
+                return coef
+
+            gsm.get_clipping_coef = recording_get_clipping_coef
+
+        scale_grad = optimizer.scale_grad
+
+        def recording_scale_grad() -> None:
+            self.noisy = {id(p): p.grad.detach().clone() for p in optimizer.params}
+            self.accumulated_iterations = int(optimizer.accumulated_iterations)
+            self.divisor = (float(optimizer.expected_batch_size * optimizer.accumulated_iterations)
+                            if optimizer.loss_reduction == "mean" else 1.0)
+            scale_grad()
+
+        optimizer.scale_grad = recording_scale_grad
+
+    def sums(self, gsm: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Each trainable parameter's clipped sum and update after the step (a tied parameter
+        once), the update checked to be the recorded noisy sum divided by the divisor."""
+        clipped_sum, update = {}, {}
+        for name, p in gsm._module.named_parameters():  # a tied parameter once
+            if not p.requires_grad:
+                continue
+            if p.summed_grad is None or p.grad is None:
+                raise ValueError(f"parameter `{name}`: Opacus left no clipped sum or update (it received no "
+                                 "gradient)")
+            clipped_sum[name] = p.summed_grad.detach().reshape(p.shape).clone()
+            update[name] = p.grad.detach().clone()
+            noisy = self.noisy[id(p)]
+            if not torch.allclose(update[name].double() * self.divisor, noisy.double(), rtol=1e-5,
+                                  atol=1e-30 + 1e-5 * float(noisy.abs().max())):
+                raise RuntimeError(f"parameter `{name}`: the update is not the noisy sum divided by "
+                                   f"{self.divisor}")  # pragma: no cover
+        return clipped_sum, update
