@@ -48,7 +48,7 @@ PY
 
 echo "python/ci.sh: pytest python/tests examples"
 status=0
-"$venv_python" -m pytest -p no:cacheprovider --rootdir . python/tests examples "$@" || status=$?
+"$venv_python" -m pytest -p no:cacheprovider --durations=15 --rootdir . python/tests examples "$@" || status=$?
 if [ "$status" -eq 5 ]; then
     echo "python/ci.sh: pytest collected no test" >&2
     status=1
