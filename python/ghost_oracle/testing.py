@@ -93,6 +93,19 @@ def gpt2_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return causal_lm_loss(model(ids, position_ids=positions(ids)).logits, ids)
 
 
+def _stock(cls: Any, cfg: Any, seed: int = 3) -> torch.nn.Module:
+    """A Hugging Face model in float64, eval mode, its weights redrawn from a seeded generator:
+    norms' weights around their initial value, every other weight at scale 0.35."""
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float64).eval()
+    g = torch.Generator().manual_seed(seed + 4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_(p + 0.1 * r if "norm" in name else 0.35 * r)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------
 # A two-layer tied Llama in float64 (GQA), B = 3, T = 9, V = 48.
 
@@ -106,14 +119,8 @@ def llama() -> torch.nn.Module:
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                                    tie_word_embeddings=True, attn_implementation="eager", bos_token_id=0,
                                    eos_token_id=0)
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.float64).eval()
+    model = _stock(transformers.LlamaForCausalLM, cfg)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            p.copy_(1.0 + 0.1 * r if "norm" in name else 0.35 * r)
     return model
 
 
@@ -135,17 +142,6 @@ def llama_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 LM_B, LM_T, LM_V = 3, 7, 48
 _LAYERS = dict(max_position_embeddings=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                vocab_size=LM_V, attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0)
-
-
-def _stock(cls: Any, cfg: Any, seed: int = 3) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = cls(cfg).to(torch.float64).eval()
-    g = torch.Generator().manual_seed(seed + 4)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            p.copy_(p + 0.1 * r if "norm" in name else 0.35 * r)
-    return model
 
 
 def qwen3() -> torch.nn.Module:
