@@ -12,12 +12,27 @@
 
 use super::inner::{pair_cost, param_gram, SiteSides};
 use crate::error::{Error, Result};
-use ghost_oracle_reference::{Reference, SiteKind, Trace as RefTrace};
+use ghost_oracle_reference::{Reference, SiteKind, Trace as RefTrace, GRADIENT_BLOCK_BYTES};
 use ndarray::{Array2, ArrayView1};
+use std::cell::Cell;
 use std::ops::Range;
 
-/// Bytes of rebuilt gradient rows held at once, over all examples of a block.
-const BLOCK_BYTES: usize = 64 << 20;
+thread_local! {
+    /// Bytes of rebuilt gradient rows held at once, over all examples of a block: the reader's
+    /// memory budget counts on [`GRADIENT_BLOCK_BYTES`]. A parameter's per-example gradients
+    /// (a tied embedding and head's V×d included) are never held whole, only a block of rows
+    /// (vocabulary entries) of each at a time. Tests shrink it to force many blocks.
+    static BLOCK_BYTES: Cell<usize> = const { Cell::new(GRADIENT_BLOCK_BYTES) };
+}
+
+/// Runs `f` with blocks of at most `bytes` (at least one row), on this thread.
+#[cfg(test)]
+pub(crate) fn with_block_bytes<R>(bytes: usize, f: impl FnOnce() -> R) -> R {
+    let before = BLOCK_BYTES.with(|b| b.replace(bytes));
+    let r = f();
+    BLOCK_BYTES.with(|b| b.set(before));
+    r
+}
 
 /// Everything about a case that comes from the reference, not from the clipper.
 #[derive(Clone, Debug)]
@@ -123,11 +138,11 @@ pub(crate) struct Block<'a> {
 /// Rows per block of a `cols`-wide gradient when `examples` such blocks are held together.
 fn block_rows(cols: usize, examples: usize) -> usize {
     let per_row = (cols * 8 * examples.max(1)).max(1);
-    (BLOCK_BYTES / per_row).max(1)
+    (BLOCK_BYTES.with(Cell::get) / per_row).max(1)
 }
 
 /// Visits every parameter of a trace in blocks of rows of its gradient's layout, in order, sized
-/// so that `examples_per_block` such blocks fit in [`BLOCK_BYTES`], after the trace's shapes are
+/// so that `examples_per_block` such blocks fit in [`GRADIENT_BLOCK_BYTES`], after the trace's shapes are
 /// checked (every site of a parameter writes one shape).
 pub(crate) fn for_each_param_block(
     trace: &RefTrace,
