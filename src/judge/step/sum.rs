@@ -510,8 +510,8 @@ mod tests {
             close(s.ref2, ref2, "‖S*‖²");
             close(s.cross, cross, "⟨X, S*⟩");
             close(s.x2, x2, "‖X‖²");
-            for i in 0..B {
-                close(s.b[i], bi[i], &format!("⟨g_{i}, X⟩"));
+            for (i, (&got, &want)) in s.b.iter().zip(&bi).enumerate() {
+                close(got, want, &format!("⟨g_{i}, X⟩"));
             }
             let (e, r) = s.other.unwrap();
             close(e, o.0, "‖X − Σ a_i g_i‖²");
