@@ -9,7 +9,7 @@ use ghost_oracle_reference::{
 };
 use ndarray::{Array2, Array3};
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -62,7 +62,7 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 /// An embedding of a V-row table, written honestly.
-fn honest(path: &PathBuf) {
+fn honest(path: &Path) {
     let trace = Trace {
         sites: vec![Site {
             spec: SiteSpec {
