@@ -210,6 +210,28 @@ def test_family_models_pass_the_self_check(tmp_path, family):
     assert any(s["kind"] == "embedding" for s in specs)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_self_check_in_blocks_of_a_few_rows_accepts_and_refuses_as_whole(tmp_path, monkeypatch, family):
+    # Blocks of 7 entries: a tied table checked a vocabulary row (or less) at a time, blocks that
+    # do not divide the rows. A correct model passes; a wrong embedding gradient is refused.
+    from ghost_oracle.export import check as C
+
+    monkeypatch.setattr(C, "_BLOCK_ENTRIES", 7)
+    model = F.build(family)
+    blocks = C._blocks
+    seen = []
+    monkeypatch.setattr(C, "_blocks", lambda uses, numel: seen.append(b := blocks(uses, numel)) or b)
+    E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
+                   claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+    assert max(len(b) for b in seen) > 10
+    from ghost_oracle.export.kinds.embedding import Embedding
+
+    monkeypatch.setattr(Embedding, "lookup_grad", lambda self, use, g: 1.001 * g)
+    with pytest.raises(E.TraceExportError, match="differs from autograd"):
+        E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "u.safetensors"),
+                       claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+
+
 def test_gemma_without_its_embedding_scale_is_refused(tmp_path, monkeypatch):
     model = F.build("gemma")
     # the handler without the scale: the lookup's gradient taken as the output's
