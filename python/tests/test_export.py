@@ -2,6 +2,7 @@
 
     python3 -m pytest python/tests/test_export.py
 """
+import io
 import json
 import os
 import sys
@@ -253,3 +254,28 @@ def test_a_stock_float64_llama_records_the_float32_xhat_its_norms_use(tmp_path):
         assert f.metadata()["compute_dtype"] == "f64"
         a = f.get_tensor("model.layers.0.input_layernorm.weight.activations")
     assert a.dtype == torch.float64 and torch.equal(a, a.float().double())
+
+
+def test_progress_is_silent_on_a_short_export_and_says_the_stage_and_time_left_on_a_long_one(monkeypatch):
+    from ghost_oracle.export import progress as P
+
+    clock = [100.0]
+    monkeypatch.setattr(P.time, "monotonic", lambda: clock[0])
+    out = io.StringIO()
+    p = P.Progress(out)
+    p.step("probes", 0, 4)
+    clock[0] += 1.0
+    p.step("probes", 1, 4)
+    p.done()
+    assert out.getvalue() == ""  # a second in: nothing
+    p = P.Progress(out)
+    clock[0] += 10.0
+    p.step("probes", 1, 4)  # the stage's clock starts at its first line
+    clock[0] += 3.0
+    p.step("probes", 2, 4)  # one probe in 3 s, two left
+    assert "probes 2/4, 6 s left in it (13 s in all)" in out.getvalue()
+    clock[0] += 0.5
+    p.step("probes", 3, 4)  # within two seconds of the last line: not rewritten
+    assert "3/4" not in out.getvalue()
+    p.done()
+    assert out.getvalue().endswith("done in 14 s\x1b[K\n")

@@ -11,7 +11,7 @@ from .precision import DTYPE_NAMES, reduction_tolerance, unit_roundoff
 from .site_kinds import layout, low_precision_rounds, rebuild
 
 
-def self_check(model, sites, names, owners, store_dtype):
+def self_check(model, sites, names, owners, store_dtype, progress=None):
     """Raises unless every trainable parameter that received a gradient has a site and its
     sites' factors rebuild autograd's gradient to rounding, each site at its own precision
     (`entry["dtype"]`; `store_dtype` None: each site stored in its own)."""
@@ -33,7 +33,9 @@ def self_check(model, sites, names, owners, store_dtype):
     # A fused expert tensor is named first: it is the reason the model cannot be traced, and
     # its router (whose gradient flows through the routing weights) has no site either.
     params.sort(key=lambda p: 0 if fused_experts(p) else 1)
-    for p in params:
+    for n, p in enumerate(params):
+        if progress is not None:
+            progress.step("self-check against autograd, parameters", n, len(params))
         name = names[id(p)]
         mods = ", ".join(f"`{m}` ({c})" for m, c in owners.get(id(p), []))
         uses = by_param.get(name)

@@ -75,6 +75,7 @@ from .kinds import Use
 from .layout import _find_layouts
 from .precision import DTYPE_NAMES, unit_roundoff
 from .precision import compute_dtype as model_compute_dtype
+from .progress import Progress
 from .record import param_names, param_owners, record
 from .step import _number, _resolve_step
 
@@ -164,6 +165,7 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
     if clipping not in ("flat", "automatic"):
         raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" (c = C/(n + γ)), "
                          f"got {clipping!r}")
+    progress = Progress()
     model.zero_grad(set_to_none=True)
     # floating-point inputs made leaves that require gradients, so that the probes see whether
     # an example's loss reaches another example's inputs; the model gets them, the user's
@@ -188,7 +190,7 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
                              f"example{hint}")
         losses.sum().backward(retain_graph=b > 1)
         rec.probing = True
-        _find_layouts(entries, losses, b, batch_axis, _input_tensors(inputs), leaves)
+        _find_layouts(entries, losses, b, batch_axis, _input_tensors(inputs), leaves, progress)
     finally:
         for e in entries:  # the outputs hold the graph alive
             e.pop("output", None)
@@ -205,7 +207,7 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
         if entry["dtype"] not in DTYPE_NAMES:
             raise TraceExportError(f"site `{spec['name']}` ({entry['cls']}) computed in {entry['dtype']}; traces "
                                    f"record {list(DTYPE_NAMES)}")
-    self_check(model, sites, names, owners, dtype)
+    self_check(model, sites, names, owners, dtype, progress)
     # The precision is per site: the header holds the coarsest (what a reader that knows no
     # per-site precision judges at), and where the sites differ each carries its own.
     site_dtypes = [entry["dtype"] for _, _, entry in sites]
@@ -256,5 +258,7 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
         meta["clip_stabilizer"] = repr(clip_stabilizer)
     if step or clipping != "flat":
         meta["clipping"] = clipping
+    progress.step("writing the trace", 0, 1)
     save_file(tensors, os.fspath(path), metadata=meta)
+    progress.done()
     return specs
