@@ -47,12 +47,23 @@ pub struct CheckedTrace {
 
 /// Audits the norms (and the step) claimed in a trace file.
 pub fn check_trace(path: &Path, opts: &CheckOptions) -> Result<CheckedTrace> {
+    check_trace_with_progress(path, opts, &|_, _, _| {})
+}
+
+/// [`check_trace`], telling `progress(done, total, what)` as the judge takes each parameter's
+/// truth.
+pub fn check_trace_with_progress(
+    path: &Path,
+    opts: &CheckOptions,
+    progress: &dyn Fn(usize, usize, &str),
+) -> Result<CheckedTrace> {
     let budget = opts
         .max_memory
         .unwrap_or_else(reference::MemoryBudget::machine);
     let (trace, meta) = reference::read_trace_within(path, budget)?;
     let tied = trace.tied_parameters();
-    let judge = Judge::from_trace(trace).map_err(|e| e.context(path.display()))?;
+    let judge =
+        Judge::from_trace_with_progress(trace, progress).map_err(|e| e.context(path.display()))?;
     let invalid = |key: &str, e: crate::options::OptionError| {
         Error::input(e.message(&format!("{}: `__metadata__.{key}`", path.display())))
     };

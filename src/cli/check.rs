@@ -1,6 +1,6 @@
 //! `check`: the norms a clipper outside Rust claimed in a trace file.
 
-use super::{noise_multiplier, PrecisionArg, ReportArgs};
+use super::{noise_multiplier, PrecisionArg, Progress, ReportArgs};
 use ghost_oracle::{audit, CheckOptions, Error};
 use ghost_oracle_reference::MemoryBudget;
 use std::path::PathBuf;
@@ -37,7 +37,9 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
             .map(|m| MemoryBudget::parse(m, "--max-memory"))
             .transpose()?,
     };
-    let checked = audit::check_trace(&a.trace, &opts)?;
+    let progress = Progress::new();
+    let checked =
+        audit::check_trace_with_progress(&a.trace, &opts, &|d, t, l| progress.update(d, t, l))?;
     let precision = checked.audit.precision;
     a.report.emit(
         &[checked.audit],

@@ -97,11 +97,20 @@ impl Truth {
 
     /// The truth of any trace, from its f64 factors alone (no materialized norms to agree with).
     pub fn from_trace(trace: RefTrace) -> Result<Self> {
+        Self::from_trace_with_progress(trace, &|_, _, _| {})
+    }
+
+    /// [`from_trace`](Self::from_trace), telling `progress(done, total, parameter)` as each
+    /// parameter's Gram is taken.
+    pub fn from_trace_with_progress(
+        trace: RefTrace,
+        progress: &dyn Fn(usize, usize, &str),
+    ) -> Result<Self> {
         let GramAndCross {
             gram,
             cross,
             param_sq,
-        } = gram_and_cross(&trace, Route::ByCost)?;
+        } = gram_and_cross_with_progress(&trace, Route::ByCost, progress)?;
         let mut norms = Vec::with_capacity(gram.len());
         let mut cross_share = Vec::with_capacity(gram.len());
         for (i, row) in gram.iter().enumerate() {
@@ -224,12 +233,23 @@ fn route_costs(trace: &RefTrace, js: &[usize], sides: &[SiteSides<'_>], b: usize
 }
 
 pub(crate) fn gram_and_cross(trace: &RefTrace, route: Route) -> Result<GramAndCross> {
+    gram_and_cross_with_progress(trace, route, &|_, _, _| {})
+}
+
+fn gram_and_cross_with_progress(
+    trace: &RefTrace,
+    route: Route,
+    progress: &dyn Fn(usize, usize, &str),
+) -> Result<GramAndCross> {
     trace.validate()?;
     let b = trace.batch_size();
     let mut gram = vec![vec![0.0; b]; b];
     let mut cross = vec![0.0; b];
     let mut param_sq: Vec<(String, Vec<f64>)> = Vec::new();
-    for (param, js) in trace.params() {
+    let params = trace.params();
+    let total = params.len();
+    for (done, (param, js)) in params.into_iter().enumerate() {
+        progress(done, total, &param);
         let sides: Vec<SiteSides<'_>> = js.iter().map(|&j| SiteSides::of(trace, j)).collect();
         let identity = match route {
             Route::ByCost => {
@@ -253,6 +273,7 @@ pub(crate) fn gram_and_cross(trace: &RefTrace, route: Route) -> Result<GramAndCr
         }
         param_sq.push((param, g.diag().to_vec()));
     }
+    progress(total, total, "the Gram of the true gradients");
     Ok(GramAndCross {
         gram,
         cross,
