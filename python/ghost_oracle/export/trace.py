@@ -112,6 +112,23 @@ def _sites(entry, names, dtype, b):
     return list(entry["handler"].sites(Use(entry, names, dtype, b)))
 
 
+def _own(v, owned):
+    """A factor as the file is written from it: on the host, contiguous, holding its storage
+    alone (safetensors refuses tensors that share one: a bias and its weight share backprops).
+    A factor that already is that is written as captured, not copied: at 1B-class sizes the
+    factors are gigabytes."""
+    v = v.detach().cpu()
+    if v.is_contiguous():
+        storage = v.untyped_storage()
+        whole = v.storage_offset() == 0 and storage.nbytes() == v.numel() * v.element_size()
+        if not whole or storage.data_ptr() in owned:
+            v = v.clone()
+    else:
+        v = v.contiguous()
+    owned.add(v.untyped_storage().data_ptr())
+    return v
+
+
 def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_norm,
                  clipper="claimed", claimed_coefficients=None, noise_multiplier=None, dtype=None,
                  update=None, clipped_sum=None, batch_divisor=None, clip_stabilizer=0.0, clipping="flat",
@@ -196,13 +213,15 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
             e.pop("output", None)
         losses = None
     sites, tensors = [], {}
+    owned = set()
     for entry in entries:
         for spec, ts in _sites(entry, names, dtype, b):
             if spec["name"] in tensors or any(s["name"] == spec["name"] for s, _, _ in sites):
                 raise TraceExportError(f"site name `{spec['name']}` appears twice")
-            # bias and weight share backprops; the file is written from host memory
-            ts = {k: v.detach().cpu().clone().contiguous() for k, v in ts.items()}
+            ts = {k: _own(v, owned) for k, v in ts.items()}
             sites.append((spec, ts, entry))
+        entry.pop("input", None)  # what is left of a use's capture is its sites' factors
+        entry.pop("grad", None)
     for spec, _, entry in sites:
         if entry["dtype"] not in DTYPE_NAMES:
             raise TraceExportError(f"site `{spec['name']}` ({entry['cls']}) computed in {entry['dtype']}; traces "
