@@ -22,31 +22,33 @@ import torch
 
 SHAPES = {
     # Llama-3.2-1B: 1.24 B parameters, tied, V 128256.
-    "llama-3.2-1b": ("LlamaConfig", "LlamaForCausalLM", dict(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
-        max_position_embeddings=131072, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "llama-3.2-1b": ("LlamaConfig", "LlamaForCausalLM", {
+        "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
     # Qwen3-1.7B: 2.03 B parameters, tied, V 151936, per-head q/k norms.
-    "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
     # Gemma 3 1B: 1.0 B parameters, tied, V 262144, scaled embedding, sliding windows.
-    "gemma3-1b": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6,
-        max_position_embeddings=32768, sliding_window=512, tie_word_embeddings=True,
-        query_pre_attn_scalar=256)),
+    "gemma3-1b": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768, "sliding_window": 512, "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256}),
 }
 
 
-def build(shape, dtype):
+def build(shape, dtype, layers=None):
     import transformers
 
     cfg_name, cls_name, kw = SHAPES[shape]
+    if layers is not None:  # the same embedding, head and block shapes, fewer blocks
+        kw = dict(kw, num_hidden_layers=layers)
     cfg = getattr(transformers, cfg_name)(bos_token_id=0, eos_token_id=0, pad_token_id=0, **kw)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -79,16 +81,18 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     p.add_argument("--dir", required=True)
+    p.add_argument("--layers", type=int, default=None, help="fewer blocks than the model has (default: all)")
     a = p.parse_args()
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     os.makedirs(a.dir, exist_ok=True)
-    stem = os.path.join(a.dir, f"{a.shape}-b{a.batch}-{a.dtype}")
+    depth = "" if a.layers is None else f"-l{a.layers}"
+    stem = os.path.join(a.dir, f"{a.shape}{depth}-b{a.batch}-{a.dtype}")
     t0 = time.perf_counter()
-    model, cfg = build(a.shape, dtype)
+    model, cfg = build(a.shape, dtype, a.layers)
     ids = batch(cfg, a.batch, a.seq)
     built = time.perf_counter() - t0
     n_params = sum(p.numel() for p in model.parameters())
-    out = {"shape": a.shape, "batch": a.batch, "seq": a.seq, "dtype": a.dtype, "parameters": n_params,
+    out = {"shape": a.shape, "layers": cfg.num_hidden_layers, "batch": a.batch, "seq": a.seq, "dtype": a.dtype, "parameters": n_params,
            "build_s": round(built, 2)}
     if a.phase == "train":
         t0 = time.perf_counter()
