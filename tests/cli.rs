@@ -445,6 +445,33 @@ fn sigma_zero_is_audited_with_a_warning() {
     assert!(stderr(&o).contains("no privacy"), "{}", stderr(&o));
 }
 
+#[test]
+fn check_max_memory_refuses_a_trace_past_it_and_a_malformed_size_exit_2() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("oracles/golden/traces/opacus_per_sample.safetensors");
+    let trace = path.to_str().unwrap();
+    let len = std::fs::metadata(&path).unwrap().len();
+    // Half the file: refused before it is read, naming the file and the flag.
+    let half = (len / 2).to_string();
+    let o = run(&["check", trace, "--max-memory", &half]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains(trace) && err.contains("--max-memory"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for bad in ["8X", "0", "-1G", "lots"] {
+        let o = run(&["check", trace, &format!("--max-memory={bad}")]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {err}");
+        assert!(
+            err.contains("--max-memory") && err.contains(bad),
+            "{bad}: {err}"
+        );
+    }
+    // Enough: judged as without the flag.
+    let o = run(&["check", trace, "--max-memory", "1G"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
 /// `export-trace` of a Llama-family checkpoint (in f64, with the reduction its `expected.json`
 /// was made with) with one clipper's claims, then `check --gate` of the written trace: the exit
 /// status and the claimed norms.

@@ -4,8 +4,14 @@
 
 use libfuzzer_sys::fuzz_target;
 
+use ghost_oracle_reference::{read_trace_bytes_within, MemoryBudget};
+
+/// A small budget keeps every input fast: what a header claims past it is refused unread.
+const BUDGET: u64 = 64 << 20;
+
 fuzz_target!(|data: &[u8]| {
-    if let Ok((trace, meta)) = ghost_oracle_reference::read_trace_bytes(data, "fuzz") {
+    let budget = MemoryBudget::bytes(BUDGET);
+    if let Ok((trace, meta)) = read_trace_bytes_within(data, "fuzz", budget) {
         assert_eq!(meta.claimed_norms.len(), trace.batch_size());
         // What reads from a file satisfies the one shape rule every trace is held to.
         trace.validate().expect("a trace that reads is valid");

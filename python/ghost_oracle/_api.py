@@ -51,6 +51,17 @@ def _accounting(sampling_rate: object, steps: object, epochs: object, dataset_si
     }
 
 
+def _max_memory(value: object) -> str | None:
+    """`max_memory=` as the size string the native reader parses (bytes, or "8G")."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"max_memory must be a number of bytes or a size such as '8G', got {value!r}")
+    if isinstance(value, int) and value <= 0:
+        raise ValueError(f"max_memory: expected a positive size such as 8G, 512M or 1073741824 (bytes), found {value}")
+    return str(value)
+
+
 def check(
     trace: str | os.PathLike[str],
     *,
@@ -61,6 +72,7 @@ def check(
     epochs: float | None = None,
     dataset_size: int | None = None,
     delta: float | None = None,
+    max_memory: int | str | None = None,
 ) -> Report:
     """Judges the per-example norms a clipper claimed in a trace file (`ghost-oracle check`).
 
@@ -74,6 +86,9 @@ def check(
             steps, δ); default: a typical fine-tuning run, q = 0.01, 1000 steps, δ = 1e-5.
         epochs, dataset_size: the steps as epochs over a training set of N examples instead of
             `steps` (give both, and not `steps`): steps = ⌈epochs × ⌈N / round(q·N)⌉⌉.
+        max_memory: the most memory reading and judging the trace may take (`--max-memory`): a
+            number of bytes, or a size such as "8G" or "512M" (binary units). A trace that would
+            need more is refused before it is read. Default: the machine's available memory.
 
     Returns:
         a `Report` with one clipper and one case.
@@ -88,6 +103,7 @@ def check(
         raise TypeError(f"precision must be one of 'f64', 'f32', 'f16', 'bf16', got {precision!r}")
     _warn_no_noise(sigma)
     native = _native.check(os.fspath(trace), noise_multiplier=sigma, precision=precision,
+                           max_memory=_max_memory(max_memory),
                            **_accounting(sampling_rate, steps, epochs, dataset_size, delta))
     return Report(native)
 

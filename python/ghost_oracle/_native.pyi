@@ -24,6 +24,7 @@ def check(
     epochs: float | None = None,
     dataset_size: int | None = None,
     delta: float | None = None,
+    max_memory: str | None = None,
 ) -> dict[str, Any]: ...
 def audit(
     *,

@@ -90,6 +90,7 @@ def assert_norms(
     delta: float | None = None,
     trace_path: str | os.PathLike[str] | None = None,
     batch_axis: int = 0,
+    max_memory: int | str | None = None,
 ) -> Report:
     """Asserts that `claimed_norms` are the true per-example gradient norms of `model` on
     `inputs`, as a DP-SGD clipper must compute them.
@@ -120,6 +121,8 @@ def assert_norms(
         epochs, dataset_size: the steps as epochs over a training set of N examples instead of
             `steps` (give both, and not `steps`), as for `ghost_oracle.check`.
         trace_path: where to keep the trace (default: a temporary file, removed afterwards).
+        max_memory: the most memory the check may take reading and judging the trace, as for
+            `ghost_oracle.check` ("8G", "512M" or bytes; default: the machine's available memory).
         batch_axis: the axis of `inputs` that holds the examples: 0, or 1 for seq-first data
             (batch_first=False). Each use's own batch axis is found by backpropagating single
             examples' losses; a model that mixes examples, or inputs whose examples lie along
@@ -142,13 +145,13 @@ def assert_norms(
         model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
         accounting=dict(sampling_rate=sampling_rate, steps=steps, epochs=epochs, dataset_size=dataset_size,
                         delta=delta),
-        trace_path=trace_path,
+        trace_path=trace_path, max_memory=max_memory,
         export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
                     noise_multiplier=noise_multiplier, dtype=dtype, batch_axis=batch_axis))
 
 
 def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clipper, precision, accounting,
-                         trace_path, export) -> Report:
+                         trace_path, export, max_memory=None) -> Report:
     """Export (to `trace_path`, or a temporary file), check, raise `AssertionError` unless pass.
     `claimed_norms` None: the exact norms, which the check computes from the trace's factors;
     the trace is exported once with placeholders, its `claimed.norms` replaced by the check's
@@ -158,10 +161,10 @@ def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clip
     def run(path: str) -> Report:
         norms = UNCLAIMED if claimed_norms is None else claimed_norms
         export_trace(model, per_example_loss, inputs, path, claimed_norms=norms, clipper=clipper, **export)
-        report = check(path, precision=precision, **accounting)
+        report = check(path, precision=precision, max_memory=max_memory, **accounting)
         if claimed_norms is None:
             _replace_claimed_norms(path, report.true_norms)
-            report = check(path, precision=precision, **accounting)
+            report = check(path, precision=precision, max_memory=max_memory, **accounting)
         return report
 
     if trace_path is not None:
@@ -213,6 +216,7 @@ def assert_update(
     delta: float | None = None,
     trace_path: str | os.PathLike[str] | None = None,
     batch_axis: int = 0,
+    max_memory: int | str | None = None,
 ) -> Report:
     """Asserts that `update` is the DP-SGD update of `model` on `inputs`:
     (Σ_i c*_i g*_i + σ C ξ) / D, with c*_i = min(1, C / (n*_i + γ)) from the true per-example
@@ -254,7 +258,7 @@ def assert_update(
         claimed_coefficients: the library's clip factors, with `claimed_norms`.
         clipper: the name the report gives the claim.
         dtype, precision, sampling_rate, steps, epochs, dataset_size, delta, trace_path,
-            batch_axis: as for
+            batch_axis, max_memory: as for
             `assert_norms` (micro-batches are concatenated along `batch_axis`).
 
     Returns:
@@ -276,7 +280,7 @@ def assert_update(
         model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
         accounting=dict(sampling_rate=sampling_rate, steps=steps, epochs=epochs, dataset_size=dataset_size,
                         delta=delta),
-        trace_path=trace_path,
+        trace_path=trace_path, max_memory=max_memory,
         export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
                     noise_multiplier=noise_multiplier, dtype=dtype, update=update, clipped_sum=clipped_sum,
                     batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping,

@@ -19,7 +19,7 @@ use ghost_oracle::report::{
 };
 use ghost_oracle::{registry, AccountingRequest, AuditOptions, Case, CheckOptions};
 use ghost_oracle::{ClipNorm, ClipperAudit, Error, NoiseMultiplier, Precision, Verdict};
-use ghost_oracle_reference::{Reduction, TiedParameter};
+use ghost_oracle_reference::{MemoryBudget, Reduction, TiedParameter};
 use pyo3::exceptions::{PyFileNotFoundError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList};
@@ -248,11 +248,12 @@ fn accounting_request(
 }
 
 /// check(trace, *, noise_multiplier=None, precision=None, sampling_rate=None, steps=None,
-/// epochs=None, dataset_size=None, delta=None) -> dict
+/// epochs=None, dataset_size=None, delta=None, max_memory=None) -> dict
 ///
 /// Judges the per-example norms claimed in a trace file (`ghost-oracle check TRACE`).
+/// `max_memory`: a size such as "8G" (`--max-memory`); default the machine's available memory.
 #[pyfunction]
-#[pyo3(signature = (trace, *, noise_multiplier=None, precision=None, sampling_rate=None, steps=None, epochs=None, dataset_size=None, delta=None))]
+#[pyo3(signature = (trace, *, noise_multiplier=None, precision=None, sampling_rate=None, steps=None, epochs=None, dataset_size=None, delta=None, max_memory=None))]
 #[allow(clippy::too_many_arguments)]
 fn check<'py>(
     py: Python<'py>,
@@ -264,13 +265,19 @@ fn check<'py>(
     epochs: Option<f64>,
     dataset_size: Option<i64>,
     delta: Option<f64>,
+    max_memory: Option<&str>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let precision = precision
         .map(|p| parse_precision("precision", p))
         .transpose()?;
+    let max_memory = max_memory
+        .map(|m| MemoryBudget::parse(m, "max_memory"))
+        .transpose()
+        .map_err(|e| PyValueError::new_err(e.message().to_string()))?;
     let path = trace.clone();
     let checked = guarded(py, move || {
         let opts = CheckOptions {
+            max_memory,
             precision,
             noise_multiplier: noise_multiplier.map(NoiseMultiplier::new).transpose()?,
             accounting: accounting_request(sampling_rate, steps, epochs, dataset_size, delta)

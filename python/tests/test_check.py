@@ -275,3 +275,19 @@ def test_mutants_kill_matrix():
             assert c.verdict == "pass" and set(c.cells.values()) == {"pass"}
     assert "every mutant caught with the right verdict; no false alarm" in repr(report)
     assert json.loads(report.to_json())["ok"] is True
+
+
+def test_max_memory_bounds_what_reading_a_trace_may_take():
+    path = TRACES / "opacus_per_sample.safetensors"
+    size = path.stat().st_size
+    assert ghost_oracle.check(path, max_memory="1G").passed == ghost_oracle.check(path).passed
+    assert ghost_oracle.check(path, max_memory=1 << 30).passed == ghost_oracle.check(path).passed
+    with pytest.raises(ValueError, match=r"opacus_per_sample\.safetensors.*the file.*max_memory"):
+        ghost_oracle.check(path, max_memory=size // 2)
+    for bad in ("8X", "0", "lots"):
+        with pytest.raises(ValueError, match=rf"max_memory.*{bad}"):
+            ghost_oracle.check(path, max_memory=bad)
+    with pytest.raises(ValueError, match="max_memory"):
+        ghost_oracle.check(path, max_memory=0)
+    with pytest.raises(TypeError, match="max_memory"):
+        ghost_oracle.check(path, max_memory=1.5)

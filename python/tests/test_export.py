@@ -2,6 +2,7 @@
 
     python3 -m pytest python/tests/test_export.py
 """
+import io
 import json
 import os
 import sys
@@ -210,6 +211,28 @@ def test_family_models_pass_the_self_check(tmp_path, family):
     assert any(s["kind"] == "embedding" for s in specs)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_self_check_in_blocks_of_a_few_rows_accepts_and_refuses_as_whole(tmp_path, monkeypatch, family):
+    # Blocks of 7 entries: a tied table checked a vocabulary row (or less) at a time, blocks that
+    # do not divide the rows. A correct model passes; a wrong embedding gradient is refused.
+    from ghost_oracle.export import check as C
+
+    monkeypatch.setattr(C, "_BLOCK_ENTRIES", 7)
+    model = F.build(family)
+    blocks = C._blocks
+    seen = []
+    monkeypatch.setattr(C, "_blocks", lambda uses, numel: seen.append(b := blocks(uses, numel)) or b)
+    E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
+                   claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+    assert max(len(b) for b in seen) > 10
+    from ghost_oracle.export.kinds.embedding import Embedding
+
+    monkeypatch.setattr(Embedding, "lookup_grad", lambda self, use, g: 1.001 * g)
+    with pytest.raises(E.TraceExportError, match="differs from autograd"):
+        E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "u.safetensors"),
+                       claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+
+
 def test_gemma_without_its_embedding_scale_is_refused(tmp_path, monkeypatch):
     model = F.build("gemma")
     # the handler without the scale: the lookup's gradient taken as the output's
@@ -231,3 +254,28 @@ def test_a_stock_float64_llama_records_the_float32_xhat_its_norms_use(tmp_path):
         assert f.metadata()["compute_dtype"] == "f64"
         a = f.get_tensor("model.layers.0.input_layernorm.weight.activations")
     assert a.dtype == torch.float64 and torch.equal(a, a.float().double())
+
+
+def test_progress_is_silent_on_a_short_export_and_says_the_stage_and_time_left_on_a_long_one(monkeypatch):
+    from ghost_oracle.export import progress as P
+
+    clock = [100.0]
+    monkeypatch.setattr(P.time, "monotonic", lambda: clock[0])
+    out = io.StringIO()
+    p = P.Progress(out)
+    p.step("probes", 0, 4)
+    clock[0] += 1.0
+    p.step("probes", 1, 4)
+    p.done()
+    assert out.getvalue() == ""  # a second in: nothing
+    p = P.Progress(out)
+    clock[0] += 10.0
+    p.step("probes", 1, 4)  # the stage's clock starts at its first line
+    clock[0] += 3.0
+    p.step("probes", 2, 4)  # one probe in 3 s, two left
+    assert "probes 2/4, 6 s left in it (13 s in all)" in out.getvalue()
+    clock[0] += 0.5
+    p.step("probes", 3, 4)  # within two seconds of the last line: not rewritten
+    assert "3/4" not in out.getvalue()
+    p.done()
+    assert out.getvalue().endswith("done in 14 s\x1b[K\n")

@@ -20,6 +20,8 @@ pub struct CheckOptions {
     pub noise_multiplier: Option<NoiseMultiplier>,
     /// The run the ε is stated for.
     pub accounting: Accounting,
+    /// What reading and judging the trace may hold; `None`: the machine's available memory.
+    pub max_memory: Option<reference::MemoryBudget>,
 }
 
 impl Default for CheckOptions {
@@ -28,6 +30,7 @@ impl Default for CheckOptions {
             precision: None,
             noise_multiplier: None,
             accounting: Accounting::typical(),
+            max_memory: None,
         }
     }
 }
@@ -44,9 +47,23 @@ pub struct CheckedTrace {
 
 /// Audits the norms (and the step) claimed in a trace file.
 pub fn check_trace(path: &Path, opts: &CheckOptions) -> Result<CheckedTrace> {
-    let (trace, meta) = reference::read_trace(path)?;
+    check_trace_with_progress(path, opts, &|_, _, _| {})
+}
+
+/// [`check_trace`], telling `progress(done, total, what)` as the judge takes each parameter's
+/// truth.
+pub fn check_trace_with_progress(
+    path: &Path,
+    opts: &CheckOptions,
+    progress: &dyn Fn(usize, usize, &str),
+) -> Result<CheckedTrace> {
+    let budget = opts
+        .max_memory
+        .unwrap_or_else(reference::MemoryBudget::machine);
+    let (trace, meta) = reference::read_trace_within(path, budget)?;
     let tied = trace.tied_parameters();
-    let judge = Judge::from_trace(trace).map_err(|e| e.context(path.display()))?;
+    let judge =
+        Judge::from_trace_with_progress(trace, progress).map_err(|e| e.context(path.display()))?;
     let invalid = |key: &str, e: crate::options::OptionError| {
         Error::input(e.message(&format!("{}: `__metadata__.{key}`", path.display())))
     };

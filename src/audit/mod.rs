@@ -12,7 +12,7 @@ mod prepare;
 mod run;
 mod suite;
 
-pub use check::{check_trace, CheckOptions, CheckedTrace};
+pub use check::{check_trace, check_trace_with_progress, CheckOptions, CheckedTrace};
 pub use claim::{claim_of, expected_batch_size, values_of};
 pub use kill_matrix::{kill_matrix, KillMatrix, Row};
 pub use prepare::{median, prepare, PreparedCase};

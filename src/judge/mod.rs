@@ -57,9 +57,18 @@ impl Judge {
 
     /// From a trace alone: every site's gradient materialized in f64, a block at a time.
     pub fn from_trace(trace: RefTrace) -> Result<Self> {
+        Self::from_trace_with_progress(trace, &|_, _, _| {})
+    }
+
+    /// [`from_trace`](Self::from_trace), telling `progress(done, total, what)` as each
+    /// parameter's truth is taken (minutes at a 1B-class trace).
+    pub fn from_trace_with_progress(
+        trace: RefTrace,
+        progress: &dyn Fn(usize, usize, &str),
+    ) -> Result<Self> {
         let tolerance = Tolerance::from_trace(&trace)?;
         Ok(Judge {
-            truth: Truth::from_trace(trace)?,
+            truth: Truth::from_trace_with_progress(trace, progress)?,
             tolerance,
         })
     }

@@ -12,12 +12,27 @@
 
 use super::inner::{pair_cost, param_gram, SiteSides};
 use crate::error::{Error, Result};
-use ghost_oracle_reference::{Reference, SiteKind, Trace as RefTrace};
+use ghost_oracle_reference::{Reference, SiteKind, Trace as RefTrace, GRADIENT_BLOCK_BYTES};
 use ndarray::{Array2, ArrayView1};
+use std::cell::Cell;
 use std::ops::Range;
 
-/// Bytes of rebuilt gradient rows held at once, over all examples of a block.
-const BLOCK_BYTES: usize = 64 << 20;
+thread_local! {
+    /// Bytes of rebuilt gradient rows held at once, over all examples of a block: the reader's
+    /// memory budget counts on [`GRADIENT_BLOCK_BYTES`]. A parameter's per-example gradients
+    /// (a tied embedding and head's V×d included) are never held whole, only a block of rows
+    /// (vocabulary entries) of each at a time. Tests shrink it to force many blocks.
+    static BLOCK_BYTES: Cell<usize> = const { Cell::new(GRADIENT_BLOCK_BYTES) };
+}
+
+/// Runs `f` with blocks of at most `bytes` (at least one row), on this thread.
+#[cfg(test)]
+pub(crate) fn with_block_bytes<R>(bytes: usize, f: impl FnOnce() -> R) -> R {
+    let before = BLOCK_BYTES.with(|b| b.replace(bytes));
+    let r = f();
+    BLOCK_BYTES.with(|b| b.set(before));
+    r
+}
 
 /// Everything about a case that comes from the reference, not from the clipper.
 #[derive(Clone, Debug)]
@@ -82,11 +97,20 @@ impl Truth {
 
     /// The truth of any trace, from its f64 factors alone (no materialized norms to agree with).
     pub fn from_trace(trace: RefTrace) -> Result<Self> {
+        Self::from_trace_with_progress(trace, &|_, _, _| {})
+    }
+
+    /// [`from_trace`](Self::from_trace), telling `progress(done, total, parameter)` as each
+    /// parameter's Gram is taken.
+    pub fn from_trace_with_progress(
+        trace: RefTrace,
+        progress: &dyn Fn(usize, usize, &str),
+    ) -> Result<Self> {
         let GramAndCross {
             gram,
             cross,
             param_sq,
-        } = gram_and_cross(&trace, Route::ByCost)?;
+        } = gram_and_cross_with_progress(&trace, Route::ByCost, progress)?;
         let mut norms = Vec::with_capacity(gram.len());
         let mut cross_share = Vec::with_capacity(gram.len());
         for (i, row) in gram.iter().enumerate() {
@@ -123,11 +147,11 @@ pub(crate) struct Block<'a> {
 /// Rows per block of a `cols`-wide gradient when `examples` such blocks are held together.
 fn block_rows(cols: usize, examples: usize) -> usize {
     let per_row = (cols * 8 * examples.max(1)).max(1);
-    (BLOCK_BYTES / per_row).max(1)
+    (BLOCK_BYTES.with(Cell::get) / per_row).max(1)
 }
 
 /// Visits every parameter of a trace in blocks of rows of its gradient's layout, in order, sized
-/// so that `examples_per_block` such blocks fit in [`BLOCK_BYTES`], after the trace's shapes are
+/// so that `examples_per_block` such blocks fit in [`GRADIENT_BLOCK_BYTES`], after the trace's shapes are
 /// checked (every site of a parameter writes one shape).
 pub(crate) fn for_each_param_block(
     trace: &RefTrace,
@@ -209,12 +233,23 @@ fn route_costs(trace: &RefTrace, js: &[usize], sides: &[SiteSides<'_>], b: usize
 }
 
 pub(crate) fn gram_and_cross(trace: &RefTrace, route: Route) -> Result<GramAndCross> {
+    gram_and_cross_with_progress(trace, route, &|_, _, _| {})
+}
+
+fn gram_and_cross_with_progress(
+    trace: &RefTrace,
+    route: Route,
+    progress: &dyn Fn(usize, usize, &str),
+) -> Result<GramAndCross> {
     trace.validate()?;
     let b = trace.batch_size();
     let mut gram = vec![vec![0.0; b]; b];
     let mut cross = vec![0.0; b];
     let mut param_sq: Vec<(String, Vec<f64>)> = Vec::new();
-    for (param, js) in trace.params() {
+    let params = trace.params();
+    let total = params.len();
+    for (done, (param, js)) in params.into_iter().enumerate() {
+        progress(done, total, &param);
         let sides: Vec<SiteSides<'_>> = js.iter().map(|&j| SiteSides::of(trace, j)).collect();
         let identity = match route {
             Route::ByCost => {
@@ -238,6 +273,7 @@ pub(crate) fn gram_and_cross(trace: &RefTrace, route: Route) -> Result<GramAndCr
         }
         param_sq.push((param, g.diag().to_vec()));
     }
+    progress(total, total, "the Gram of the true gradients");
     Ok(GramAndCross {
         gram,
         cross,

@@ -221,6 +221,24 @@ fn both_routes_equal_the_materialized_gradients_on_every_kind_and_tie() {
 }
 
 #[test]
+fn the_materialized_route_streamed_a_few_rows_at_a_time_equals_the_whole_gradients() {
+    // Blocks of one row (every vocabulary entry of the tied table apart) and of a few rows that
+    // do not divide the table: the same Gram and cross terms as whole gradients.
+    for (seed, b, t) in [(71, 1, 3), (72, 2, 4), (73, 3, 2)] {
+        let trace = random_trace(seed, b, t);
+        for bytes in [1, 8 * 3 * b * 2 + 1] {
+            with_block_bytes(bytes, || {
+                check_route(
+                    &trace,
+                    Route::Materialize,
+                    &format!("{bytes}-byte blocks B={b}"),
+                );
+            });
+        }
+    }
+}
+
+#[test]
 fn both_routes_hold_uses_of_one_parameter_with_different_rows() {
     // Each site its own rows: a head on one pooled row tied to an embedding on 5 ids and a
     // conv1d head on 3 rows; one linear on 4 rows and on 1; a norm on 6 rows with a bias on 2.

@@ -2,7 +2,7 @@
 //! the sites and the parameter manifest, read and checked before any tensor is (the step's keys
 //! are read with the step, in [`super::step`]); and the same header written back.
 
-use super::{MAX_SITE_ENTRIES, MAX_VOCAB, TRACE_FORMAT};
+use super::{MAX_PARAM_ENTRIES, MAX_VOCAB, TRACE_FORMAT};
 use crate::error::{bail, Error, Result};
 use crate::precision::Precision;
 use crate::site::{SiteKind, SiteSpec};
@@ -117,10 +117,10 @@ impl<'de> Visitor<'de> for ManifestSeed<'_> {
             }
             let v: Value = map.next_value()?;
             let count = match v.as_u64() {
-                Some(c) if c as usize <= MAX_SITE_ENTRIES => c as usize,
+                Some(c) if c <= MAX_PARAM_ENTRIES => c as usize,
                 _ => {
                     return Err(de::Error::custom(format!(
-                        "parameter `{name}`: the number of elements must be an integer in 0..={MAX_SITE_ENTRIES}, found {v}"
+                        "parameter `{name}`: the number of elements must be an integer in 0..={MAX_PARAM_ENTRIES}, found {v}"
                     )))
                 }
             };

@@ -4,9 +4,11 @@
 //! people's code. The header is read in [`header`], the claimed DP-SGD step in [`step`]; the
 //! sites' factors and the claimed norms here.
 
+mod budget;
 mod header;
 mod step;
 
+pub use budget::{MemoryBudget, GRADIENT_BLOCK_BYTES};
 pub use step::{ParamValues, StepClaim};
 
 use crate::error::{bail, Error, Result};
@@ -16,6 +18,7 @@ use crate::site::SiteSpec;
 use crate::tensors::{self, has};
 use crate::trace::{Site, Trace};
 use crate::trace_shape::{validate_shapes, IdAt, SiteShape};
+use budget::Tally;
 use header::read_header;
 use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3};
 use safetensors::SafeTensors;
@@ -25,13 +28,13 @@ use step::read_step;
 
 pub(crate) const TRACE_FORMAT: &str = "ghost-oracle-trace/1";
 
-/// Embedding tables larger than this (rows) are refused: materializing one per example is the
-/// reference's job, and a header must not be able to ask for terabytes.
+/// Embedding tables larger than this (rows) are refused: no tokenizer comes near 16.7 M tokens
+/// (Gemma's is 262 144), and a `vocab` is a count of rows a judge streams through.
 pub(crate) const MAX_VOCAB: usize = 1 << 24;
-/// Largest gradient (entries) the reference will materialize for one site: 2²⁷ f64 is 1 GiB,
-/// three times GPT-2 XL's embedding. Checked before any allocation, since a small file can
-/// declare a huge `vocab`.
-pub(crate) const MAX_SITE_ENTRIES: usize = 1 << 27;
+/// A manifest's element counts above this are refused as absurd: 2⁴⁰ is 1.1 T entries, far
+/// beyond any one parameter of a model (what a trace may make the reader hold is bounded by its
+/// memory budget, not by this).
+pub(crate) const MAX_PARAM_ENTRIES: u64 = 1 << 40;
 
 /// What a trace says besides its factors.
 #[derive(Clone, Debug, PartialEq)]
@@ -80,14 +83,43 @@ impl TraceMeta {
     }
 }
 
-/// Reads and validates a trace file.
+/// Reads and validates a trace file within the machine's available memory
+/// ([`MemoryBudget::machine`]).
 pub fn read_trace(path: &Path) -> Result<(Trace, TraceMeta)> {
-    let bytes = tensors::read_bytes(path, "trace")?;
-    read_trace_bytes(&bytes, &path.display().to_string())
+    read_trace_within(path, MemoryBudget::machine())
 }
 
-/// Parses and validates a trace file's contents; `label` names it in messages.
+/// Reads and validates a trace file, refusing it before holding anything (the file included)
+/// when reading and judging it would hold more than `budget`.
+pub fn read_trace_within(path: &Path, budget: MemoryBudget) -> Result<(Trace, TraceMeta)> {
+    let label = path.display().to_string();
+    if let Ok(m) = std::fs::metadata(path) {
+        if m.is_file() {
+            Tally::new(budget, &label).add(m.len(), || "the file, held while it is read".into())?;
+        }
+    }
+    let bytes = tensors::read_bytes(path, "trace")?;
+    read_trace_bytes_within(&bytes, &label, budget)
+}
+
+/// Parses and validates a trace file's contents within the machine's available memory; `label`
+/// names it in messages.
 pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)> {
+    read_trace_bytes_within(bytes, label, MemoryBudget::machine())
+}
+
+/// Parses and validates a trace file's contents; `label` names it in messages. Before any float
+/// tensor is converted, what reading and judging it would hold (the bytes, every factor widened
+/// to f64, the blocks of gradient a judge streams, the claims) is held to `budget`.
+pub fn read_trace_bytes_within(
+    bytes: &[u8],
+    label: &str,
+    budget: MemoryBudget,
+) -> Result<(Trace, TraceMeta)> {
+    let mut tally = Tally::new(budget, label);
+    tally.add(bytes.len() as u64, || {
+        "the file, held while it is read".into()
+    })?;
     let (_, metadata) = safetensors::SafeTensors::read_metadata(bytes)
         .map_err(|e| Error::new(format!("{label} is not a valid safetensors file ({e})")))?;
     let st = tensors::parse(bytes, label)?;
@@ -101,8 +133,16 @@ pub fn read_trace_bytes(bytes: &[u8], label: &str) -> Result<(Trace, TraceMeta)>
         header.manifest.as_ref(),
         label,
         &mut expected,
+        &mut tally,
     )?;
     let trace = Trace { sites };
+    // The claims and the step are copied out of the file in their own formats.
+    for (name, view) in st.tensors() {
+        if !expected.contains(&name) {
+            let n = view.data().len() as u64;
+            tally.add(n, || format!("tensor `{name}`, copied as stored"))?;
+        }
+    }
     let (claimed_norms, claimed_coefficients) =
         read_claims(&st, trace.batch_size(), label, &mut expected)?;
     let step = read_step(&st, &meta, &trace, label, &mut expected)?;
@@ -198,44 +238,77 @@ fn site_tensors(
     Ok(found)
 }
 
-/// Each site's gradient against the size the reference materializes and the manifest's count.
+/// Each site's gradient against the manifest's count, and what judging the trace would hold
+/// against the budget: every site's factors widened to f64 (and the ids, and a LayerNorm site's
+/// elementwise product), and per parameter the blocks of its per-example gradients a judge holds
+/// while it streams it ([`GRADIENT_BLOCK_BYTES`] of rows for the whole batch, plus a few more).
 fn check_sizes(
     shapes: &[SiteShape],
     manifest: Option<&BTreeMap<String, usize>>,
     label: &str,
+    tally: &mut Tally,
 ) -> Result<()> {
+    let mut streamed: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     for s in shapes {
         let (n, param) = (&s.spec.name, &s.spec.param);
         let (rows, cols) = s.gradient_shape();
-        if rows.saturating_mul(cols) > MAX_SITE_ENTRIES {
-            bail!("{label}: site `{n}` writes a {rows}×{cols} gradient; at most {MAX_SITE_ENTRIES} entries are materialized");
-        }
+        let entries = (rows as u128) * (cols as u128);
         if let Some(&count) = manifest.and_then(|m| m.get(param)) {
-            if rows * cols != count {
+            if entries != count as u128 {
                 bail!(
-                    "{label}: site `{n}` writes a {rows}×{cols} gradient ({} entries) but `__metadata__.parameters` lists parameter `{param}` with {count} elements",
-                    rows * cols
+                    "{label}: site `{n}` writes a {rows}×{cols} gradient ({entries} entries) but `__metadata__.parameters` lists parameter `{param}` with {count} elements"
                 );
             }
         }
+        let count = |d: &[usize]| d.iter().fold(1u64, |a, &x| a.saturating_mul(x as u64));
+        let mut floats = count(s.backprops);
+        if let Some(a) = s.activations {
+            floats = floats.saturating_add(count(a));
+        }
+        if s.spec.kind == crate::site::SiteKind::LayerNorm {
+            floats = floats.saturating_add(count(s.backprops));
+        }
+        let ids = s.ids.map_or(0, count);
+        let bytes = floats.saturating_add(ids).saturating_mul(8);
+        tally.add(bytes, || {
+            format!(
+                "site `{n}` ({}): its factors widened to f64",
+                s.spec.kind.name()
+            )
+        })?;
+        streamed.insert(param, (rows as u64, cols as u64));
+    }
+    let b = shapes.first().map_or(1, |s| s.backprops[0]).max(1) as u64;
+    for (param, (rows, cols)) in streamed {
+        let row_bytes = cols.saturating_mul(8).saturating_mul(b).max(1);
+        let block_rows = (GRADIENT_BLOCK_BYTES as u64 / row_bytes).clamp(1, rows.max(1));
+        // Every example's block, one site's apart, their sum and the step's two targets.
+        let bytes = block_rows
+            .saturating_mul(cols)
+            .saturating_mul(8)
+            .saturating_mul(b + 3);
+        tally.add(bytes, || {
+            format!("parameter `{param}` ({rows}×{cols}): the blocks of its per-example gradients judged at a time")
+        })?;
     }
     Ok(())
 }
 
 /// Reads every site's factors: their shapes are checked from the header (and the ids) before
-/// any float tensor is converted, then each site's gradient against the size limit and the
-/// manifest. Returns the sites and the coarsest format each is stored in.
+/// any float tensor is converted, then each site's gradient against the manifest and what
+/// judging it holds against the budget. Returns the sites and the coarsest format each is stored in.
 fn read_sites(
     st: &SafeTensors,
     specs: Vec<SiteSpec>,
     manifest: Option<&BTreeMap<String, usize>>,
     label: &str,
     expected: &mut HashSet<String>,
+    tally: &mut Tally,
 ) -> Result<(Vec<Site>, Vec<Precision>)> {
     let found = site_tensors(st, specs, label, expected)?;
     let shapes: Vec<SiteShape> = found.iter().map(SiteTensors::shape).collect();
     validate_shapes(&shapes).map_err(|e| Error::new(format!("{label}: {e}")))?;
-    check_sizes(&shapes, manifest, label)?;
+    check_sizes(&shapes, manifest, label, tally)?;
     let mut sites = Vec::with_capacity(found.len());
     let mut dtypes = Vec::with_capacity(found.len());
     for f in found {

@@ -1,14 +1,17 @@
 """The self-check: nothing is written unless every trainable parameter that received a gradient
 is accounted for by its sites, and the batch gradient rebuilt from their factors (as stored)
-equals autograd's `p.grad` to rounding, at a tolerance that follows each site's precision."""
+equals autograd's `p.grad` to rounding, at a tolerance that follows each site's precision. It
+holds one parameter at a time, a block of rows at a time (a tied embedding and head in blocks of
+vocabulary rows): its memory is a few hundred MiB above the model's, not a second copy of every
+gradient."""
 import torch
 
 from .errors import TraceExportError
 from .precision import DTYPE_NAMES, reduction_tolerance, unit_roundoff
-from .site_kinds import low_precision_rounds, rebuild
+from .site_kinds import layout, low_precision_rounds, rebuild
 
 
-def self_check(model, sites, names, owners, store_dtype):
+def self_check(model, sites, names, owners, store_dtype, progress=None):
     """Raises unless every trainable parameter that received a gradient has a site and its
     sites' factors rebuild autograd's gradient to rounding, each site at its own precision
     (`entry["dtype"]`; `store_dtype` None: each site stored in its own)."""
@@ -30,7 +33,9 @@ def self_check(model, sites, names, owners, store_dtype):
     # A fused expert tensor is named first: it is the reason the model cannot be traced, and
     # its router (whose gradient flows through the routing weights) has no site either.
     params.sort(key=lambda p: 0 if fused_experts(p) else 1)
-    for p in params:
+    for n, p in enumerate(params):
+        if progress is not None:
+            progress.step("self-check against autograd, parameters", n, len(params))
         name = names[id(p)]
         mods = ", ".join(f"`{m}` ({c})" for m, c in owners.get(id(p), []))
         uses = by_param.get(name)
@@ -52,35 +57,70 @@ def self_check(model, sites, names, owners, store_dtype):
                 "(an elementwise product, a slice, a bias added with `+`). If its module's class computes "
                 "what one of the kinds computes, declare it: ghost_oracle.torch.register_module(cls, kind)"
             )
-        rebuilt = torch.zeros(p.numel(), dtype=torch.float64)
-        absum = torch.zeros(p.numel(), dtype=torch.float64)
-        tol = torch.zeros(p.numel(), dtype=torch.float64)
-        for spec, ts, entry in uses:
-            r, a = rebuild(spec, ts)
-            if r.numel() != p.numel():
+        for spec, ts, _ in uses:
+            r, c = layout(spec, ts)
+            if r * c != p.numel():
                 raise TraceExportError(
                     f"parameter `{name}` (module {mods}): site `{spec['name']}` ({spec['kind']}) rebuilds "
-                    f"{r.numel()} entries but the parameter has {p.numel()}"
+                    f"{r * c} entries but the parameter has {p.numel()}"
                 )
-            rebuilt += r
-            absum += a
+        _check_param(p, name, mods, uses, store_dtype)
+
+
+def _blocks(uses, numel):
+    """Row ranges of the parameter's layout, each a block of about `_BLOCK_ENTRIES` entries:
+    a tied embedding and head (V×d) is rebuilt a block of vocabulary rows at a time, never
+    whole. One block where the sites lay the parameter out with different rows."""
+    layouts = {layout(spec, ts) for spec, ts, _ in uses}
+    if len(layouts) != 1:
+        return [None]
+    rows, cols = layouts.pop()
+    step = max(1, _BLOCK_ENTRIES // max(cols, 1))
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+#: Entries of one parameter rebuilt at a time: six f64 arrays of this many are 192 MiB.
+_BLOCK_ENTRIES = 4 << 20
+
+
+def _check_param(p, name, mods, uses, store_dtype):
+    """Holds the batch gradient rebuilt from `uses` (the sites of parameter `p`) to autograd's
+    `p.grad`, a block of rows at a time; raises naming the worst entry."""
+    grad = p.grad.detach().reshape(-1)
+    worst = None  # (error / tolerance, entry, rebuilt, autograd, error, tolerance)
+    bad_count = 0
+    for block in _blocks(uses, p.numel()):
+        rebuilt = absum = tol = None
+        for spec, ts, entry in uses:
+            r, a = rebuild(spec, ts, block)
+            rebuilt = r if rebuilt is None else rebuilt + r
+            absum = a if absum is None else absum + a
             store = entry["dtype"] if store_dtype is None else store_dtype
             rows = ts["backprops"].shape[0] * ts["backprops"].shape[1]  # B·T, or B·T·H for a per-head norm
-            tol += reduction_tolerance(a, entry["dtype"], store, rows, low_precision_rounds(spec, ts, entry["dtype"]))
+            t = reduction_tolerance(a, entry["dtype"], store, rows,
+                                    low_precision_rounds(spec, ts, entry["dtype"], block))
+            tol = t if tol is None else tol + t
         # autograd adds the uses of a tied parameter into p.grad in the parameter's dtype
         tol += 2.0 * (len(uses) - 1) * unit_roundoff(p.dtype) * absum + torch.finfo(p.dtype).tiny
-        want = p.grad.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        offset = 0 if block is None else block[0] * (p.numel() // layout(*uses[0][:2])[0])
+        want = grad[offset:offset + rebuilt.numel()].to(device="cpu", dtype=torch.float64)
         err = (rebuilt - want).abs()
         bad = err > tol
         if bool(bad.any()):
-            k = int(torch.argmax(err / tol))
-            site_list = ", ".join(f"`{s['name']}` ({s['kind']}, module class {e['cls']}, computed in "
-                                  f"{DTYPE_NAMES.get(e['dtype'], e['dtype'])})" for s, _, e in uses)
-            raise TraceExportError(
-                f"parameter `{name}` (module {mods}): the gradient rebuilt from its sites {site_list} differs "
-                f"from autograd's at {int(bad.sum())} of {p.numel()} entries; worst entry {k}: rebuilt "
-                f"{float(rebuilt[k]):.6e}, autograd {float(want[k]):.6e}, |error| {float(err[k]):.3e} > "
-                f"tolerance {float(tol[k]):.3e}. The module's forward is not what the exporter models "
-                "(a subclass that changes forward, a scale or cast inside it, a class declared with "
-                "register_module that does not compute what its kind computes)"
-            )
+            bad_count += int(bad.sum())
+            ratio = err / tol
+            k = int(torch.argmax(ratio))
+            if worst is None or float(ratio[k]) > worst[0]:
+                worst = (float(ratio[k]), offset + k, float(rebuilt[k]), float(want[k]), float(err[k]), float(tol[k]))
+    if worst is not None:
+        _, k, r, w, e, t = worst
+        site_list = ", ".join(f"`{s['name']}` ({s['kind']}, module class {e['cls']}, computed in "
+                              f"{DTYPE_NAMES.get(e['dtype'], e['dtype'])})" for s, _, e in uses)
+        raise TraceExportError(
+            f"parameter `{name}` (module {mods}): the gradient rebuilt from its sites {site_list} differs "
+            f"from autograd's at {bad_count} of {p.numel()} entries; worst entry {k}: rebuilt "
+            f"{r:.6e}, autograd {w:.6e}, |error| {e:.3e} > "
+            f"tolerance {t:.3e}. The module's forward is not what the exporter models "
+            "(a subclass that changes forward, a scale or cast inside it, a class declared with "
+            "register_module that does not compute what its kind computes)"
+        )

@@ -90,7 +90,7 @@ def _probe_order(b):
     return torch.randperm(b, generator=gen).tolist()
 
 
-def _find_layouts(entries, losses, b, batch_axis, direct_inputs, leaves=()):
+def _find_layouts(entries, losses, b, batch_axis, direct_inputs, leaves=(), progress=None):
     """Sets `entry["layout"]` for every use whose output received a gradient in the batch's
     backward, from the gradients of single examples' losses (the graph must still be alive).
     Raises `TraceExportError` for a use no layout fits (the model mixes examples), one several
@@ -118,6 +118,8 @@ def _find_layouts(entries, losses, b, batch_axis, direct_inputs, leaves=()):
     for n, i in enumerate(order):
         if n >= min(b, 4) and b > PROBE_ALL_UP_TO and all(reached.values()) and reached_any:
             break
+        if progress is not None:
+            progress.step("per-example probes (one backward each)", n, len(order))
         grads = torch.autograd.grad(losses[i], [e["output"] for e in live] + [t for _, t in leaves],
                                     retain_graph=True, allow_unused=True)
         for (name, t), g in zip(leaves, grads[len(live):]):

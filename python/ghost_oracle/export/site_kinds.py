@@ -10,38 +10,67 @@ from .precision import low_precision
 SITE_KINDS = ("linear", "conv1d", "embedding", "layernorm", "bias")
 
 
-def rebuild(spec, ts):
-    """(Σ over examples and rows of the site's gradient, the same sum of |terms|), f64, in the
-    parameter's layout flattened the way `p.reshape(-1)` is."""
-    g = ts["backprops"].to(torch.float64)
+def layout(spec, ts):
+    """(rows, cols) of the parameter's gradient as the site writes it: `p.reshape(-1)` is rows
+    blocks of cols entries (an embedding's or a head's rows are the vocabulary)."""
     kind = spec["kind"]
-    if kind == "bias":
-        return g.sum((0, 1)), g.abs().sum((0, 1))
+    out = ts["backprops"].shape[-1]
     if kind == "embedding":
-        ids = ts["ids"].reshape(-1)
-        d = g.shape[-1]
-        v = spec["vocab"]
-        full = torch.zeros(v, d, dtype=torch.float64).index_add_(0, ids, g.reshape(-1, d))
-        absum = torch.zeros(v, d, dtype=torch.float64).index_add_(0, ids, g.abs().reshape(-1, d))
-        return full.reshape(-1), absum.reshape(-1)
-    a = ts["activations"].to(torch.float64)
-    if kind == "layernorm":
-        return (g * a).sum((0, 1)), (g * a).abs().sum((0, 1))
+        return spec["vocab"], out
+    if kind in ("bias", "layernorm"):
+        return out, 1
     if kind == "linear":
-        return torch.einsum("bto,bti->oi", g, a).reshape(-1), torch.einsum("bto,bti->oi", g.abs(), a.abs()).reshape(-1)
+        return out, ts["activations"].shape[-1]
     if kind == "conv1d":
-        return torch.einsum("bti,bto->io", a, g).reshape(-1), torch.einsum("bti,bto->io", a.abs(), g.abs()).reshape(-1)
+        return ts["activations"].shape[-1], out
     raise ValueError(f"site `{spec['name']}`: unknown site kind {kind!r}; the kinds are {', '.join(SITE_KINDS)}")
 
 
-def low_precision_rounds(spec, ts, site_dtype):
+def rebuild(spec, ts, rows=None):
+    """(Σ over examples and rows of the site's gradient, the same sum of |terms|), f64, in the
+    parameter's layout flattened the way `p.reshape(-1)` is; `rows` (start, stop): only those
+    rows of the layout (`layout`), so that a large table is rebuilt a block at a time."""
+    kind = spec["kind"]
+    n_rows, _ = layout(spec, ts)
+    start, stop = (0, n_rows) if rows is None else rows
+    if kind == "embedding":
+        g = ts["backprops"]
+        d = g.shape[-1]
+        ids = ts["ids"].reshape(-1)
+        keep = (ids >= start) & (ids < stop)
+        at = ids[keep] - start
+        g = g.reshape(-1, d)[keep].to(torch.float64)
+        full = torch.zeros(stop - start, d, dtype=torch.float64).index_add_(0, at, g)
+        absum = torch.zeros(stop - start, d, dtype=torch.float64).index_add_(0, at, g.abs())
+        return full.reshape(-1), absum.reshape(-1)
+    if kind in ("bias", "linear"):
+        g = ts["backprops"][..., start:stop].to(torch.float64)
+    else:
+        g = ts["backprops"].to(torch.float64)
+    if kind == "bias":
+        return g.sum((0, 1)), g.abs().sum((0, 1))
+    if kind == "conv1d":
+        a = ts["activations"][..., start:stop].to(torch.float64)
+    else:
+        a = ts["activations"].to(torch.float64)
+    if kind == "layernorm":
+        prod = (g * a)[..., start:stop]
+        return prod.sum((0, 1)), prod.abs().sum((0, 1))
+    if kind == "linear":
+        return torch.einsum("bto,bti->oi", g, a).reshape(-1), torch.einsum("bto,bti->oi", g.abs(), a.abs()).reshape(-1)
+    return torch.einsum("bti,bto->io", a, g).reshape(-1), torch.einsum("bti,bto->io", a.abs(), g.abs()).reshape(-1)
+
+
+def low_precision_rounds(spec, ts, site_dtype, rows=None):
     """The roundings per entry a low-precision backward of this kind adds, where the kind has its
     own count (None: the default of `precision.reduction_tolerance`). An embedding's backward
     adds each lookup's row into the table in the low precision, one rounding per occurrence of
-    the id: count + 4 for that row."""
+    the id: count + 4 for that row. `rows` (start, stop): those rows of the layout only."""
     if spec["kind"] != "embedding" or not low_precision(site_dtype):
         return None
+    start, stop = (0, spec["vocab"]) if rows is None else rows
     ids = ts["ids"].reshape(-1)
-    count = torch.zeros(spec["vocab"], dtype=torch.float64).index_add_(
+    ids = ids[(ids >= start) & (ids < stop)] - start
+    count = torch.zeros(stop - start, dtype=torch.float64).index_add_(
         0, ids, torch.ones(ids.numel(), dtype=torch.float64))
     return (count + 4.0).unsqueeze(1).expand(-1, ts["backprops"].shape[-1]).reshape(-1)

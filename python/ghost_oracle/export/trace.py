@@ -75,6 +75,7 @@ from .kinds import Use
 from .layout import _find_layouts
 from .precision import DTYPE_NAMES, unit_roundoff
 from .precision import compute_dtype as model_compute_dtype
+from .progress import Progress
 from .record import param_names, param_owners, record
 from .step import _number, _resolve_step
 
@@ -109,6 +110,23 @@ def _sites(entry, names, dtype, b):
     if entry["grad"] is None:
         return []  # output not on the loss path
     return list(entry["handler"].sites(Use(entry, names, dtype, b)))
+
+
+def _own(v, owned):
+    """A factor as the file is written from it: on the host, contiguous, holding its storage
+    alone (safetensors refuses tensors that share one: a bias and its weight share backprops).
+    A factor that already is that is written as captured, not copied: at 1B-class sizes the
+    factors are gigabytes."""
+    v = v.detach().cpu()
+    if v.is_contiguous():
+        storage = v.untyped_storage()
+        whole = v.storage_offset() == 0 and storage.nbytes() == v.numel() * v.element_size()
+        if not whole or storage.data_ptr() in owned:
+            v = v.clone()
+    else:
+        v = v.contiguous()
+    owned.add(v.untyped_storage().data_ptr())
+    return v
 
 
 def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_norm,
@@ -167,6 +185,7 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
     if clipping == "automatic" and clip_stabilizer == 0.0:
         # the reader refuses it too: C/(n + γ) with γ = 0 is unbounded for a zero gradient
         raise ValueError("clipping \"automatic\" (c = C/(n + γ)) needs γ > 0 (clip_stabilizer), got 0")
+    progress = Progress()
     model.zero_grad(set_to_none=True)
     # floating-point inputs made leaves that require gradients, so that the probes see whether
     # an example's loss reaches another example's inputs; the model gets them, the user's
@@ -191,24 +210,26 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
                              f"example{hint}")
         losses.sum().backward(retain_graph=b > 1)
         rec.probing = True
-        _find_layouts(entries, losses, b, batch_axis, _input_tensors(inputs), leaves)
+        _find_layouts(entries, losses, b, batch_axis, _input_tensors(inputs), leaves, progress)
     finally:
         for e in entries:  # the outputs hold the graph alive
             e.pop("output", None)
         losses = None
     sites, tensors = [], {}
+    owned = set()
     for entry in entries:
         for spec, ts in _sites(entry, names, dtype, b):
             if spec["name"] in tensors or any(s["name"] == spec["name"] for s, _, _ in sites):
                 raise TraceExportError(f"site name `{spec['name']}` appears twice")
-            # bias and weight share backprops; the file is written from host memory
-            ts = {k: v.detach().cpu().clone().contiguous() for k, v in ts.items()}
+            ts = {k: _own(v, owned) for k, v in ts.items()}
             sites.append((spec, ts, entry))
+        entry.pop("input", None)  # what is left of a use's capture is its sites' factors
+        entry.pop("grad", None)
     for spec, _, entry in sites:
         if entry["dtype"] not in DTYPE_NAMES:
             raise TraceExportError(f"site `{spec['name']}` ({entry['cls']}) computed in {entry['dtype']}; traces "
                                    f"record {list(DTYPE_NAMES)}")
-    self_check(model, sites, names, owners, dtype)
+    self_check(model, sites, names, owners, dtype, progress)
     # The precision is per site: the header holds the coarsest (what a reader that knows no
     # per-site precision judges at), and where the sites differ each carries its own.
     site_dtypes = [entry["dtype"] for _, _, entry in sites]
@@ -259,5 +280,7 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
         meta["clip_stabilizer"] = repr(clip_stabilizer)
     if step or clipping != "flat":
         meta["clipping"] = clipping
+    progress.step("writing the trace", 0, 1)
     save_file(tensors, os.fspath(path), metadata=meta)
+    progress.done()
     return specs

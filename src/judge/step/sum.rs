@@ -379,3 +379,155 @@ fn sum_verdict(
         Verdict::UtilityDistortion
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::judge::truth::with_block_bytes;
+    use ghost_oracle_reference::{
+        Site, SiteKind, SiteSpec, SplitMix64, Trace as RefTrace, GRADIENT_BLOCK_BYTES,
+    };
+    use ndarray::{Array2 as A2, Array3};
+
+    const B: usize = 3;
+    const T: usize = 4;
+    const V: usize = 7;
+    const D: usize = 3;
+
+    /// A tied embedding and head (one V×D parameter, two sites) and an untied linear layer.
+    fn tied_trace(rng: &mut SplitMix64) -> RefTrace {
+        let mut dense = |w: usize| Array3::from_shape_fn((B, T, w), |_| rng.normal());
+        let spec = |name: &str, param: &str, kind, vocab| SiteSpec {
+            name: name.into(),
+            param: param.into(),
+            kind,
+            vocab,
+        };
+        let emb_bp = dense(D);
+        let head_bp = dense(V);
+        let head_act = dense(D);
+        let fc_bp = dense(2);
+        let fc_act = dense(D);
+        RefTrace {
+            sites: vec![
+                Site {
+                    spec: spec("emb", "wte", SiteKind::Embedding, Some(V)),
+                    activations: None,
+                    // Repeated tokens within and across examples.
+                    ids: Some(A2::from_shape_fn((B, T), |(b, t)| ((b + 2 * t) % 4) as i64)),
+                    backprops: emb_bp,
+                },
+                Site {
+                    spec: spec("head", "wte", SiteKind::Linear, None),
+                    activations: Some(head_act),
+                    ids: None,
+                    backprops: head_bp,
+                },
+                Site {
+                    spec: spec("fc", "fc", SiteKind::Linear, None),
+                    activations: Some(fc_act),
+                    ids: None,
+                    backprops: fc_bp,
+                },
+            ],
+        }
+    }
+
+    /// Per parameter, every example's whole gradient: its sites' own materialized gradients
+    /// summed, by plain loops over the factors (not the judge's blocks).
+    fn whole(trace: &RefTrace, js: &[usize], i: usize) -> A2<f64> {
+        let mut g: Option<A2<f64>> = None;
+        for &j in js {
+            let s = &trace.sites[j];
+            let (rows, cols) = trace.site_gradient_shape(j);
+            let mut m = A2::<f64>::zeros((rows, cols));
+            for t in 0..T {
+                for c in 0..cols {
+                    match s.spec.kind {
+                        SiteKind::Embedding => {
+                            let r = s.ids.as_ref().unwrap()[(i, t)] as usize;
+                            m[(r, c)] += s.backprops[(i, t, c)];
+                        }
+                        _ => {
+                            let a = s.activations.as_ref().unwrap();
+                            for r in 0..rows {
+                                m[(r, c)] += s.backprops[(i, t, r)] * a[(i, t, c)];
+                            }
+                        }
+                    }
+                }
+            }
+            g = Some(g.map_or(m.clone(), |g| g + &m));
+        }
+        g.unwrap()
+    }
+
+    #[test]
+    fn the_step_sums_streamed_a_few_vocabulary_rows_at_a_time_equal_whole_gradients() {
+        let mut rng = SplitMix64::new(5);
+        let trace = tied_trace(&mut rng);
+        let truth = Truth::from_trace(trace).unwrap();
+        let trace = truth.factors.as_ref().unwrap();
+        let coefs = [0.3, 1.0, 0.7];
+        let other = [1.0, 0.5, 0.25];
+        // X: the exact clipped sum plus a known error, in each parameter's layout.
+        let (mut claimed, mut err2, mut ref2, mut cross, mut x2) = (Vec::new(), 0.0, 0.0, 0.0, 0.0);
+        let (mut bi, mut o) = (vec![0.0; B], (0.0, 0.0));
+        for (param, js) in trace.params() {
+            let g: Vec<A2<f64>> = (0..B).map(|i| whole(trace, &js, i)).collect();
+            let want = g
+                .iter()
+                .zip(coefs)
+                .fold(g[0].clone() * 0.0, |s, (g, c)| s + g * c);
+            let want_o = g
+                .iter()
+                .zip(other)
+                .fold(g[0].clone() * 0.0, |s, (g, c)| s + g * c);
+            let x = want.mapv(|w| w + 0.01 * rng.normal());
+            err2 += (&x - &want).mapv(|e| e * e).sum();
+            ref2 += want.mapv(|w| w * w).sum();
+            cross += (&x * &want).sum();
+            x2 += x.mapv(|v| v * v).sum();
+            o.0 += (&x - &want_o).mapv(|e| e * e).sum();
+            o.1 += want_o.mapv(|w| w * w).sum();
+            for (b, g) in bi.iter_mut().zip(&g) {
+                *b += (g * &x).sum();
+            }
+            claimed.push((param, Floats::F64(x.iter().copied().collect())));
+        }
+        // One row of the V×D table per block, a few rows, and the whole table at once.
+        for bytes in [1, 2 * D * 8 * B + 1, GRADIENT_BLOCK_BYTES] {
+            let s = with_block_bytes(bytes, || {
+                sums(&truth, &coefs, &claimed, 1.0, Some(&other)).unwrap()
+            });
+            let close = |got: f64, want: f64, what: &str| {
+                assert!(
+                    (got - want).abs() <= 1e-12 * want.abs().max(1.0),
+                    "{bytes}-byte blocks, {what}: {got:e} vs {want:e}"
+                );
+            };
+            close(s.err2, err2, "‖X − S*‖²");
+            close(s.ref2, ref2, "‖S*‖²");
+            close(s.cross, cross, "⟨X, S*⟩");
+            close(s.x2, x2, "‖X‖²");
+            for (i, (&got, &want)) in s.b.iter().zip(&bi).enumerate() {
+                close(got, want, &format!("⟨g_{i}, X⟩"));
+            }
+            let (e, r) = s.other.unwrap();
+            close(e, o.0, "‖X − Σ a_i g_i‖²");
+            close(r, o.1, "‖Σ a_i g_i‖²");
+            // One entry per parameter however many blocks it took.
+            assert_eq!(
+                s.per_param.len(),
+                2,
+                "{bytes}-byte blocks: {:?}",
+                s.per_param
+            );
+            close(
+                s.per_param.iter().map(|p| p.1).sum(),
+                err2,
+                "Σ_p ‖X_p − S*_p‖²",
+            );
+        }
+    }
+}
