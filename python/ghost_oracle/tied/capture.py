@@ -233,9 +233,10 @@ class TiedParameter:
         """The per-example norm, once every recorded use has arrived; clears the uses."""
         assert self.square is not None
         norm = self.square.clamp(min=0).sqrt()
-        seen = self.seen_grad
+        seen, low_precision = self.seen_grad, self.low_precision
         self.reset()
-        self.seen_grad = seen
+        # kept for the check that follows the backward pass
+        self.seen_grad, self.low_precision = seen, low_precision
         return norm
 
     def check_batch_gradient(self, grad: torch.Tensor | None, low_precision: bool) -> None:
