@@ -80,8 +80,8 @@ def child(args):
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(batch)), batch_size=batch)
-    common = dict(optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-                  poisson_sampling=False)
+    common = {"optimizer": optimizer, "data_loader": loader, "noise_multiplier": 1.0, "max_grad_norm": 1.0,
+              "poisson_sampling": False}
     if variant == "tied+plugin":
         module, optimizer, criterion, _ = dpo.make_private(PrivacyEngine(), module=model, criterion=PerExampleLoss(),
                                                            grad_sample_mode="ghost", **common)
@@ -115,8 +115,8 @@ def child(args):
         times.append(time.perf_counter() - start)
     rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
     gpu_gib = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None
-    print(json.dumps(dict(variant=variant, batch=batch, seq=seq, params=params, times=times,
-                          median_s=statistics.median(times), peak_rss_gib=rss_gib, gpu_gib=gpu_gib)))
+    print(json.dumps({"variant": variant, "batch": batch, "seq": seq, "params": params, "times": times,
+                      "median_s": statistics.median(times), "peak_rss_gib": rss_gib, "gpu_gib": gpu_gib}))
 
 
 def main():
