@@ -64,6 +64,7 @@ class TiedGhostClipping:
     def _setup_tied(self) -> None:
         self._tied: dict[nn.Parameter, TiedParameter] = {}
         names = {p: n for n, p in self._module.named_parameters()}
+        self._parameter_names = names
         captured = find_tied_parameters(self._module)
         # An untied scaled embedding is captured here too, as a parameter with one use: Opacus has
         # no norm sampler for it and its functorch fallback refuses the scale buffer.
@@ -165,8 +166,9 @@ class TiedGhostClipping:
         for p in self.trainable_parameters:
             norm = getattr(p, "_norm_sample", None)
             if norm is None:
-                raise RuntimeError("a trainable parameter has no per-sample norm after the backward pass; "
-                                   f"shape {tuple(p.shape)}" + self._tied_name(p))
+                raise RuntimeError(f"parameter `{self._parameter_names.get(p, tuple(p.shape))}` has no per-sample "
+                                   "norm after the backward pass (is it on the loss's path, and its module hooked?)"
+                                   + self._tied_name(p))
             per_param.append(norm)
         wide = torch.float64 if any(n.dtype == torch.float64 for n in per_param) else torch.float32
         device = per_param[0].device
@@ -187,9 +189,6 @@ class TiedGhostClipping:
         self._check_next_backward = False
         for state in self._tied.values():
             state.check_batch_gradient(state.param.grad, state.low_precision)
-
-    def tied_parameter_names(self) -> list[str]:
-        return [state.name for state in self._tied.values()]
 
 
 class TiedGradSampleModule(TiedGhostClipping, GradSampleModuleFastGradientClipping):  # type: ignore[misc]
