@@ -45,7 +45,10 @@ import torch
 from opacus import GradSampleModule, PrivacyEngine
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
-__all__ = ["Step", "dp_step", "ghost_norms", "norms", "per_sample_norms"]
+# Exact ghost clipping for tied parameters: PrivacyEngine.make_private with the tie kept.
+from .tied import make_private
+
+__all__ = ["Step", "dp_step", "ghost_norms", "make_private", "norms", "per_sample_norms"]
 
 # The γ Opacus 1.6 adds to the norm in its clip factor min(1, C / (n + γ)), in hooks and ghost
 # mode alike (DPOptimizer.clip_and_accumulate, get_clipping_coef).
