@@ -99,7 +99,7 @@ def check_step(fixture, dtype, micro_batches, sigma):
         assert max_rel({k: v * divisor for k, v in step.update.items()}, truth) <= STEP_TOL[dtype]
     precision = "f32" if dtype == torch.float64 and not float64_throughout(model) else None
     assert_update(model, loss, step.inputs, step.update, clipped_sum=step.clipped_sum, max_grad_norm=fixture.c,
-                  noise_multiplier=sigma, batch_divisor=divisor, stabilizer=STABILIZER,
+                  noise_multiplier=sigma, batch_divisor=divisor, clip_stabilizer=STABILIZER,
                   claimed_norms=step.norms, clipper="tied-plugin", precision=precision)
 
 
@@ -130,7 +130,7 @@ def test_dropping_the_cross_term_is_caught_by_assert_update(request, name, cross
     divisor = step.batch_divisor if reduction == "mean" else 1.0
     with pytest.raises(ghost_oracle.ClippingCheckFailed):
         assert_update(model, loss, step.inputs, step.update, clipped_sum=step.clipped_sum,
-                      max_grad_norm=fixture.c, noise_multiplier=0.0, batch_divisor=divisor, stabilizer=STABILIZER)
+                      max_grad_norm=fixture.c, noise_multiplier=0.0, batch_divisor=divisor, clip_stabilizer=STABILIZER)
 
 
 # ---------------------------------------------------------------------------------------------
