@@ -112,7 +112,10 @@ def capture(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inp
     """Records every modelled call on `inputs` and the gradients of Σ_i weights_i·loss_i."""
     first = _Recorder(batch, recording=True)
     mutated: dict[str, Any] = {}
-    _losses(per_example_loss(_apply_fn(model, {"params": params}, first, mutated, []), inputs), batch)
+    # jit inside the model (the gemma package jits its Transformer's __call__) would hand the
+    # interceptor traced values; the passes run eagerly, with the model's own arithmetic
+    with jax.disable_jit():
+        _losses(per_example_loss(_apply_fn(model, {"params": params}, first, mutated, []), inputs), batch)
     perturbations = mutated.get(COLLECTION, {})
 
     def total(p: Any, perts: Any) -> tuple[jax.Array, jax.Array]:
@@ -121,7 +124,8 @@ def capture(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inp
                          batch)
         return jnp.sum(losses * jnp.asarray(weights, dtype=losses.dtype)), losses
 
-    (g_params, g_perts), losses = jax.grad(total, argnums=(0, 1), has_aux=True)(params, perturbations)
+    with jax.disable_jit():
+        (g_params, g_perts), losses = jax.grad(total, argnums=(0, 1), has_aux=True)(params, perturbations)
     for call in first.calls:
         node: Any = g_perts
         for part in call.path:
