@@ -78,7 +78,7 @@ def dp_step(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inp
     """Runs jax_privacy's clipped gradient and Gaussian privatizer on `inputs` and returns the
     claims. `per_example_loss(apply, batch)` is the same callable the exporter takes; jax_privacy
     calls it on batches of one example (vmapped, in `microbatch_size` groups)."""
-    from jax_privacy import clipping, noise_addition
+    from jax_privacy import clipping, noise_addition  # type: ignore[import-untyped]
 
     _refuse_correlated_noise(num_bands)
     c = number(l2_clip_norm, "l2_clip_norm", positive=True)

@@ -23,7 +23,7 @@ class TiedLM(nn.Module):
 
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
-        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
         embed = nn.Embed(VOCAB, D, name="embed", **kw)
         h = embed(ids) + nn.Embed(16, D, name="pos", **kw)(jnp.arange(ids.shape[1])[None])
         h = nn.LayerNorm(name="ln", **kw)(h)

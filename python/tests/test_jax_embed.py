@@ -6,14 +6,12 @@ import pytest
 jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 
-import json  # noqa: E402
 
-import numpy as np  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-
-import ghost_oracle  # noqa: E402
-from ghost_oracle.jax import assert_norms, export_trace  # noqa: E402
-from jax_models import TiedLM, batch, init, lm_loss, true_norms, untied_params  # noqa: E402
+import ghost_oracle
+import numpy as np
+from ghost_oracle.jax import assert_norms, export_trace
+from jax_models import TiedLM, batch, init, lm_loss, true_norms, untied_params
+from safetensors import safe_open
 
 
 @pytest.fixture(scope="module")

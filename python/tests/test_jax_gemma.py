@@ -9,13 +9,12 @@ pytest.importorskip("flax")
 gm = pytest.importorskip("gemma.gm")
 pytest.importorskip("jax_privacy")
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import ghost_oracle  # noqa: E402
-from ghost_oracle import jax_privacy as gj  # noqa: E402
-from ghost_oracle.jax import export_trace  # noqa: E402
-from jax_models import true_norms  # noqa: E402
+import ghost_oracle
+import jax.numpy as jnp
+import numpy as np
+from ghost_oracle import jax_privacy as gj
+from ghost_oracle.jax import export_trace
+from jax_models import true_norms
 
 VOCAB = 32
 

@@ -6,14 +6,13 @@ import pytest
 jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 
-import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-
-import ghost_oracle  # noqa: E402
-from ghost_oracle.jax import assert_norms, assert_update, export_trace  # noqa: E402
-from jax_models import clipped_sum, norms_of, per_example_grads  # noqa: E402
+import flax.linen as nn
+import ghost_oracle
+import jax.numpy as jnp
+import numpy as np
+from ghost_oracle.jax import assert_norms, assert_update, export_trace
+from jax_models import clipped_sum, norms_of, per_example_grads
+from safetensors import safe_open
 
 
 class EinsumConv(nn.Module):

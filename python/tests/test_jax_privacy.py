@@ -8,15 +8,21 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 pytest.importorskip("jax_privacy")
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax_privacy import noise_addition  # noqa: E402
-
-import ghost_oracle  # noqa: E402
-from ghost_oracle import jax_privacy as gj  # noqa: E402
-from ghost_oracle.jax import assert_norms, assert_update  # noqa: E402
-from jax_models import (TiedLM, batch, clipped_sum, init, lm_loss, norms_of,  # noqa: E402
-                        per_example_grads)
+import ghost_oracle
+import jax.numpy as jnp
+import numpy as np
+from ghost_oracle import jax_privacy as gj
+from ghost_oracle.jax import assert_norms, assert_update
+from jax_models import (
+    TiedLM,
+    batch,
+    clipped_sum,
+    init,
+    lm_loss,
+    norms_of,
+    per_example_grads,
+)
+from jax_privacy import noise_addition
 
 C = 0.5  # below every example's norm on this batch: every example is clipped
 

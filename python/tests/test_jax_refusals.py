@@ -5,12 +5,11 @@ import pytest
 jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 
-import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from ghost_oracle.jax import TraceExportError, assert_norms, export_trace  # noqa: E402
-from jax_models import norms_of, per_example_grads  # noqa: E402
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+from ghost_oracle.jax import TraceExportError, assert_norms, export_trace
+from jax_models import norms_of, per_example_grads
 
 
 class WithRawScale(nn.Module):

@@ -6,14 +6,13 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 torch = pytest.importorskip("torch")
 
-import flax.linen as fnn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-
-import ghost_oracle  # noqa: E402
-import ghost_oracle.jax as gjax  # noqa: E402
-import ghost_oracle.torch as gtorch  # noqa: E402
+import flax.linen as fnn
+import ghost_oracle
+import ghost_oracle.jax as gjax
+import ghost_oracle.torch as gtorch
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
 
 V, D = 11, 6
 

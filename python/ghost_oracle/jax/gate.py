@@ -76,8 +76,8 @@ def assert_norms(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
     return export_check_assert(
         model, params, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
         sampling_rate=sampling_rate, steps=steps, delta=delta, trace_path=trace_path,
-        export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
-                    noise_multiplier=noise_multiplier, dtype=dtype, is_padding_example=is_padding_example))
+        export={"max_grad_norm": max_grad_norm, "claimed_coefficients": claimed_coefficients,
+                "noise_multiplier": noise_multiplier, "dtype": dtype, "is_padding_example": is_padding_example})
 
 
 def assert_update(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any, update: Any, *,
@@ -98,7 +98,7 @@ def assert_update(model: nn.Module, params: Any, per_example_loss: PerExampleLos
     return export_check_assert(
         model, params, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
         sampling_rate=sampling_rate, steps=steps, delta=delta, trace_path=trace_path,
-        export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
-                    noise_multiplier=noise_multiplier, dtype=dtype, update=update, clipped_sum=clipped_sum,
-                    batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping,
-                    is_padding_example=is_padding_example))
+        export={"max_grad_norm": max_grad_norm, "claimed_coefficients": claimed_coefficients,
+                "noise_multiplier": noise_multiplier, "dtype": dtype, "update": update, "clipped_sum": clipped_sum,
+                "batch_divisor": batch_divisor, "clip_stabilizer": clip_stabilizer, "clipping": clipping,
+                "is_padding_example": is_padding_example})
