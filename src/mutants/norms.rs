@@ -216,7 +216,7 @@ fn f16_sum_of_squares(trace: &Trace) -> Result<NormReport> {
         for p in &params {
             let mut g: Option<Tensor> = None;
             for &j in &p.sites {
-                let m = gram::materialize(&factored[j], i, DType::F64)?;
+                let m = gram::materialize(&factored[j], i, trace.dtype())?.to_dtype(DType::F64)?;
                 g = Some(match g {
                     None => m,
                     Some(acc) => (acc + m)?,
