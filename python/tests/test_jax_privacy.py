@@ -23,6 +23,7 @@ from jax_models import (
     per_example_grads,
 )
 from jax_privacy import noise_addition
+from safetensors import safe_open
 
 C = 0.5  # below every example's norm on this batch: every example is clipped
 
@@ -75,16 +76,17 @@ def test_rescale_to_unit_norm_divides_by_c_too(lm):
     assert report.passed
 
 
-def test_x64_model_passes():
+def test_x64_model_passes(tmp_path):
     with jax.enable_x64(True):
         model = TiedLM(dtype=jnp.float64, param_dtype=jnp.float64)
         ids = batch()
         params = init(model, ids)
         assert params["embed"]["embedding"].dtype == jnp.float64  # not Flax's default f32
         report = gj.assert_update(model, params, lm_loss, ids, l2_clip_norm=C, noise_multiplier=1.0,
-                                  normalize_by=4.0)
+                                  normalize_by=4.0, trace_path=tmp_path / "x64.safetensors")
         assert report.passed
-        assert report.precision == "f64" if hasattr(report, "precision") else True
+    with safe_open(str(tmp_path / "x64.safetensors"), framework="np") as f:
+        assert f.metadata()["compute_dtype"] == "f64"  # judged at f64, not at Flax's default f32
 
 
 def test_noise_calibrated_for_the_sum_added_to_the_mean_is_flagged(lm):
