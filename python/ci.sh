@@ -19,7 +19,9 @@ trap 'rm -rf "$work"' EXIT
 # dependencies (torch with its CUDA libraries, transformers, opacus) are about 6 GB from PyPI.
 # Where they are already installed system-wide (developers' machines, a reused CI machine) the
 # venv uses them as they are; where they are not, the `pip install` below fetches them into
-# the venv. ghost_oracle itself is never taken from outside: the wheel built here is installed
+# the venv. The JAX stack (CPU wheels: jax, flax, optax, jax-privacy, gemma) took 12.5 min to
+# install on a 2-core machine, most of it gemma's dependencies (TensorFlow among them); gemma's
+# tokenizer needs protobuf 7, where TensorFlow's pin alone resolves to 6. ghost_oracle itself is never taken from outside: the wheel built here is installed
 # into the venv, and the import check below makes sure that is the one the tests load.
 "$python" -m venv --system-site-packages "$work/venv"
 venv_python="$work/venv/bin/python"
@@ -37,7 +39,8 @@ fi
 
 echo "python/ci.sh: installing the wheel and the test dependencies"
 "$venv_python" -m pip install --quiet --disable-pip-version-check "$work"/dist/ghost_oracle-*.whl \
-    pytest pytest-xdist numpy torch safetensors transformers "opacus>=1.6,<1.7"
+    pytest pytest-xdist numpy torch safetensors transformers "opacus>=1.6,<1.7" \
+    "jax[cpu]" flax optax "jax-privacy>=2.0,<3" gemma "protobuf>=7,<8"
 (cd "$work" && "$venv_python" - <<'PY'
 import sys
 import ghost_oracle

@@ -19,7 +19,7 @@ use crate::error::Result;
 use crate::options::ClipNorm;
 use crate::trace::{Precision, Trace};
 use loss::Loss;
-use norms::{GramIn, NormScale, OwnNorm, Shared};
+use norms::{GramIn, NormScale, OwnNorm, Shared, SquaresIn};
 use step::{ClipAt, Divisor, Noise, Sum};
 
 /// What the audit must say about a mutant wherever it catches it.
@@ -57,6 +57,8 @@ pub struct Deviation {
     pub shared: Shared,
     /// A factor on every norm.
     pub norm_scale: NormScale,
+    /// The arithmetic of each norm's final sum of squares.
+    pub squares_in: SquaresIn,
     /// The loss whose per-example gradients are clipped.
     pub loss: Loss,
     /// The clipping norm the coefficients use.
@@ -76,6 +78,7 @@ impl Deviation {
         own_norm: OwnNorm::Exact,
         shared: Shared::Exact,
         norm_scale: NormScale::Exact,
+        squares_in: SquaresIn::ClipperDtype,
         loss: Loss::Stated,
         clip_at: ClipAt::Stated,
         sum: Sum::Clipped,
@@ -92,6 +95,7 @@ impl Deviation {
             own_norm,
             shared,
             norm_scale,
+            squares_in,
             loss,
             clip_at,
             sum,
@@ -102,6 +106,7 @@ impl Deviation {
             || !matches!(own_norm, OwnNorm::Exact)
             || !matches!(shared, Shared::Exact)
             || !matches!(norm_scale, NormScale::Exact)
+            || !matches!(squares_in, SquaresIn::ClipperDtype)
             || !matches!(loss, Loss::Stated)
             || !matches!(clip_at, ClipAt::Stated)
         {
@@ -198,6 +203,8 @@ mutants! {
         "non-sequence formula ‖Σ_t δ_t‖·‖Σ_t a_t‖ applied to sequences";
     BatchMeanLoss, "batch-mean-loss", PrivacyViolation, BF16, { norm_scale: NormScale::BatchMean },
         "norms of the batch-mean loss: 1/B too small";
+    F16NormUnderflow, "f16-norm-underflow", PrivacyViolation, F32, { squares_in: SquaresIn::F16 },
+        "per-example norm's squares summed in f16: small squares underflow, the norm comes out low or 0 and the example unclipped (jax_privacy #309)";
     F16Gram, "f16-gram", Flagged, F32, { gram: GramIn::F16 },
         "Gram matrices accumulated in f16";
     Bf16Gram, "bf16-gram", Flagged, F32, { gram: GramIn::Bf16 },
@@ -217,7 +224,9 @@ mutants! {
     MicrobatchOverwrite, "microbatch-overwrite", NeverPrivacyViolation, BF16, { sum: Sum::LastMicrobatch },
         "the second micro-batch's clipped sum overwrites the first's (Opacus ghost mode's two backwards; #707)";
     NoiseAfterDivision, "noise-after-division", NeverPrivacyViolation, BF16, { noise: Noise::AfterDivision },
-        "noise N(0, σ²C²) added after the division by the batch size";
+        "noise N(0, σ²C²) added after the division by the batch size: noise calibrated for the sum added to the mean (jax_privacy #234, #383)";
+    NoiseOverAccumulation, "noise-over-accumulation", PrivacyViolation, BF16, { noise: Noise::MultiplierOverAccumulation },
+        "noise multiplier divided by the gradient accumulation steps while the accumulated sum is noised once (jax_privacy's Gemma 3 example)";
     IgnoredTokenMean, "ignored-token-mean", Flagged, BF16, { loss: Loss::MeanOverAllPositions },
         "each example's loss averaged over all T positions, ignored ones included (Opacus #792)";
 }
@@ -284,6 +293,7 @@ impl Clipper for MutantClipper {
         };
         let noise = NoiseSpec {
             divisor: deviation.divisor.of(trace, noise),
+            std: deviation.noise.std(noise.std),
             ..*noise
         };
         let update = noisy_update_by(

@@ -16,7 +16,8 @@
 
 `check`, `audit` and `mutants` return a `Report`; bad input raises `ValueError` (or
 `FileNotFoundError`) with the message the `ghost-oracle` CLI prints. The submodules `torch` and
-`opacus` need PyTorch (and Opacus); the package itself needs only NumPy.
+`opacus` need PyTorch (and Opacus), `jax` and `jax_privacy` need JAX and Flax (and
+jax_privacy); the package itself needs only NumPy.
 """
 from __future__ import annotations
 
@@ -51,6 +52,6 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # `ghost_oracle.torch` and `ghost_oracle.opacus` import PyTorch / Opacus: only on first use.
-    if name in ("torch", "opacus"):
+    if name in ("torch", "opacus", "jax", "jax_privacy"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

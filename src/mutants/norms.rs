@@ -56,6 +56,19 @@ pub enum NormScale {
     BatchMean,
 }
 
+/// The arithmetic the final sum of squares is taken in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SquaresIn {
+    /// The clipper's own (the Gram identity's per-site terms, summed in f64).
+    ClipperDtype,
+    /// The example's gradient materialized, every entry squared into f16 and the squares
+    /// added into an f16 running sum: a square below f16's smallest subnormal (an entry under
+    /// about 2.4e-4) is 0, an addend below half an ulp of the running sum is lost, so the norm
+    /// only ever comes out low; one whose every square underflows is 0, and an example with
+    /// norm 0 is never clipped.
+    F16,
+}
+
 impl Deviation {
     /// Whether every column that forms the norms is exact.
     fn norms_are_exact(&self) -> bool {
@@ -63,6 +76,7 @@ impl Deviation {
             && self.own_norm == OwnNorm::Exact
             && self.shared == Shared::Exact
             && self.norm_scale == NormScale::Exact
+            && self.squares_in == SquaresIn::ClipperDtype
     }
 
     /// The per-example norms of `trace` this deviation computes: exact tied ghost clipping's
@@ -70,6 +84,9 @@ impl Deviation {
     pub(super) fn norms(&self, trace: &Trace) -> Result<NormReport> {
         if self.norms_are_exact() {
             return TiedGhostClipper.norms(trace);
+        }
+        if self.squares_in == SquaresIn::F16 {
+            return f16_sum_of_squares(trace);
         }
         let dtype = trace.dtype();
         let factored: Vec<Factored> = trace
@@ -179,6 +196,41 @@ impl Deviation {
             | OwnNorm::SequenceCollapsed => self.inner(f, f, dtype),
         }
     }
+}
+
+/// Every example's norm from its materialized gradient, the squares and their running sum in
+/// f16 (parameter by parameter, the sites of a shared parameter summed first, so the norm is of
+/// the right gradient and only the arithmetic is wrong). Per-site terms are reported as the
+/// exact clipper's, the norms as computed here.
+fn f16_sum_of_squares(trace: &Trace) -> Result<NormReport> {
+    use half::f16;
+    let mut report = TiedGhostClipper.norms(trace)?;
+    let factored: Vec<Factored> = trace
+        .sites
+        .iter()
+        .map(Factored::of)
+        .collect::<Result<_>>()?;
+    let params = trace.params();
+    for (i, norm) in report.norms.iter_mut().enumerate() {
+        let mut sum = f16::ZERO;
+        for p in &params {
+            let mut g: Option<Tensor> = None;
+            for &j in &p.sites {
+                let m = gram::materialize(&factored[j], i, trace.dtype())?.to_dtype(DType::F64)?;
+                g = Some(match g {
+                    None => m,
+                    Some(acc) => (acc + m)?,
+                });
+            }
+            let g = g.expect("a parameter has at least one site");
+            for v in g.flatten_all()?.to_vec1::<f64>()? {
+                let x = f16::from_f64(v);
+                sum = f16::from_f32(f32::from(sum) + f32::from(x * x));
+            }
+        }
+        *norm = f64::from(sum).sqrt();
+    }
+    Ok(report)
 }
 
 fn per_example(t: &Tensor) -> Result<Vec<f64>> {

@@ -40,7 +40,15 @@ pub enum Noise {
     NoneOnShared,
     /// One draw per parameter, added after the division.
     AfterDivision,
+    /// One draw per parameter before the division, at σ divided by the number of accumulation
+    /// steps ([`ACCUMULATION_STEPS`], the micro-batches of [`Sum::LastMicrobatch`]): a noise
+    /// multiplier rescaled when the logical batch was split, although the accumulated sum is
+    /// noised once.
+    MultiplierOverAccumulation,
 }
+
+/// The accumulation steps a logical batch is split into by the step mutants: two halves.
+pub const ACCUMULATION_STEPS: usize = 2;
 
 /// What the noisy sum is divided by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,7 +76,7 @@ impl Sum {
             Sum::HeadPathUnclipped => head_path_unclipped(trace, coefficients),
             Sum::LastMicrobatch => {
                 let mut kept = coefficients.to_vec();
-                kept[..trace.batch_size() / 2].fill(0.0);
+                kept[..trace.batch_size() / ACCUMULATION_STEPS].fill(0.0);
                 clipped_sum(trace, &kept)
             }
         }
@@ -79,7 +87,7 @@ impl Noise {
     /// The draws a parameter used `uses` times gets.
     pub(super) fn draws(self, uses: usize) -> usize {
         match self {
-            Noise::OncePerParameter | Noise::AfterDivision => 1,
+            Noise::OncePerParameter | Noise::AfterDivision | Noise::MultiplierOverAccumulation => 1,
             Noise::OncePerUse => uses,
             Noise::NoneOnShared => usize::from(uses == 1),
         }
@@ -87,10 +95,24 @@ impl Noise {
 
     pub(super) fn order(self) -> NoiseOrder {
         match self {
-            Noise::OncePerParameter | Noise::OncePerUse | Noise::NoneOnShared => {
-                NoiseOrder::BeforeDivision
-            }
+            Noise::OncePerParameter
+            | Noise::OncePerUse
+            | Noise::NoneOnShared
+            | Noise::MultiplierOverAccumulation => NoiseOrder::BeforeDivision,
             Noise::AfterDivision => NoiseOrder::AfterDivision,
+        }
+    }
+}
+
+impl Noise {
+    /// The standard deviation of one draw, from the stated σC.
+    pub(super) fn std(self, stated: f64) -> f64 {
+        match self {
+            Noise::OncePerParameter
+            | Noise::OncePerUse
+            | Noise::NoneOnShared
+            | Noise::AfterDivision => stated,
+            Noise::MultiplierOverAccumulation => stated / ACCUMULATION_STEPS as f64,
         }
     }
 }

@@ -1,7 +1,4 @@
-"""The exporter's one error type."""
+"""The exporter's one error type, shared with the JAX exporter (`ghost_oracle.trace_file`)."""
+from ..trace_file import TraceExportError
 
-
-class TraceExportError(ValueError):
-    """The model cannot be traced faithfully: a parameter without a site, a site whose factors
-    do not rebuild autograd's gradient, a module used in a way the exporter does not model, a
-    model that mixes examples."""
+__all__ = ["TraceExportError"]

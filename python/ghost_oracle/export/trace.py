@@ -59,7 +59,6 @@ dtype given. `batch_divisor` is D (required with `update`); `clip_stabilizer` (�
 (`flat`: c = min(1, C/(n + γ)); `automatic`: c = C/(n + γ)) say how the library forms its
 coefficients.
 """
-import json
 import math
 import os
 import warnings
@@ -68,6 +67,8 @@ from collections.abc import Mapping
 import torch
 from safetensors.torch import save_file
 
+from ..trace_file import FORMAT as FORMAT  # re-exported; the header is framework-neutral
+from ..trace_file import trace_metadata
 from .batch import _batch_size, _check_batch_axis, _concat_micro_batches, _input_tensors, _per_example
 from .check import self_check
 from .errors import TraceExportError
@@ -78,8 +79,6 @@ from .precision import compute_dtype as model_compute_dtype
 from .progress import Progress
 from .record import param_names, param_owners, record
 from .step import _number, _resolve_step
-
-FORMAT = "ghost-oracle-trace/1"
 
 # `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
 # has computed the true ones.
@@ -269,17 +268,9 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
         for param in parameters:  # the manifest's order
             p, t = given[param]
             tensors[f"claimed.{what}.{param}"] = t.detach().to("cpu").reshape(p.shape).contiguous().clone()
-    meta = {"format": FORMAT, "max_grad_norm": repr(c), "clipper": str(clipper),
-            "sites": json.dumps(specs), "compute_dtype": DTYPE_NAMES[compute_dtype],
-            "parameters": json.dumps(parameters)}
-    if noise_multiplier is not None:
-        meta["noise_multiplier"] = repr(float(noise_multiplier))
-    if batch_divisor is not None:
-        meta["batch_divisor"] = repr(batch_divisor)
-    if step or clip_stabilizer != 0.0:
-        meta["clip_stabilizer"] = repr(clip_stabilizer)
-    if step or clipping != "flat":
-        meta["clipping"] = clipping
+    meta = trace_metadata(max_grad_norm=c, clipper=clipper, sites=specs, compute_dtype=DTYPE_NAMES[compute_dtype],
+                          parameters=parameters, noise_multiplier=noise_multiplier, batch_divisor=batch_divisor,
+                          clip_stabilizer=clip_stabilizer, clipping=clipping, has_step=bool(step))
     progress.step("writing the trace", 0, 1)
     save_file(tensors, os.fspath(path), metadata=meta)
     progress.done()

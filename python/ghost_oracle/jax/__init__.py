@@ -1,0 +1,24 @@
+"""JAX side: export a trace of a Flax linen model on a batch, and assert a clipper's norms or
+its DP step in one call (docs/python.md, "JAX").
+
+    from ghost_oracle.jax import assert_norms
+
+    def per_example_loss(apply, ids):                  # (B,): each example's own loss
+        logits = apply(ids)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0].mean(1)
+
+    assert_norms(model, params, per_example_loss, ids, claimed_norms=norms, max_grad_norm=1.0)
+
+Modelled, by exact class: `nn.Dense`, `nn.DenseGeneral`, `nn.Einsum` (N-D kernels flattened to
+one linear site), `nn.Embed` and `Embed.attend` (a tied head: two sites of one parameter),
+`nn.LayerNorm`, `nn.RMSNorm` (also applied per head), `nn.Conv`, and the `gemma` package's
+`Einsum`, `RMSNorm` and `Embedder.encode` / `decode`. Every call is a use of its own. A
+parameter is named by its Flax path joined with '.' (`block_0.attn.q.kernel`). Anything else
+that receives a gradient, and a modelled module called under a transformation inside the model
+(`nn.scan`, `nn.vmap`), is refused by name, never written as a wrong trace."""
+from ..trace_file import FORMAT, TraceExportError
+from .gate import assert_norms, assert_update
+from .trace import UNCLAIMED, export_trace
+
+__all__ = ["FORMAT", "UNCLAIMED", "TraceExportError", "assert_norms", "assert_update", "export_trace"]

@@ -1,0 +1,97 @@
+"""What a captured use of a parameter becomes: sites (docs/trace-format.md) with numpy factors,
+and the map from the parameter's own array to the layout its sites write (`to_trace_layout`),
+which the claimed step tensors and the self-check go through."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..trace_file import TraceExportError
+
+# numpy dtype name -> the trace's precision name
+PRECISION_OF = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def precision_of(dtype: Any, where: str) -> str:
+    name = np.dtype(dtype).name
+    if name not in PRECISION_OF:
+        raise TraceExportError(f"{where} computed in {name}; traces record float64, float32, float16 and bfloat16")
+    return PRECISION_OF[name]
+
+
+def identity_layout(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1)
+
+
+@dataclass
+class Call:
+    """One call of a modelled module method: its path in the model, the arguments the handler
+    reads (concrete arrays, and static values such as an einsum equation), its output's shape
+    and dtype, the gradient of the summed loss with respect to that output (per example, since
+    examples do not mix), and the module's own parameters."""
+
+    path: tuple[str, ...]
+    cls: str
+    method: str
+    index: int  # 0 for the module's first call of this method, k for the k-th after it
+    args: tuple[Any, ...]
+    out_dtype: Any
+    out_shape: tuple[int, ...]
+    module: Any  # an unbound clone of the module, for a replay
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+    grad: np.ndarray | None = None
+
+    @property
+    def where(self) -> str:
+        name = ".".join(self.path) or "<root>"
+        return f"module `{name}` ({self.cls}.{self.method})"
+
+    def param(self, name: str) -> str:
+        return ".".join((*self.path, name))
+
+
+@dataclass
+class Site:
+    """One site of the trace: its header entry, its tensors (B×R leading), the parameter it
+    writes, and how that parameter's own array maps to the layout the site writes."""
+
+    kind: str
+    param: str
+    tensors: dict[str, np.ndarray]
+    precision: str
+    call: Call
+    vocab: int | None = None
+    to_trace_layout: Callable[[np.ndarray], np.ndarray] = identity_layout
+    layout_name: str = "identity"
+    name: str = ""
+
+    def spec(self) -> dict[str, Any]:
+        s: dict[str, Any] = {"name": self.name, "param": self.param, "kind": self.kind}
+        if self.vocab is not None:
+            s["vocab"] = self.vocab
+        return s
+
+
+class Handler(Protocol):
+    """A module kind: which arguments of a call it records, and the sites a call becomes."""
+
+    def record(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]: ...
+
+    def sites(self, call: Call, batch: int) -> Sequence[Site]: ...
+
+
+def rows(a: np.ndarray, batch: int, width: int, what: str, call: Call) -> np.ndarray:
+    """`a` as B×R×width (every axis between the batch and the features is a row)."""
+    if a.ndim < 2 or a.shape[0] != batch or width < 1 or a.size % (batch * width) != 0:
+        raise TraceExportError(f"{call.where}: its {what} has shape {list(a.shape)}; expected the batch "
+                               f"({batch}) on axis 0 and {width} features per row")
+    return a.reshape(batch, -1, width)
+
+
+def grad_of(call: Call) -> np.ndarray:
+    if call.grad is None:
+        raise TraceExportError(f"{call.where}: no output gradient was captured")
+    return call.grad

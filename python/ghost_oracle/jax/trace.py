@@ -1,0 +1,176 @@
+"""`export_trace` for Flax linen models: capture (`capture`), sites per module kind (`kinds/`),
+the self-check against `jax.grad` (`check`), and the file, written with numpy and
+`safetensors.numpy` under the header `ghost_oracle.trace_file` builds for both exporters."""
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from ..trace_file import PRECISION_NAMES, TraceExportError, number, trace_metadata
+from .capture import PerExampleLoss, capture, flat_params
+from .check import STORAGE, self_check, unit_roundoff
+from .kinds import handler_for
+from .sites import Site
+
+# `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
+# has computed the true ones.
+UNCLAIMED: Any = object()
+
+STEP_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def batch_size(inputs: Any) -> int:
+    leaves = [x for x in jax.tree_util.tree_leaves(inputs) if hasattr(x, "shape") and len(x.shape) >= 1]
+    if not leaves:
+        raise ValueError("inputs holds no array with a batch axis: pass the batch (an array, or a dict or tuple of "
+                         "arrays with the examples on axis 0)")
+    return int(leaves[0].shape[0])
+
+
+def _per_example(values: Any, b: int, what: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64).reshape(-1)
+    if arr.shape != (b,):
+        raise ValueError(f"{what} has {arr.size} entries; the batch has {b} examples")
+    return arr
+
+
+def _site_names(sites: list[Site]) -> None:
+    """A parameter's first use is named by the parameter, the k-th after it `param@k`."""
+    seen: dict[str, int] = {}
+    for s in sites:
+        k = seen.get(s.param, 0)
+        seen[s.param] = k + 1
+        s.name = s.param if k == 0 else f"{s.param}@{k}"
+
+
+def _step_tensors(what: str, given: Any, sites: list[Site], parameters: dict[str, int]) -> dict[str, np.ndarray]:
+    if not isinstance(given, Mapping):
+        raise TypeError(f"{what} must be a dict from parameter names (the Flax path joined with '.') to arrays, or "
+                        f"the params pytree, got {type(given).__name__}")
+    flat = flat_params(given, what)
+    layout = {s.param: s for s in sites}
+    out = {}
+    for key, value in flat.items():
+        if key not in parameters:
+            near = ", ".join(f"`{n}`" for n in list(parameters)[:6])
+            raise ValueError(f"{what}: `{key}` is not a parameter of the trace (its parameters are named like "
+                             f"{near}, ...)")
+        arr = np.asarray(value)
+        if arr.dtype not in STEP_DTYPES:
+            raise ValueError(f"{what}: the array for parameter `{key}` has dtype {arr.dtype}; the trace stores "
+                             "float64, float32, float16 and bfloat16")
+        if arr.size != parameters[key]:
+            raise ValueError(f"{what}: the array for parameter `{key}` has shape {list(arr.shape)} ({arr.size} "
+                             f"elements); the parameter has {parameters[key]}")
+        site = layout[key]
+        t = arr if site.layout_name == "identity" else site.to_trace_layout(arr)
+        out[f"claimed.{what}.{key}"] = np.ascontiguousarray(t)
+    missing = [p for p in parameters if f"claimed.{what}.{p}" not in out]
+    if missing:
+        raise ValueError(f"{what}: no array for parameter(s) {', '.join(f'`{m}`' for m in missing)}: it must cover "
+                         "every trainable parameter of the trace, or be left out")
+    return out
+
+
+def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any,
+                 path: str | os.PathLike[str], *, claimed_norms: Any, max_grad_norm: float,
+                 clipper: str = "claimed", claimed_coefficients: Any = None, noise_multiplier: float | None = None,
+                 dtype: str | None = None, update: Any = None, clipped_sum: Any = None,
+                 batch_divisor: float | None = None, clip_stabilizer: float = 0.0, clipping: str = "flat",
+                 is_padding_example: Any = None) -> list[dict[str, Any]]:
+    """Records the trace of one batch of a Flax linen model, checks it against `jax.grad` and
+    writes it with the claimed norms (and, when given, the claimed step). Returns the site
+    specs. Raises `TraceExportError` (a ValueError) instead of writing a trace that is
+    incomplete or wrong.
+
+    `per_example_loss(apply, inputs)` returns the B losses, where `apply(*args, **kwargs)` runs
+    `model.apply({"params": params}, *args, **kwargs)` under the capture (once).
+    `claimed_norms`: the B norms (array or list), or a callable `claimed_norms(params, inputs)`.
+    `clipped_sum`, `update`: dicts keyed by parameter name (the Flax path joined with '.') or the
+    params pytree itself. `is_padding_example`: a (B,) bool array; those examples are left out of
+    the trace (and of `claimed_norms`, which has B entries). `dtype`: the precision the factors
+    are stored in ("f64", "f32", "f16", "bf16"; default each site's own)."""
+    c = number(max_grad_norm, "max_grad_norm", positive=True)
+    if noise_multiplier is not None:
+        number(noise_multiplier, "noise_multiplier", positive=False)
+    if dtype is not None and dtype not in PRECISION_NAMES:
+        raise ValueError(f"dtype must be one of {list(PRECISION_NAMES)}, got {dtype!r}")
+    if batch_divisor is not None:
+        batch_divisor = number(batch_divisor, "batch_divisor", positive=True)
+    elif update is not None:
+        raise ValueError("update needs batch_divisor: the number the library divides the noisy sum by (jax_privacy: "
+                         "normalize_by, times C with rescale_to_unit_norm)")
+    clip_stabilizer = number(clip_stabilizer, "clip_stabilizer", positive=False)
+    if clipping not in ("flat", "automatic"):
+        raise ValueError(f"clipping must be \"flat\" or \"automatic\", got {clipping!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a flax.linen Module, got {type(model).__name__}")
+    b = batch_size(inputs)
+    if is_padding_example is None:
+        keep = np.ones(b, dtype=bool)
+    else:
+        pad = np.asarray(is_padding_example)
+        if pad.shape != (b,) or pad.dtype != np.bool_:
+            raise ValueError(f"is_padding_example must be a bool array of shape ({b},), got {pad.dtype} "
+                             f"{list(pad.shape)}")
+        keep = ~pad
+        if not keep.any():
+            raise ValueError("is_padding_example marks every example as padding: nothing to trace")
+    captured = capture(model, params, per_example_loss, inputs, b, keep.astype(np.float64))
+    b_real = int(keep.sum())
+    sites: list[Site] = []
+    for call in captured.calls:
+        handler = handler_for(call.module, call.method)
+        assert handler is not None
+        for site in handler.sites(call, b):
+            site.tensors = {k: np.ascontiguousarray(v[keep]) for k, v in site.tensors.items()}
+            sites.append(site)
+    _site_names(sites)
+    grads = {k: np.asarray(v) for k, v in flat_params(captured.param_grads, "params").items()}
+    store = dtype
+    for s in sites:
+        want = STORAGE[store or s.precision]
+        s.tensors = {k: (v if k == "ids" else v.astype(want)) for k, v in s.tensors.items()}
+    unused = self_check(sites, grads, store)
+    for name in unused:
+        warnings.warn(f"parameter `{name}` received no gradient: it is left out of the trace", stacklevel=2)
+    precisions = [s.precision for s in sites]
+    if not precisions:
+        raise TraceExportError(f"no modelled module was called: the model's parameters {list(grads)[:4]} have no site")
+    coarsest = max(precisions, key=unit_roundoff)
+    specs = [s.spec() for s in sites]
+    if len(set(precisions)) > 1:
+        for spec, s in zip(specs, sites):
+            spec["compute_dtype"] = s.precision
+    parameters = {name: int(np.asarray(g).size) for name, g in grads.items() if name not in unused}
+    tensors: dict[str, np.ndarray] = {}
+    for s in sites:
+        for k, v in s.tensors.items():
+            tensors[f"{s.name}.{k}"] = v
+    if claimed_norms is UNCLAIMED:
+        norms = np.ones(b_real)
+    else:
+        if callable(claimed_norms):
+            claimed_norms = claimed_norms(params, inputs)
+        norms = _per_example(claimed_norms, b, "claimed_norms")[keep]
+    tensors["claimed.norms"] = norms
+    if claimed_coefficients is not None:
+        tensors["claimed.coefficients"] = _per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
+    has_step = False
+    for what, given in (("clipped_sum", clipped_sum), ("update", update)):
+        if given is not None:
+            tensors.update(_step_tensors(what, given, sites, parameters))
+            has_step = True
+    meta = trace_metadata(max_grad_norm=c, clipper=clipper, sites=specs, compute_dtype=coarsest,
+                          parameters=parameters, noise_multiplier=noise_multiplier, batch_divisor=batch_divisor,
+                          clip_stabilizer=clip_stabilizer, clipping=clipping, has_step=has_step)
+    save_file(tensors, os.fspath(path), metadata=meta)
+    return specs

@@ -1,0 +1,69 @@
+"""The parts of writing a trace file (docs/trace-format.md) that do not depend on the framework
+the model lives in: the format's name, the exporters' error type and the header's keys. The
+PyTorch exporter (`ghost_oracle.export`) and the JAX one (`ghost_oracle.jax`) both build their
+`__metadata__` here, so the two write the same keys in the same spelling."""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+FORMAT = "ghost-oracle-trace/1"
+
+# Names of the precisions a trace records, finest first.
+PRECISION_NAMES = ("f64", "f32", "f16", "bf16")
+
+CLIPPING_RULES = ("flat", "automatic")
+
+
+class TraceExportError(ValueError):
+    """The model cannot be traced faithfully: a parameter without a site, a site whose factors
+    do not rebuild autograd's gradient, a module used in a way the exporter does not model, a
+    model that mixes examples."""
+
+
+def number(value: Any, what: str, *, positive: bool) -> float:
+    """`value` as a finite float, ≥ 0 (> 0 with `positive`), or a ValueError naming `what`."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} must be a number, got {value!r}") from e
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"{what} must be a {'positive' if positive else 'non-negative'} number, got {value}")
+    return v
+
+
+def trace_metadata(
+    *,
+    max_grad_norm: float,
+    clipper: str,
+    sites: Sequence[Mapping[str, Any]],
+    compute_dtype: str,
+    parameters: Mapping[str, int],
+    noise_multiplier: float | None = None,
+    batch_divisor: float | None = None,
+    clip_stabilizer: float = 0.0,
+    clipping: str = "flat",
+    has_step: bool = False,
+) -> dict[str, str]:
+    """The trace's `__metadata__`: every value a string, the optional step keys written where a
+    step is claimed or they differ from their defaults (a reader then needs no default of its
+    own to agree with the writer)."""
+    if compute_dtype not in PRECISION_NAMES:
+        raise ValueError(f"compute_dtype must be one of {list(PRECISION_NAMES)}, got {compute_dtype!r}")
+    if clipping not in CLIPPING_RULES:
+        raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" (c = C/(n + γ)), "
+                         f"got {clipping!r}")
+    meta = {"format": FORMAT, "max_grad_norm": repr(float(max_grad_norm)), "clipper": str(clipper),
+            "sites": json.dumps([dict(s) for s in sites]), "compute_dtype": compute_dtype,
+            "parameters": json.dumps(dict(parameters))}
+    if noise_multiplier is not None:
+        meta["noise_multiplier"] = repr(float(noise_multiplier))
+    if batch_divisor is not None:
+        meta["batch_divisor"] = repr(float(batch_divisor))
+    if has_step or clip_stabilizer != 0.0:
+        meta["clip_stabilizer"] = repr(float(clip_stabilizer))
+    if has_step or clipping != "flat":
+        meta["clipping"] = clipping
+    return meta
