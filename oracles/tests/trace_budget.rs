@@ -176,7 +176,7 @@ fn a_file_larger_than_the_budget_is_refused_before_it_is_read() {
     let msg = r.unwrap_err().to_string();
     assert!(
         msg.contains(&path.display().to_string())
-            && msg.contains("the file, held while it is read"),
+            && msg.contains("the file (held while it is read)"),
         "{msg}"
     );
     assert!(

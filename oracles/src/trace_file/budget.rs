@@ -160,7 +160,7 @@ impl<'a> Tally<'a> {
         self.total = self.total.saturating_add(bytes);
         if self.total > self.budget.bytes {
             bail!(
-                "{}: {} needs {}, which brings what reading and judging this trace holds to {}; the memory budget is {}",
+                "{}: {} needs {}, bringing what reading and judging this trace holds to {}; the memory budget is {}",
                 self.label,
                 what(),
                 Size(bytes),

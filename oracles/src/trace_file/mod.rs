@@ -95,7 +95,8 @@ pub fn read_trace_within(path: &Path, budget: MemoryBudget) -> Result<(Trace, Tr
     let label = path.display().to_string();
     if let Ok(m) = std::fs::metadata(path) {
         if m.is_file() {
-            Tally::new(budget, &label).add(m.len(), || "the file, held while it is read".into())?;
+            Tally::new(budget, &label)
+                .add(m.len(), || "the file (held while it is read)".into())?;
         }
     }
     let bytes = tensors::read_bytes(path, "trace")?;
@@ -118,7 +119,7 @@ pub fn read_trace_bytes_within(
 ) -> Result<(Trace, TraceMeta)> {
     let mut tally = Tally::new(budget, label);
     tally.add(bytes.len() as u64, || {
-        "the file, held while it is read".into()
+        "the file (held while it is read)".into()
     })?;
     let (_, metadata) = safetensors::SafeTensors::read_metadata(bytes)
         .map_err(|e| Error::new(format!("{label} is not a valid safetensors file ({e})")))?;
