@@ -474,10 +474,10 @@ class Report:
                 ClipperResult(
                     name=c.name, verdict=c.verdict, cases=c.cases, worst_case=c.worst_case,
                     warnings=c.warnings, privacy=c.privacy, mutant=bool(r["mutant"]),
-                    reproduces=r["reproduces"], cells=dict(zip(cases, r["cells"])),
+                    reproduces=r["reproduces"], cells=dict(zip(cases, r["cells"], strict=True)),
                     problems=tuple(r["problems"]),
                 )
-                for c, r in zip(clippers, rows)
+                for c, r in zip(clippers, rows, strict=True)
             ]
             self.cases: tuple[str, ...] = tuple(cases)
             self.passed: bool = bool(native["ok"])
@@ -489,7 +489,8 @@ class Report:
         divisor = native.get("batch_divisor")
         if divisor is not None:
             clippers = [dataclasses.replace(c, cases=tuple(
-                k if k.step is None else dataclasses.replace(k, step=dataclasses.replace(k.step, batch_divisor=float(divisor)))
+                k if k.step is None
+                else dataclasses.replace(k, step=dataclasses.replace(k.step, batch_divisor=float(divisor)))
                 for k in c.cases)) for c in clippers]
         self.clippers: tuple[ClipperResult, ...] = tuple(clippers)
 

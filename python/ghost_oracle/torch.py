@@ -55,20 +55,20 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import torch
 
 from ._api import check
 from ._failure import ClippingCheckFailed
-from .export import FORMAT, KINDS, UNCLAIMED, TraceExportError, export_trace, register_module, unregister_module
 from ._report import Report
 from ._types import Clipping, Precision
+from .export import FORMAT, KINDS, UNCLAIMED, TraceExportError, export_trace, register_module, unregister_module
 
-Inputs = Union[torch.Tensor, Mapping[str, torch.Tensor]]
+Inputs: TypeAlias = torch.Tensor | Mapping[str, torch.Tensor]
 
-__all__ = ["FORMAT", "KINDS", "ClippingCheckFailed", "TraceExportError", "assert_norms", "assert_update", "export_trace", "register_module",
-           "unregister_module"]
+__all__ = ["FORMAT", "KINDS", "ClippingCheckFailed", "TraceExportError", "assert_norms", "assert_update",
+           "export_trace", "register_module", "unregister_module"]
 
 
 def assert_norms(

@@ -90,7 +90,7 @@ def _concat_micro_batches(batches, batch_axis=0):
         except (TypeError, ValueError) as e:
             raise type(e)(f"micro-batch {k}: {e}") from e
     t0 = shapes[0][1]
-    for k, (bk, tk) in enumerate(shapes):
+    for k, (_, tk) in enumerate(shapes):
         if tk != t0:
             raise ValueError(
                 f"micro-batch {k} has sequence length T = {tk} but micro-batch 0 has T = {t0}: the trace "
@@ -110,13 +110,14 @@ def _concat_micro_batches(batches, batch_axis=0):
     for key in keys:
         values = [mb[key] for mb in batches]
         if all(torch.is_tensor(v) for v in values):
-            if all(v.dim() > batch_axis and v.shape[batch_axis] == bk for v, (bk, _) in zip(values, shapes)):
+            if all(v.dim() > batch_axis and v.shape[batch_axis] == bk
+                   for v, (bk, _) in zip(values, shapes, strict=True)):
                 out[key] = torch.cat(values, dim=batch_axis)  # one slice per example
                 continue
             if all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values[1:]):
                 out[key] = values[0]  # shared by every micro-batch (a 1×T position_ids)
                 continue
-            k, (v, (bk, _)) = next((k, x) for k, x in enumerate(zip(values, shapes))
+            k, (v, (bk, _)) = next((k, x) for k, x in enumerate(zip(values, shapes, strict=True))
                                    if x[0].dim() <= batch_axis or x[0].shape[batch_axis] != x[1][0])
             raise ValueError(f"micro-batch {k}: `{key}` has shape {list(v.shape)}; to be concatenated its axis "
                              f"{batch_axis} (batch_axis) must be the micro-batch's {bk} examples (or it must be the "

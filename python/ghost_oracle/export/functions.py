@@ -226,7 +226,8 @@ class _Capture(TorchFunctionMode):
         fname = getattr(func, "__name__", str(func))
         entry = {"module": owner[1] if owner else None, "name": f"{where}: {fname}", "cls": f"a call of {fname}",
                  "handler": handler, "input": x.detach(), "params": params, "site_names": site_names,
-                 "dtype": _dtype(params["weight"], out), "out_dtype": out.dtype, "call": (func, _detached(args), _detached(kwargs)),
+                 "dtype": _dtype(params["weight"], out), "out_dtype": out.dtype,
+                 "call": (func, _detached(args), _detached(kwargs)),
                  **extra}
         if isinstance(handler, FnEmbedding):
             entry["padding_idx"] = _arg(args, kwargs, 2, "padding_idx")

@@ -120,11 +120,11 @@ def _find_layouts(entries, losses, b, batch_axis, direct_inputs, leaves=()):
             break
         grads = torch.autograd.grad(losses[i], [e["output"] for e in live] + [t for _, t in leaves],
                                     retain_graph=True, allow_unused=True)
-        for (name, t), g in zip(leaves, grads[len(live):]):
+        for (name, t), g in zip(leaves, grads[len(live):], strict=True):
             others = _input_spill(t, g, i, b, batch_axis)
             if others and name not in input_spill:
                 input_spill[name] = (t, g, i, others)
-        for e, g in zip(live, grads[:len(live)]):
+        for e, g in zip(live, grads[:len(live)], strict=True):
             if g is None:
                 continue
             for lay, st in status[id(e)].items():

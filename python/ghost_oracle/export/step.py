@@ -7,7 +7,6 @@ import torch
 
 from .precision import DTYPE_NAMES
 
-
 STEP_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 

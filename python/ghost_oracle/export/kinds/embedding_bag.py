@@ -28,10 +28,10 @@ class EmbeddingBag(Handler):
         ends = starts[1:] + [ids.shape[0]]
         if m.include_last_offset:
             starts, ends = starts[:-1], ends[:-1]
-        width = max([e - s for s, e in zip(starts, ends)] + [1])
+        width = max([e - s for s, e in zip(starts, ends, strict=True)] + [1])
         out_ids = torch.zeros(len(starts), width, dtype=torch.int64)
         out_w = torch.zeros(len(starts), width, dtype=torch.float64)
-        for k, (s, e) in enumerate(zip(starts, ends)):
+        for k, (s, e) in enumerate(zip(starts, ends, strict=True)):
             out_ids[k, :e - s] = ids[s:e]
             out_w[k, :e - s] = 1.0 if psw is None else psw[s:e].to(torch.float64)
         return out_ids, out_w
@@ -66,7 +66,7 @@ class EmbeddingBag(Handler):
         if m.include_last_offset:
             starts, ends = starts[:-1], ends[:-1]
         n = []
-        for s, e in zip(starts, ends):
+        for s, e in zip(starts, ends, strict=True):
             members = ids[s:e]
             if m.padding_idx is not None:
                 members = members[members != m.padding_idx]

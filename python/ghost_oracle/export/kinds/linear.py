@@ -18,7 +18,8 @@ class Linear(Handler):
         g = use.per_example(use.grad, "output gradient")
         x = use.per_example(use.input, "input").to(use.dtype)
         if use.trainable(weight):
-            yield use.spec("weight", self.site_kind(use)), {"activations": x.to(use.store), "backprops": g.to(use.store)}
+            yield use.spec("weight", self.site_kind(use)), {"activations": x.to(use.store),
+                                                             "backprops": g.to(use.store)}
         yield from use.bias_site(g)
 
 
