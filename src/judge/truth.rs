@@ -22,6 +22,7 @@ const BLOCK_BYTES: usize = 64 << 20;
 /// Everything about a case that comes from the reference, not from the clipper.
 #[derive(Clone, Debug)]
 pub struct Truth {
+    /// n*_i, the true norm of each example, in batch order.
     pub norms: Vec<f64>,
     /// ⟨g_i*, g_k*⟩ for every pair of examples.
     pub gram: Vec<Vec<f64>>,
