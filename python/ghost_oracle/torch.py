@@ -147,8 +147,11 @@ def assert_norms(
                     noise_multiplier=noise_multiplier, dtype=dtype, batch_axis=batch_axis))
 
 
-def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clipper, precision, accounting,
-                         trace_path, export) -> Report:
+def _export_check_assert(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], torch.Tensor],
+                         inputs: Inputs | list[Inputs], *, claimed_norms: Any, clipper: str,
+                         precision: Precision | None, accounting: Mapping[str, Any],
+                         trace_path: str | os.PathLike[str] | None,
+                         export: Mapping[str, Any]) -> Report:
     """Export (to `trace_path`, or a temporary file), check, raise `AssertionError` unless pass.
     `claimed_norms` None: the exact norms, which the check computes from the trace's factors;
     the trace is exported once with placeholders, its `claimed.norms` replaced by the check's
