@@ -123,7 +123,8 @@ def per_sample_norms(
             sizes[name] = int(gs.shape[0])
             if as_optimizer:
                 per_param.append(gs.detach().reshape(len(gs), -1).norm(2, dim=-1))
-            term: torch.Tensor = gs.detach().reshape(gs.shape[0], -1).to(device="cpu", dtype=torch.float64).pow(2).sum(1)
+            term: torch.Tensor = (gs.detach().reshape(gs.shape[0], -1).to(device="cpu", dtype=torch.float64)
+                                  .pow(2).sum(1))
             if sq is not None and term.shape != sq.shape:
                 other = next(iter(sizes))
                 raise ValueError(
