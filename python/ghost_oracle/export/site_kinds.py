@@ -3,6 +3,11 @@ batch gradient each rebuilds from its factors, and the rounding its backward add
 
 A module handler (`kinds/`) writes sites of these kinds; the reader in Rust knows the same five.
 """
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from .precision import low_precision
@@ -10,7 +15,7 @@ from .precision import low_precision
 SITE_KINDS = ("linear", "conv1d", "embedding", "layernorm", "bias")
 
 
-def rebuild(spec, ts):
+def rebuild(spec: Mapping[str, Any], ts: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ over examples and rows of the site's gradient, the same sum of |terms|), f64, in the
     parameter's layout flattened the way `p.reshape(-1)` is."""
     g = ts["backprops"].to(torch.float64)
@@ -34,7 +39,8 @@ def rebuild(spec, ts):
     raise ValueError(f"site `{spec['name']}`: unknown site kind {kind!r}; the kinds are {', '.join(SITE_KINDS)}")
 
 
-def low_precision_rounds(spec, ts, site_dtype):
+def low_precision_rounds(spec: Mapping[str, Any], ts: Mapping[str, torch.Tensor],
+                         site_dtype: torch.dtype) -> torch.Tensor | None:
     """The roundings per entry a low-precision backward of this kind adds, where the kind has its
     own count (None: the default of `precision.reduction_tolerance`). An embedding's backward
     adds each lookup's row into the table in the low precision, one rounding per occurrence of
