@@ -1,6 +1,11 @@
 """The self-check: nothing is written unless every trainable parameter that received a gradient
 is accounted for by its sites, and the batch gradient rebuilt from their factors (as stored)
 equals autograd's `p.grad` to rounding, at a tolerance that follows each site's precision."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
 import torch
 
 from .errors import TraceExportError
@@ -8,21 +13,24 @@ from .precision import DTYPE_NAMES, reduction_tolerance, unit_roundoff
 from .site_kinds import low_precision_rounds, rebuild
 
 
-def self_check(model, sites, names, owners, store_dtype):
+def self_check(model: torch.nn.Module,
+               sites: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]],
+               names: Mapping[int, str], owners: Mapping[int, list[tuple[str, str]]],
+               store_dtype: torch.dtype | None) -> None:
     """Raises unless every trainable parameter that received a gradient has a site and its
     sites' factors rebuild autograd's gradient to rounding, each site at its own precision
     (`entry["dtype"]`; `store_dtype` None: each site stored in its own)."""
-    by_param = {}
+    by_param: dict[str, list[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]] = {}
     for spec, ts, entry in sites:
         by_param.setdefault(spec["param"], []).append((spec, ts, entry))
-    seen = set()
-    params = []
+    seen: set[int] = set()
+    params: list[torch.nn.Parameter] = []
     for _, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen or not p.requires_grad or p.grad is None:
             continue
         seen.add(id(p))
         params.append(p)
-    def fused_experts(p):
+    def fused_experts(p: torch.Tensor) -> bool:
         """A 3-D tensor of stacked expert matrices, by its shape and its name or its module's."""
         labels = [names[id(p)]] + [c for _, c in owners.get(id(p), [])]
         return p.dim() == 3 and names[id(p)] not in by_param and any("expert" in s.lower() for s in labels)
@@ -69,7 +77,8 @@ def self_check(model, sites, names, owners, store_dtype):
             tol += reduction_tolerance(a, entry["dtype"], store, rows, low_precision_rounds(spec, ts, entry["dtype"]))
         # autograd adds the uses of a tied parameter into p.grad in the parameter's dtype
         tol += 2.0 * (len(uses) - 1) * unit_roundoff(p.dtype) * absum + torch.finfo(p.dtype).tiny
-        want = p.grad.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        # p.grad is not None: `params` holds only the parameters that received a gradient.
+        want = cast(torch.Tensor, p.grad).detach().to(device="cpu", dtype=torch.float64).reshape(-1)
         err = (rebuilt - want).abs()
         bad = err > tol
         if bool(bad.any()):
