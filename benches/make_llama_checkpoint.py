@@ -104,7 +104,8 @@ if a.expected:
     with torch.no_grad():
         model.model.rotary_emb.inv_freq = make_golden.inv_freq_f64(model.config)
     params = {k: v.detach() for k, v in model.named_parameters()}
-    loss = lambda p, x, y: make_golden.per_example_loss(model, p, x, y, "mean", cfg.tie_word_embeddings)
+    def loss(p, x, y):
+        return make_golden.per_example_loss(model, p, x, y, "mean", cfg.tie_word_embeddings)
     norms = []
     for i in range(a.batch):  # one example at a time keeps memory at one gradient
         g = vmap(grad(loss), in_dims=(None, 0, 0))(params, ids[i:i + 1], ids[i:i + 1])

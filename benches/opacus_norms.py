@@ -50,7 +50,8 @@ def main():
     p.add_argument("--runs", type=int, default=3)
     a = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'T':>5} {'B':>3} {'opacus ghost (s)':>17} {'ghost (s)':>10} {'ghost-tied (s)':>15} {'opacus/ghost-tied':>18}")
+    print(f"{'T':>5} {'B':>3} {'opacus ghost (s)':>17} {'ghost (s)':>10} {'ghost-tied (s)':>15} "
+          f"{'opacus/ghost-tied':>18}")
     for t in a.seq:
         for b in a.batch:
             torch.manual_seed(0)
@@ -63,7 +64,7 @@ def main():
             emb = torch.nn.Embedding(v, d)
             emb.weight = head.weight  # tied
 
-            def opacus():
+            def opacus(head=head, emb=emb, h=h, delta=delta, ids=ids, e=e):  # this batch's tensors
                 n_head = compute_linear_norm_sample(head, [h], delta)[head.weight]
                 n_emb = compute_embedding_norm_sample(emb, [ids], e)[emb.weight]
                 return (n_head ** 2 + n_emb ** 2).sqrt()
@@ -77,12 +78,14 @@ def main():
                 ]
                 save_file({"wte.weight.ids": ids, "wte.weight.backprops": e, "lm_head.weight.activations": h,
                            "lm_head.weight.backprops": delta, "claimed.norms": opacus().double()},
-                          path, metadata={"format": "ghost-oracle-trace/1", "max_grad_norm": "1.0", "sites": json.dumps(sites)})
+                          path, metadata={"format": "ghost-oracle-trace/1", "max_grad_norm": "1.0",
+                                          "sites": json.dumps(sites)})
                 out = os.path.join(tmp, "bench.json")
                 subprocess.run([BIN, "bench", "--trace", path, "--clipper", "ghost", "--clipper", "ghost-tied",
                                 "--runs", str(a.runs), "--json", out], check=True, stdout=subprocess.DEVNULL)
                 res = {r["clipper"]: r["seconds"] for r in json.load(open(out))["results"]}
-            print(f"{t:>5} {b:>3} {t_opacus:>17.4f} {res['ghost']:>10.4f} {res['ghost-tied']:>15.4f} {t_opacus / res['ghost-tied']:>18.2f}")
+            print(f"{t:>5} {b:>3} {t_opacus:>17.4f} {res['ghost']:>10.4f} {res['ghost-tied']:>15.4f} "
+                  f"{t_opacus / res['ghost-tied']:>18.2f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Each model runs in a fresh process, so that its peak RSS is its own (ru_maxrss o
 import argparse
 import copy
 import json
-import math
 import resource
 import subprocess
 import sys
@@ -44,7 +43,7 @@ def build(name, b):
                 widths = [16, 16 * k, 32 * k, 64 * k]
                 self.stem = torch.nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)
                 blocks, cin = [], widths[0]
-                for g, stride in zip(range(3), (1, 2, 2)):
+                for g, stride in zip(range(3), (1, 2, 2), strict=True):
                     for i in range(n):
                         blocks.append(block(cin, widths[g + 1], stride if i == 0 else 1))
                         cin = widths[g + 1]
@@ -170,7 +169,7 @@ def run_one(name, b):
         report = ghost_oracle.check(path)
         t_check = time.perf_counter() - t2
     worst = None if claim is None else max(abs(float(c) - float(n)) / float(n)
-                                           for c, n in zip(claim, report.true_norms))
+                                           for c, n in zip(claim, report.true_norms, strict=True))
     return {"model": name, "batch": b, "parameters": params, "claim": claim_from,
             "verdict": report.verdict if claim is not None else "no claim", "claim_vs_truth_max_rel": worst,
             "opacus_s": round(t_claim, 2), "export_s": round(t_export, 2), "check_s": round(t_check, 2),
@@ -210,7 +209,8 @@ def main():
             continue
         rel = "" if r["claim_vs_truth_max_rel"] is None else f"{r['claim_vs_truth_max_rel']:.1e}"
         print(f"| {r['model']} | {r['parameters'] / 1e6:.2f} M | {r['claim']} | {r['verdict']} | {rel} | "
-              f"{r['opacus_s']} s | {r['export_s']} s | {r['check_s']} s | {r['trace_mb']} MB | {r['peak_rss_gb']} GB |")
+              f"{r['opacus_s']} s | {r['export_s']} s | {r['check_s']} s | {r['trace_mb']} MB | "
+              f"{r['peak_rss_gb']} GB |")
 
 
 if __name__ == "__main__":

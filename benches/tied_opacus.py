@@ -52,8 +52,9 @@ def child(args):
     import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-    import ghost_oracle.opacus as dpo
     from opacus import PrivacyEngine
+
+    import ghost_oracle.opacus as dpo
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(os.cpu_count() or 1)

@@ -76,7 +76,7 @@ out = {
 }
 if a.against:
     ref = [e["norm"] for e in json.load(open(a.against))["examples"]][:n]
-    out["max_rel_diff_vs_reference"] = max(abs(r - t) / r for r, t in zip(ref, norms))
+    out["max_rel_diff_vs_reference"] = max(abs(r - t) / r for r, t in zip(ref, norms, strict=True))
 print(json.dumps({k: v for k, v in out.items() if k != "norms"}, indent=1))
 if a.json:
     with open(a.json, "w") as fh:

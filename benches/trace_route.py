@@ -92,7 +92,8 @@ def main():
     ids = batch(cfg, a.batch, a.seq)
     built = time.perf_counter() - t0
     n_params = sum(p.numel() for p in model.parameters())
-    out = {"shape": a.shape, "layers": cfg.num_hidden_layers, "batch": a.batch, "seq": a.seq, "dtype": a.dtype, "parameters": n_params,
+    out = {"shape": a.shape, "layers": cfg.num_hidden_layers, "batch": a.batch, "seq": a.seq, "dtype": a.dtype,
+           "parameters": n_params,
            "build_s": round(built, 2)}
     if a.phase == "train":
         t0 = time.perf_counter()

@@ -4,8 +4,9 @@ A tiny GPT-2 whose LM head is tied to its input embedding (as in every GPT-2 che
 clips each example's gradient to norm C; if the norm a clipper computes is too small, the
 example's clipped contribution exceeds C and the run's (ε, δ) no longer holds. `assert_norms`
 checks the norms a clipper claims against ghost-oracle's f64 ground truth and raises a readable
-AssertionError (`ghost_oracle.ClippingCheckFailed`, with the whole report) when they are wrong. `assert_update` does the same for the step the library takes:
-its clipped sum before noise, its noise and its update, against the exact Σ_i c*_i g*_i.
+AssertionError (`ghost_oracle.ClippingCheckFailed`, with the whole report) when they are wrong.
+`assert_update` does the same for the step the library takes: its clipped sum before noise, its
+noise and its update, against the exact Σ_i c*_i g*_i.
 
     pip install ./python torch transformers opacus   # ./python: ghost-oracle's package, and its
     pytest examples/test_opacus_clipper.py -s        # pytest plugin (the tied_gpt2 fixture)

@@ -6,10 +6,11 @@ ghost_oracle.opacus.make_private: its norms against an autograd loop's.
 import copy
 import warnings
 
-import ghost_oracle.opacus
 import torch
-from ghost_oracle import testing
 from opacus import PrivacyEngine
+
+import ghost_oracle.opacus
+from ghost_oracle import testing
 
 warnings.filterwarnings("ignore")
 

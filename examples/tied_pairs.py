@@ -5,6 +5,7 @@ terms of its two uses, against autograd's per-example gradient.
     PYTHONPATH=python python3 examples/tied_pairs.py
 """
 import torch
+
 from ghost_oracle.tied import pairs
 
 torch.manual_seed(0)

@@ -49,6 +49,13 @@ print(f"python/ci.sh: ghost_oracle {ghost_oracle.__version__} from {ghost_oracle
 PY
 )
 
+# The type gate: mypy --strict over the package, with its dependencies importable (mypy.ini at
+# the root); its cache lives outside the clone, so that torch's and jax's stubs are read once a
+# machine.
+echo "python/ci.sh: mypy --strict python/ghost_oracle"
+"$venv_python" -m pip install --quiet --disable-pip-version-check mypy==2.4.1
+MYPY_CACHE_DIR=/var/tmp/ghost-oracle-mypy-cache "$venv_python" -m mypy --strict python/ghost_oracle
+
 echo "python/ci.sh: pytest python/tests examples"
 status=0
 # One worker per core (pytest-xdist): the tests are tiny models, bound by one core's Python, so

@@ -52,11 +52,14 @@ pub fn tied_head_trace(
     })
 }
 
+/// One clipper's timings on a trace.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchResult {
+    /// The clipper's name.
     pub clipper: String,
     /// Median wall time of one `norms` call.
     pub seconds: f64,
+    /// Timed rounds after the warm-up: the medians are over these.
     pub runs: usize,
     /// Largest extra memory held during a call, as measured by the caller's probe.
     pub peak_bytes: u64,
@@ -66,6 +69,7 @@ pub struct BenchResult {
     /// Median wall time of one whole `step` (`clip`, then noise N(0, C²) on every entry and the
     /// division by B), and its peak memory.
     pub step_seconds: f64,
+    /// Largest extra memory held during a `step`, as measured by the caller's probe.
     pub step_peak_bytes: u64,
 }
 

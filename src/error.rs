@@ -4,17 +4,21 @@ use std::fmt;
 /// status 2; everything the tool cannot blame on its input is `Internal`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Error {
+    /// The input (a file, an option, a batch) is at fault; the message says how.
     Input(String),
+    /// An invariant of ghost-oracle itself was broken; the message says which.
     Internal(String),
     /// The reader of stdout went away (`| head`): not a failure, the run just ends.
     OutputClosed,
 }
 
 impl Error {
+    /// An error in the input.
     pub fn input(msg: impl Into<String>) -> Self {
         Error::Input(msg.into())
     }
 
+    /// A broken invariant of ghost-oracle itself.
     pub fn internal(msg: impl Into<String>) -> Self {
         Error::Internal(msg.into())
     }
@@ -62,4 +66,5 @@ impl From<ghost_oracle_reference::Error> for Error {
     }
 }
 
+/// The library's result: every error is an [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;

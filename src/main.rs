@@ -1,3 +1,7 @@
+//! The `ghost-oracle` command line: the f64 reference, audits of clippers, checks of trace
+//! files, trace export, benchmarks and the kill matrix, with their reports as text, JSON, HTML
+//! or JUnit.
+
 mod cli;
 
 fn main() -> std::process::ExitCode {

@@ -130,14 +130,17 @@ impl Deviation {
 macro_rules! mutants {
     ($($variant:ident, $name:literal, $expected:ident, $coarsest:ident,
         { $($column:ident: $value:expr),+ $(,)? }, $reproduces:literal;)+) => {
+        /// A seeded bug: exact tied ghost clipping with one deviation.
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         pub enum Mutant {
-            $($variant,)+
+            $(#[doc = concat!("`", $name, "`: ", $reproduces)] $variant,)+
         }
 
         impl Mutant {
+            /// Every mutant, in table order.
             pub const ALL: &'static [Mutant] = &[$(Mutant::$variant,)+];
 
+            /// The mutant's name, as `--mutant` and reports know it.
             pub fn name(self) -> &'static str {
                 match self {
                     $(Mutant::$variant => $name,)+
@@ -151,6 +154,7 @@ macro_rules! mutants {
                 }
             }
 
+            /// The verdict the audit owes the mutant.
             pub fn expected(self) -> ExpectedVerdict {
                 match self {
                     $(Mutant::$variant => ExpectedVerdict::$expected,)+
@@ -175,6 +179,7 @@ macro_rules! mutants {
                 }
             }
 
+            /// The mutant called `name`, if one is.
             pub fn parse(name: &str) -> Option<Self> {
                 Mutant::ALL.iter().copied().find(|m| m.name() == name)
             }

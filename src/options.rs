@@ -13,19 +13,28 @@ use std::fmt;
 /// A value a user sets, as the library knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Field {
+    /// C, the clipping norm.
     MaxGradNorm,
+    /// σ, the noise multiplier.
     NoiseMultiplier,
+    /// q, the Poisson sampling rate.
     SamplingRate,
+    /// Number of DP-SGD steps.
     Steps,
+    /// Passes over the dataset (instead of steps).
     Epochs,
+    /// N, the number of examples in the dataset.
     DatasetSize,
+    /// δ of the (ε, δ) guarantee.
     Delta,
+    /// The largest ε a gate accepts.
     MaxEpsilon,
 }
 
 /// A chosen value that cannot be used, with the field it belongs to.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OptionError {
+    /// The value that was wrong.
     pub field: Field,
     problem: Problem,
 }
@@ -64,6 +73,7 @@ impl OptionError {
 pub struct ClipNorm(f64);
 
 impl ClipNorm {
+    /// C, refused unless positive and finite.
     pub fn new(c: f64) -> Result<Self, OptionError> {
         if c.is_finite() && c > 0.0 {
             Ok(ClipNorm(c))
@@ -76,6 +86,7 @@ impl ClipNorm {
         }
     }
 
+    /// C as a number.
     pub fn get(self) -> f64 {
         self.0
     }
@@ -88,6 +99,7 @@ impl ClipNorm {
 pub struct NoiseMultiplier(f64);
 
 impl NoiseMultiplier {
+    /// σ, refused unless non-negative and finite.
     pub fn new(sigma: f64) -> Result<Self, OptionError> {
         if sigma.is_finite() && sigma >= 0.0 {
             Ok(NoiseMultiplier(sigma))
@@ -103,6 +115,7 @@ impl NoiseMultiplier {
     /// σ = 1, when neither the user nor the trace states one.
     pub const ONE: NoiseMultiplier = NoiseMultiplier(1.0);
 
+    /// σ as a number.
     pub fn get(self) -> f64 {
         self.0
     }
@@ -113,6 +126,7 @@ impl NoiseMultiplier {
 pub struct EpsilonBudget(f64);
 
 impl EpsilonBudget {
+    /// A budget, refused unless positive (NaN included).
     pub fn new(e: f64) -> Result<Self, OptionError> {
         if e > 0.0 {
             Ok(EpsilonBudget(e))
@@ -125,6 +139,7 @@ impl EpsilonBudget {
         }
     }
 
+    /// The budget as a number.
     pub fn get(self) -> f64 {
         self.0
     }
@@ -134,8 +149,11 @@ impl EpsilonBudget {
 /// [`AccountingRequest::resolve`] or [`Accounting::typical`], so the accountant accepts it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Accounting {
+    /// q, the Poisson sampling rate, in (0, 1].
     pub sampling_rate: f64,
+    /// Number of DP-SGD steps.
     pub steps: u64,
+    /// δ of the (ε, δ) guarantee.
     pub delta: f64,
     /// No accounting option was given: this is the typical fine-tuning run.
     pub default_setting: bool,
@@ -157,13 +175,16 @@ impl Accounting {
 /// what is left out comes from the typical run.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct AccountingRequest {
+    /// q, the Poisson sampling rate.
     pub sampling_rate: Option<f64>,
     /// Signed, so that a negative count from a front end without unsigned integers is refused
     /// here rather than wrapped.
     pub steps: Option<i64>,
     /// Epochs instead of steps: steps = ⌈epochs × ⌈N / round(q·N)⌉⌉ (needs `dataset_size`).
     pub epochs: Option<f64>,
+    /// N, the number of examples in the dataset (for `epochs`).
     pub dataset_size: Option<i64>,
+    /// δ of the (ε, δ) guarantee.
     pub delta: Option<f64>,
 }
 

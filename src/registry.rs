@@ -8,7 +8,9 @@ use crate::mutants::{Mutant, MutantClipper};
 
 /// A built-in clipper: its name and how to make one.
 pub struct ClipperEntry {
+    /// The name the CLI and reports know it by.
     pub name: &'static str,
+    /// Makes a fresh clipper.
     pub make: fn() -> Box<dyn Clipper>,
     /// A correct clipper: the kill matrix requires that it is never flagged.
     pub correct: bool,

@@ -10,9 +10,13 @@ use ndarray::{Array2, Array3};
 /// values (from a fuzzer, say) give a valid trace.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SyntheticSpec {
+    /// B, the examples.
     pub batch: usize,
+    /// T, the tokens per example.
     pub seq: usize,
+    /// d, the width of the factors.
     pub width: usize,
+    /// V, the rows of the tied table.
     pub vocab: usize,
     /// Ids are drawn from 0..min(id_range, vocab): small means many repeated tokens.
     pub id_range: usize,

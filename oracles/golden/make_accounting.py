@@ -116,7 +116,7 @@ def log_a_quad(q, sigma, alpha, dps, step, pad):
     zs = [lo + (hi - lo) * k / n for k in range(n + 1)]
     vals = [_log_integrand_float(z, q, sigma, alpha) for z in zs]
     top = max(vals)
-    kept = [z for z, v in zip(zs, vals) if v > top - 130.0]
+    kept = [z for z, v in zip(zs, vals, strict=True) if v > top - 130.0]
     a, b = kept[0] - pad * sigma, kept[-1] + pad * sigma
     with mp.workdps(dps):
         mq, ms, ma = mp.mpf(q), mp.mpf(sigma), mp.mpf(alpha)
@@ -230,7 +230,7 @@ def pld_epsilons(q, sigma, steps, interval):
     except subprocess.TimeoutExpired:
         return [None] * len(DELTAS), f"did not finish in {PLD_TIMEOUT_S} s"
     if out.returncode != 0:
-        last = (out.stderr.strip().splitlines() or ["exit status %d" % out.returncode])[-1]
+        last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
         if "MemoryError" in last or "bad_alloc" in last or "Unable to allocate" in last:
             return [None] * len(DELTAS), f"needs more than {PLD_MEMORY_BYTES >> 30} GiB"
         return [None] * len(DELTAS), last[:200]
@@ -247,7 +247,7 @@ def epsilon_job(args):
     for delta in DELTAS:
         with mp.workdps(DPS):
             best, best_order = None, None
-            for alpha, la in zip(orders, log_as):
+            for alpha, la in zip(orders, log_as, strict=True):
                 a = mp.mpf(alpha)
                 e = steps * mp.mpf(la) / (a - 1) + mp.log1p(-1 / a) - (mp.log(delta) + mp.log(a)) / (a - 1)
                 if best is None or e < best:
@@ -257,7 +257,8 @@ def epsilon_job(args):
     if None not in pld and max(i["epsilon"] for i in integral) <= PLD_FINE_MAX_EPSILON:
         fine, fine_note = pld_epsilons(q, sigma, steps, PLD_FINE_INTERVAL)
     else:
-        fine, fine_note = [None] * len(DELTAS), f"not tried (RDP epsilon above {PLD_FINE_MAX_EPSILON:g} or coarse PLD failed)"
+        fine, fine_note = [None] * len(DELTAS), (
+            f"not tried (RDP epsilon above {PLD_FINE_MAX_EPSILON:g} or coarse PLD failed)")
     for k, delta in enumerate(DELTAS):
         rows.append({
             "sigma": sigma, "q": q, "steps": steps, "delta": delta,
@@ -297,7 +298,7 @@ def main(reuse_log_a=False):
         old = json.load(open(OUT))
         assert old["orders"] == orders
         for row in old["log_a"]:
-            for a, v in zip(orders, row["integral"]):
+            for a, v in zip(orders, row["integral"], strict=True):
                 exact[(row["sigma"], row["q"], a)] = repr(v)
         assert len(exact) == len(jobs), "the existing file lacks some integrals"
         worst_check = old["quadrature"]["max_check_rel_diff"]
@@ -321,7 +322,7 @@ def main(reuse_log_a=False):
             row = {"sigma": s, "q": q, "integral": [float(mp.mpf(v)) for v in vals]}
             for name, fn in (("opacus", opacus_log_a), ("dp_accounting", dpa_log_a)):
                 worst, where, nonfinite = 0.0, None, []
-                for a, v in zip(orders, vals):
+                for a, v in zip(orders, vals, strict=True):
                     got = fn(q, s, a)
                     if not math.isfinite(got):
                         nonfinite.append(a)
@@ -435,7 +436,8 @@ def summary(path=OUT):
             print(f"log A, {lib} vs integral on the {len(d[name])} {name}: worst rel {e:.2e} at "
                   f"(q, sigma, alpha) = {where}")
     rows = d["epsilon"]
-    key = lambda r: (r["sigma"], r["q"], r["steps"], r["delta"])
+    def key(r):
+        return (r["sigma"], r["q"], r["steps"], r["delta"])
     for name, get in (("opacus", lambda r: r["opacus"] and r["opacus"]["epsilon"]),
                       ("dp_accounting RDP", lambda r: r["dp_accounting_rdp"] and r["dp_accounting_rdp"]["epsilon"])):
         e, where = worst((rel(get(r), r["integral"]["epsilon"]) if get(r) is not None else None, key(r))
@@ -444,7 +446,8 @@ def summary(path=OUT):
     e, where = worst((rel(r["dp_accounting_rdp"]["epsilon"], r["opacus"]["epsilon"])
                       if r["dp_accounting_rdp"] and r["opacus"] else None, key(r)) for r in rows)
     print(f"epsilon, dp_accounting RDP vs opacus: worst rel {e:.2e} at {where}")
-    best_pld = lambda r: r["pld_fine"] if r["pld_fine"] is not None else r["pld"]
+    def best_pld(r):
+        return r["pld_fine"] if r["pld_fine"] is not None else r["pld"]
     for name, get in (("PLD (1e-4)", lambda r: r["pld"]), ("finest PLD", best_pld)):
         ratios = [(get(r) / r["integral"]["epsilon"], key(r)) for r in rows
                   if get(r) is not None and get(r) > 0]
@@ -457,7 +460,8 @@ def summary(path=OUT):
     print("| σ | q | steps | Rust ε = integral ε | order | Opacus ε | dp_accounting RDP ε | order "
           "| PLD ε (1e-4) | PLD ε (1e-5) | PLD / RDP |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    fmt = lambda v, f: "n/a" if v is None else format(v, f)
+    def fmt(v, f):
+        return "n/a" if v is None else format(v, f)
     for s, q, n in TABLE_ROWS:
         r = next(r for r in rows if key(r) == (s, q, n, 1e-5))
         dr, b = r["dp_accounting_rdp"], best_pld(r)

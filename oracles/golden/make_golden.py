@@ -39,13 +39,21 @@ IGNORE = -100
 CASES = [
     ("tied_l1_h2_t2", dict(vocab_size=17, n_positions=8, n_embd=8, n_layer=1, n_head=2), 0.4, (3, 2), 1, {}),
     ("tied_l2_h4_t33", dict(vocab_size=32, n_positions=40, n_embd=16, n_layer=2, n_head=4), 0.3, (2, 33), 2, {}),
-    ("untied_l2_h3_t8", dict(vocab_size=24, n_positions=12, n_embd=12, n_layer=2, n_head=3, tie_word_embeddings=False), 0.3, (3, 8), 3, {}),
-    ("untied_l1_h2_t2", dict(vocab_size=19, n_positions=4, n_embd=8, n_layer=1, n_head=2, tie_word_embeddings=False), 0.4, (2, 2), 4, {}),
-    ("tied_ignored_labels", dict(vocab_size=13, n_positions=16, n_embd=8, n_layer=2, n_head=2), 0.4, (3, 12), 5, {"ignore": True}),
-    ("tied_sum_reduction", dict(vocab_size=13, n_positions=16, n_embd=8, n_layer=1, n_head=4), 0.4, (2, 10), 6, {"reduction": "sum"}),
-    ("tied_f32_hub_names", dict(vocab_size=21, n_positions=16, n_embd=12, n_layer=1, n_head=3), 0.35, (2, 9), 7, {"dtype": "f32", "hub_names": True}),
-    ("tied_bf16", dict(vocab_size=15, n_positions=10, n_embd=8, n_layer=1, n_head=2), 0.4, (2, 7), 8, {"dtype": "bf16"}),
-    ("tied_f16_inverse_layer_idx", dict(vocab_size=15, n_positions=10, n_embd=8, n_layer=2, n_head=2, scale_attn_by_inverse_layer_idx=True), 0.4, (2, 7), 9, {"dtype": "f16"}),
+    ("untied_l2_h3_t8", dict(vocab_size=24, n_positions=12, n_embd=12, n_layer=2, n_head=3, tie_word_embeddings=False),
+     0.3, (3, 8), 3, {}),
+    ("untied_l1_h2_t2", dict(vocab_size=19, n_positions=4, n_embd=8, n_layer=1, n_head=2, tie_word_embeddings=False),
+     0.4, (2, 2), 4, {}),
+    ("tied_ignored_labels", dict(vocab_size=13, n_positions=16, n_embd=8, n_layer=2, n_head=2), 0.4, (3, 12), 5,
+     {"ignore": True}),
+    ("tied_sum_reduction", dict(vocab_size=13, n_positions=16, n_embd=8, n_layer=1, n_head=4), 0.4, (2, 10), 6,
+     {"reduction": "sum"}),
+    ("tied_f32_hub_names", dict(vocab_size=21, n_positions=16, n_embd=12, n_layer=1, n_head=3), 0.35, (2, 9), 7,
+     {"dtype": "f32", "hub_names": True}),
+    ("tied_bf16", dict(vocab_size=15, n_positions=10, n_embd=8, n_layer=1, n_head=2), 0.4, (2, 7), 8,
+     {"dtype": "bf16"}),
+    ("tied_f16_inverse_layer_idx",
+     dict(vocab_size=15, n_positions=10, n_embd=8, n_layer=2, n_head=2, scale_attn_by_inverse_layer_idx=True),
+     0.4, (2, 7), 9, {"dtype": "f16"}),
 ]
 
 DTYPES = {"f64": torch.float64, "f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -99,7 +107,8 @@ def run_case(name, cfg_over, init_std, shape, seed, opts):
     tied = cfg.tie_word_embeddings
 
     params = {k: v.detach() for k, v in model.named_parameters()}
-    f = lambda p, x, y: per_example_loss(model, p, x, y, reduction, True)
+    def f(p, x, y):
+        return per_example_loss(model, p, x, y, reduction, True)
     grads = vmap(grad(f), in_dims=(None, 0, 0))(params, ids, labels)
     losses = vmap(f, in_dims=(None, 0, 0))(params, ids, labels)
 
@@ -109,7 +118,8 @@ def run_case(name, cfg_over, init_std, shape, seed, opts):
         wte = params["transformer.wte.weight"]
         p2 = dict(params)
         p2["lm_head.weight"] = wte.clone()
-        f2 = lambda p, x, y: per_example_loss(model, p, x, y, reduction, False)
+        def f2(p, x, y):
+            return per_example_loss(model, p, x, y, reduction, False)
         g2 = vmap(grad(f2), in_dims=(None, 0, 0))(p2, ids, labels)
         split = (g2["transformer.wte.weight"], g2["lm_head.weight"])
 
@@ -257,7 +267,8 @@ def inv_freq_f64(cfg):
 def build_llama(model_type, cfg_over, init_std, seed, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[model_type]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[model_type]
     torch.manual_seed(seed)
     cfg = config_cls(**cfg_over, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
     model = model_cls(cfg).to(torch.float64).eval()
@@ -301,7 +312,8 @@ def run_llama_case(name, model_type, cfg_over, init_std, shape, seed, opts):
 
     params = {k: v.detach() for k, v in model.named_parameters()}
     assert ("lm_head.weight" in params) != tied, list(params)
-    f = lambda p, x, y: per_example_loss(model, p, x, y, reduction, True)
+    def f(p, x, y):
+        return per_example_loss(model, p, x, y, reduction, True)
     grads = vmap(grad(f), in_dims=(None, 0, 0))(params, ids, labels)
     losses = vmap(f, in_dims=(None, 0, 0))(params, ids, labels)
 
@@ -309,7 +321,8 @@ def run_llama_case(name, model_type, cfg_over, init_std, shape, seed, opts):
     if tied:
         p2 = dict(params)
         p2["lm_head.weight"] = params[emb].clone()
-        f2 = lambda p, x, y: per_example_loss(model, p, x, y, reduction, False)
+        def f2(p, x, y):
+            return per_example_loss(model, p, x, y, reduction, False)
         g2 = vmap(grad(f2), in_dims=(None, 0, 0))(p2, ids, labels)
         split = (g2[emb], g2["lm_head.weight"])
         # The split adds up to the tied gradient.
@@ -542,7 +555,8 @@ def run_family_case(name, model_type, cfg_over, init_std, shape, seed, opts):
 
     params = {k: v.detach() for k, v in model.named_parameters()}
     assert ("lm_head.weight" in params) != tied, list(params)
-    f = lambda p, x, y: per_example_loss(model, p, x, y, reduction, True)
+    def f(p, x, y):
+        return per_example_loss(model, p, x, y, reduction, True)
     grads = vmap(grad(f), in_dims=(None, 0, 0))(params, ids, labels)
     losses = vmap(f, in_dims=(None, 0, 0))(params, ids, labels)
 
@@ -550,7 +564,8 @@ def run_family_case(name, model_type, cfg_over, init_std, shape, seed, opts):
     if tied:
         p2 = dict(params)
         p2["lm_head.weight"] = params[emb].clone()
-        f2 = lambda p, x, y: per_example_loss(model, p, x, y, reduction, False)
+        def f2(p, x, y):
+            return per_example_loss(model, p, x, y, reduction, False)
         g2 = vmap(grad(f2), in_dims=(None, 0, 0))(p2, ids, labels)
         split = (g2[emb], g2["lm_head.weight"])
         assert torch.allclose(split[0] + split[1], grads[emb], rtol=1e-10, atol=1e-13)
@@ -591,7 +606,8 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=OUT, help="directory the case directories are written to")
     args = ap.parse_args()
     OUT = args.out
-    wanted = lambda name: not args.prefixes or any(name.startswith(p) for p in args.prefixes)
+    def wanted(name):
+        return not args.prefixes or any(name.startswith(p) for p in args.prefixes)
     torch.set_default_dtype(torch.float64)
     for case in CASES:
         if wanted(case[0]):

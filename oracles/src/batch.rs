@@ -60,18 +60,22 @@ impl Batch {
         (self.input_ids, self.labels)
     }
 
+    /// Number of examples (rows).
     pub fn len(&self) -> usize {
         self.input_ids.nrows()
     }
 
+    /// True for a batch of no examples.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// Tokens per example (columns), padding included.
     pub fn seq_len(&self) -> usize {
         self.input_ids.ncols()
     }
 
+    /// Example `example`'s token ids.
     pub fn ids(&self, example: usize) -> Vec<usize> {
         // Non-negative by construction.
         self.input_ids
@@ -91,6 +95,7 @@ impl Batch {
             .collect()
     }
 
+    /// Reads a batch file (safetensors with `input_ids` and `labels`, both B×T).
     pub fn load(path: &Path) -> Result<Self> {
         let bytes = tensors::read_bytes(path, "batch file")?;
         Self::from_bytes(&bytes, &path.display().to_string())
@@ -125,6 +130,7 @@ impl Batch {
         Batch::new(ids, labels).map_err(|e| Error::new(format!("{label}: {e}")))
     }
 
+    /// Writes the batch as a safetensors file that [`Batch::load`] reads back.
     pub fn save(&self, path: &Path) -> Result<()> {
         let t = [
             (

@@ -12,6 +12,7 @@ use std::path::Path;
 
 /// A model that [`load`] can read: its config's parser and its builder from the checkpoint.
 pub trait FromCheckpoint: Sized {
+    /// The model's parsed `config.json`.
     type Config;
     /// Parses the text of `config.json`.
     fn parse_config(text: &str) -> Result<Self::Config>;

@@ -7,7 +7,9 @@
 /// automatic clipping C/(n + γ) (fastDP's default).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Clipping {
+    /// min(1, C/(n + γ)): examples within the bound are left as they are.
     Flat,
+    /// C/(n + γ): every example is rescaled to norm about C.
     Automatic,
 }
 

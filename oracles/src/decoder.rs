@@ -15,18 +15,23 @@ pub const LM_HEAD: &str = "lm_head.weight";
 /// Sizes the batch is checked against and that size the report.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Dims {
+    /// V, the number of token ids.
     pub vocab_size: usize,
     /// Longest sequence the model accepts.
     pub max_positions: usize,
     /// The config key that sets `max_positions`, for messages.
     pub positions_key: &'static str,
+    /// d, the width of the residual stream.
     pub hidden_size: usize,
+    /// Number of blocks.
     pub layers: usize,
+    /// Whether the LM head is the token embedding.
     pub tie_word_embeddings: bool,
 }
 
 /// Anything that knows a model's [`Dims`]: configs and models.
 pub trait HasDims {
+    /// The sizes of this config or model.
     fn dims(&self) -> Dims;
 }
 
@@ -42,6 +47,7 @@ pub trait BlockParams: Clone + Send + Sync {
     /// Every tensor with its name relative to the block (`self_attn.q_proj.weight`), in
     /// checkpoint order.
     fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)>;
+    /// Mutable views of [`BlockParams::tensors`], same names and order.
     fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)>;
 }
 
@@ -49,23 +55,29 @@ pub trait BlockParams: Clone + Send + Sync {
 /// token embedding holds the input-embedding path and `lm_head` the head path, even when the
 /// model is tied, which is how the reference reports the split.
 pub trait ParamSet: Clone {
+    /// One block's tensors.
     type Block: BlockParams;
     /// How many tensors come before the first block in [`ParamSet::tensors`] (the token
     /// embedding, and GPT-2's position table).
     const STEM_TENSORS: usize;
     /// The family-local name of block `layer`'s tensors: `model.layers.{layer}.`, `h.{layer}.`.
     fn block_prefix(layer: usize) -> String;
+    /// The blocks, first layer first.
     fn blocks(&self) -> &[Self::Block];
+    /// Mutable access to the blocks.
     fn blocks_mut(&mut self) -> &mut [Self::Block];
     /// Every tensor with its family-local name (what `DecoderModel::param_name` turns into the
     /// checkpoint name), token embedding first and `lm_head.weight` last.
     fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)>;
+    /// Mutable views of [`ParamSet::tensors`], same names and order.
     fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)>;
     /// V×d token embedding.
     fn token_embedding(&self) -> &Array2<f64>;
+    /// Mutable access to the V×d token embedding.
     fn token_embedding_mut(&mut self) -> &mut Array2<f64>;
     /// V×d untied head (`None` for a tied model's weights).
     fn lm_head(&self) -> Option<&Array2<f64>>;
+    /// Mutable access to the untied head.
     fn lm_head_mut(&mut self) -> &mut Option<Array2<f64>>;
 }
 
@@ -87,11 +99,14 @@ pub(crate) fn prefixed_blocks<P: ParamSet, V>(
 /// reverse. Each backward accumulates into a zero gradient and records its sites (in forward
 /// order, with checkpoint names) when `sites` is on.
 pub trait DecoderModel: HasDims {
+    /// The family's weights (and, in the same type, its gradients).
     type Params: ParamSet;
     /// What one block keeps from its forward pass for its backward pass.
     type BlockCache;
 
+    /// The model's weights.
     fn params(&self) -> &Self::Params;
+    /// Mutable access to the model's weights.
     fn params_mut(&mut self) -> &mut Self::Params;
     /// A zero gradient; `lm_head` is `None` (the skeleton fills it with the head path).
     fn zero_gradient(&self) -> Self::Params;
@@ -191,7 +206,10 @@ pub trait DecoderModel: HasDims {
         g: &mut <Self::Params as ParamSet>::Block,
         sites: Option<&mut Vec<SiteRecord>>,
     ) -> Array2<f64>;
+    /// The final norm over the last block's T×d output: its cache and the normalized rows.
     fn final_norm(&self, h: ArrayView2<f64>) -> (NormCache, Array2<f64>);
+    /// Backward of [`DecoderModel::final_norm`]: accumulates its weight's gradient into `g` and
+    /// returns the gradient with respect to its input.
     fn final_norm_backward(
         &self,
         dy: ArrayView2<f64>,

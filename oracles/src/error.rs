@@ -27,6 +27,7 @@ impl Error {
         }
     }
 
+    /// What went wrong, for a person.
     pub fn message(&self) -> &str {
         &self.message
     }
@@ -45,6 +46,7 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// The reference's result: every error is an [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
 macro_rules! bail {

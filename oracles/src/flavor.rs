@@ -41,11 +41,14 @@ pub enum NormLayout {
 /// Whether a layer attends to every earlier position or to a window of them (`layer_types`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayerType {
+    /// Causal attention over every earlier position.
     Full,
+    /// Causal attention over the last `sliding_window` positions.
     Sliding,
 }
 
 impl LayerType {
+    /// The name `layer_types` gives it in `config.json`.
     pub fn name(self) -> &'static str {
         match self {
             LayerType::Full => "full_attention",
@@ -55,6 +58,7 @@ impl LayerType {
 }
 
 impl LlamaFlavor {
+    /// Every flavor, in the order they are listed to a person.
     pub const ALL: [LlamaFlavor; 7] = [
         LlamaFlavor::Llama,
         LlamaFlavor::Qwen2,
@@ -65,6 +69,7 @@ impl LlamaFlavor {
         LlamaFlavor::VaultGemma,
     ];
 
+    /// The `model_type` of the flavor's `config.json`.
     pub fn model_type(self) -> &'static str {
         match self {
             LlamaFlavor::Llama => "llama",
@@ -90,6 +95,7 @@ impl LlamaFlavor {
         }
     }
 
+    /// The flavor whose `model_type` is `s`, if one is.
     pub fn from_model_type(s: &str) -> Option<Self> {
         LlamaFlavor::ALL.into_iter().find(|f| f.model_type() == s)
     }
@@ -119,6 +125,7 @@ impl LlamaFlavor {
         }
     }
 
+    /// Where the flavor's blocks put their RMSNorms.
     pub fn norm_layout(self) -> NormLayout {
         match self {
             LlamaFlavor::Llama | LlamaFlavor::Qwen2 | LlamaFlavor::Qwen3 | LlamaFlavor::Gemma => {

@@ -44,7 +44,9 @@ pub struct Gpt2Params {
 /// A model: config, weights and the naming convention of the checkpoint it came from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gpt2 {
+    /// The model's hyperparameters.
     pub config: Gpt2Config,
+    /// The weights.
     pub params: Gpt2Params,
     /// `"transformer."` for `GPT2LMHeadModel` checkpoints, `""` for original hub files.
     pub prefix: String,

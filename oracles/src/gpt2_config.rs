@@ -7,16 +7,25 @@ use serde_json::Value;
 /// The GPT-2 hyper-parameters the reference needs, with Hugging Face's defaults for absent keys.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gpt2Config {
+    /// V, the number of token ids.
     pub vocab_size: usize,
+    /// Rows of the learned position table: the longest sequence the model accepts.
     pub n_positions: usize,
+    /// d, the width of the residual stream.
     pub n_embd: usize,
+    /// Number of blocks.
     pub n_layer: usize,
+    /// Attention heads per block; d is a multiple of it.
     pub n_head: usize,
     /// MLP width; HF's `n_inner: null` means 4·n_embd.
     pub n_inner: usize,
+    /// ε added to the variance in every LayerNorm.
     pub layer_norm_epsilon: f64,
+    /// Whether the LM head is the token embedding `wte`.
     pub tie_word_embeddings: bool,
+    /// Whether attention scores are divided by √head_dim.
     pub scale_attn_weights: bool,
+    /// Whether layer i's attention scores are also divided by i + 1.
     pub scale_attn_by_inverse_layer_idx: bool,
 }
 
@@ -43,15 +52,18 @@ impl Gpt2Config {
         }
     }
 
+    /// The same config with its own LM head.
     pub fn untied(mut self) -> Self {
         self.tie_word_embeddings = false;
         self
     }
 
+    /// Width of one attention head, d / n_head.
     pub fn head_dim(&self) -> usize {
         self.n_embd / self.n_head
     }
 
+    /// Parses a GPT-2 `config.json`, with HF's defaults for the keys it leaves out.
     pub fn from_json_str(text: &str) -> Result<Self> {
         let keys = Keys::parse(text)?;
         if let Some(model_type) = keys.value("model_type").and_then(Value::as_str) {
@@ -103,6 +115,7 @@ impl Gpt2Config {
         self.vocab_size * d + self.n_positions * d + self.n_layer * block + 2 * d + head
     }
 
+    /// The config as `config.json` (what [`Gpt2Config::from_json_str`] reads back).
     pub fn to_json(&self) -> Value {
         serde_json::json!({
             "model_type": "gpt2",

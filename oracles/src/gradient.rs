@@ -18,10 +18,12 @@ use std::collections::BTreeMap;
 pub enum Reduction {
     /// Mean over the example's kept targets (HF's default).
     Mean,
+    /// Sum over the example's kept targets.
     Sum,
 }
 
 impl Reduction {
+    /// `mean` or `sum`, as the command line and the report name it.
     pub fn name(self) -> &'static str {
         match self {
             Reduction::Mean => "mean",
@@ -90,11 +92,13 @@ pub struct ExampleGradient<P> {
 
 /// One example's squared gradient norms, taken block by block as the gradient is produced.
 pub struct ExampleNorms {
+    /// The example's loss under the reduction.
     pub loss: f64,
     /// (checkpoint name, squared norm) in checkpoint order; a tied table once, both uses summed.
     pub squares: Vec<(String, f64)>,
     /// The split of a tied table.
     pub split: Option<SharedSplit>,
+    /// The example's sites (per-use inputs and output gradients), when they were asked for.
     pub sites: Option<Vec<SiteRecord>>,
 }
 

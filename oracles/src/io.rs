@@ -10,8 +10,11 @@ use std::path::Path;
 
 /// One tensor ready to be written: raw little-endian bytes with dtype and shape.
 pub struct RawTensor {
+    /// The dtype the bytes hold.
     pub dtype: Dtype,
+    /// Dimensions, outermost first.
     pub shape: Vec<usize>,
+    /// Row-major little-endian elements.
     pub bytes: Vec<u8>,
 }
 
@@ -31,6 +34,7 @@ impl View for &RawTensor {
 }
 
 impl RawTensor {
+    /// Converts an f64 array to `precision` (rounded to nearest).
     pub fn from_f64(a: &ArrayViewD<f64>, precision: Precision) -> Self {
         let mut bytes = Vec::new();
         for &v in a.iter() {
@@ -48,6 +52,7 @@ impl RawTensor {
         }
     }
 
+    /// An int64 tensor (token ids, labels).
     pub fn from_i64(a: &ArrayViewD<i64>) -> Self {
         let bytes = a.iter().flat_map(|v| v.to_le_bytes()).collect();
         RawTensor {
@@ -58,6 +63,7 @@ impl RawTensor {
     }
 }
 
+/// Writes `tensors` as one safetensors file, with optional `__metadata__`.
 pub fn write_raw(
     path: &Path,
     tensors: &[(String, RawTensor)],
@@ -79,6 +85,7 @@ pub(crate) fn weight_precision(f32_weights: bool) -> Precision {
     }
 }
 
+/// Writes f64 arrays as a safetensors file, rounded to f32 when `f32_weights`.
 pub fn write_f64_tensors(
     path: &Path,
     tensors: &[(String, ArrayViewD<f64>)],

@@ -13,27 +13,39 @@ pub use crate::flavor::{LayerType, LlamaFlavor, NormLayout};
 use crate::rope_config::rope;
 pub use crate::rope_config::RopeScaling;
 
+/// The hyperparameters of a Llama-shaped model, as its `config.json` gives them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    /// Which family: sets the norm layout, the activation and the Gemma specifics.
     pub flavor: LlamaFlavor,
+    /// V, the number of token ids.
     pub vocab_size: usize,
+    /// d, the width of the residual stream.
     pub hidden_size: usize,
+    /// Width of the gated MLP's hidden layer.
     pub intermediate_size: usize,
+    /// Number of blocks.
     pub num_hidden_layers: usize,
+    /// Query heads per block.
     pub num_attention_heads: usize,
     /// Grouped-query attention: each key/value head serves `num_attention_heads /
     /// num_key_value_heads` consecutive query heads.
     pub num_key_value_heads: usize,
     /// `head_dim` when the config gives it, else hidden_size / num_attention_heads.
     pub head_dim: usize,
+    /// Longest sequence the model accepts.
     pub max_position_embeddings: usize,
+    /// ε added to the mean square in every RMSNorm.
     pub rms_norm_eps: f64,
+    /// Base of the rotary inverse frequencies.
     pub rope_theta: f64,
+    /// How the rotary inverse frequencies are adjusted.
     pub rope_scaling: RopeScaling,
     /// Llama only (Qwen2's biases are fixed by the architecture).
     pub attention_bias: bool,
     /// Llama only.
     pub mlp_bias: bool,
+    /// Whether the LM head is the token embedding.
     pub tie_word_embeddings: bool,
     /// Gemma 2, 3 and VaultGemma: attention scores are scaled by this^(-1/2) instead of
     /// head_dim^(-1/2).
@@ -44,6 +56,7 @@ pub struct LlamaConfig {
     pub final_logit_softcapping: Option<f64>,
     /// Each layer's attention; `Sliding` layers see the last `sliding_window` positions.
     pub layer_types: Vec<LayerType>,
+    /// Window, in positions, of the `Sliding` layers (`None` when no layer slides).
     pub sliding_window: Option<usize>,
     /// Gemma 3: the rope base of sliding-window layers (`rope_parameters.sliding_attention`, or
     /// the older `rope_local_base_freq`); `None` when every layer uses `rope_theta`.
@@ -114,6 +127,7 @@ impl LlamaConfig {
         cfg
     }
 
+    /// The same config with its own LM head.
     pub fn untied(mut self) -> Self {
         self.tie_word_embeddings = false;
         self
@@ -231,6 +245,8 @@ impl LlamaConfig {
         }
     }
 
+    /// Parses the `config.json` of any flavor (by its `model_type`), with HF's defaults for the
+    /// keys it leaves out; a key the reference does not model is an error.
     pub fn from_json_str(text: &str) -> Result<Self> {
         let keys = Keys::parse(text)?;
         let accepted = LlamaFlavor::ALL
@@ -372,6 +388,8 @@ impl LlamaConfig {
         self.vocab_size * d + self.num_hidden_layers * layer + d + head
     }
 
+    /// The config as `config.json`, in the new `rope_parameters` layout (what
+    /// [`LlamaConfig::from_json_str`] reads back).
     pub fn to_json(&self) -> Value {
         let rope_parameters = match self.rope_scaling {
             RopeScaling::None => serde_json::json!({

@@ -15,6 +15,7 @@ use std::path::Path;
 /// compile error wherever it is not handled.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Model {
+    /// `gpt2` (`GPT2LMHeadModel`).
     Gpt2(Gpt2),
     /// `llama`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text` and `vaultgemma`: one block
     /// shape, its differences set by [`crate::LlamaFlavor`].
@@ -45,6 +46,7 @@ impl Model {
         }
     }
 
+    /// Writes `config.json` and `model.safetensors` into `dir` (f32 weights when `f32_weights`).
     pub fn save(&self, dir: &Path, f32_weights: bool) -> Result<()> {
         match self {
             Model::Gpt2(m) => m.save(dir, f32_weights),
@@ -93,11 +95,14 @@ impl HasDims for Model {
 /// A parsed `config.json` of any supported family.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ModelConfig {
+    /// A GPT-2 config.
     Gpt2(Gpt2Config),
+    /// A config of the Llama-shaped families.
     Llama(LlamaConfig),
 }
 
 impl ModelConfig {
+    /// Parses a `config.json`, the family chosen by its `model_type`.
     pub fn from_json_str(text: &str) -> Result<Self> {
         let v: Value =
             serde_json::from_str(text).map_err(|e| Error::new(format!("not valid JSON: {e}")))?;

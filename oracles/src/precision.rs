@@ -10,9 +10,13 @@ use serde::Serialize;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
+    /// IEEE binary64.
     F64,
+    /// IEEE binary32.
     F32,
+    /// IEEE binary16 (half).
     F16,
+    /// bfloat16: binary32's exponent range with 8 significand bits.
     BF16,
 }
 

@@ -11,8 +11,10 @@ use crate::model::Model;
 use crate::trace::{SiteRecord, Trace, TraceBuilder};
 use serde_json::{json, Value};
 
+/// What a reference run computes besides the norms.
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// How each example's loss is reduced over its targets.
     pub reduction: Reduction,
     /// Record the per-site factors (the trace clippers consume).
     pub record_trace: bool,
@@ -31,22 +33,31 @@ impl Default for Options {
     }
 }
 
+/// One example's results.
 #[derive(Clone, Debug)]
 pub struct ExampleReport {
+    /// The example's loss under the reduction.
     pub loss: f64,
+    /// Norm of the example's whole gradient.
     pub norm: f64,
     /// (checkpoint name, gradient norm) in checkpoint order; a tied parameter appears once.
     pub params: Vec<(String, f64)>,
+    /// (checkpoint name, split by use) of every shared (tied) parameter.
     pub shared: Vec<(String, SharedSplit)>,
 }
 
+/// A batch's reference results.
 #[derive(Clone, Debug)]
 pub struct Reference {
+    /// The reduction the losses and gradients were taken under.
     pub reduction: Reduction,
+    /// One report per example, in batch order.
     pub examples: Vec<ExampleReport>,
+    /// The per-site factors, when [`Options::record_trace`] asked for them.
     pub trace: Option<Trace>,
     /// (name, shape) of each parameter, in the order of the flattened gradients.
     pub layout: Vec<(String, Vec<usize>)>,
+    /// Each example's flattened gradient, in `layout` order, when [`Options::keep_gradients`].
     pub gradients: Option<Vec<Vec<f64>>>,
 }
 
@@ -54,9 +65,13 @@ pub struct Reference {
 /// done (every block forward, the head, every block backward: `2 · layers + 1`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Progress {
+    /// Examples finished.
     pub examples_done: usize,
+    /// Examples in the batch.
     pub examples: usize,
+    /// Passes done within the current example.
     pub pass: usize,
+    /// Passes per example.
     pub passes: usize,
 }
 

@@ -1,14 +1,17 @@
 //! A small deterministic generator, so that a seeded model is the same on every machine and in
 //! every build without depending on a random-number crate's stream stability.
 
+/// The SplitMix64 generator (Steele, Lea and Flood): its whole state is one u64.
 #[derive(Clone, Debug)]
 pub struct SplitMix64(u64);
 
 impl SplitMix64 {
+    /// A generator seeded with `seed`.
     pub fn new(seed: u64) -> Self {
         SplitMix64(seed)
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

@@ -13,9 +13,13 @@ pub enum RopeScaling {
     /// `rope_type: "llama3"` (Llama 3.1+): long wavelengths divided by `factor`, short ones kept,
     /// a smooth interpolation in between.
     Llama3 {
+        /// How much the long wavelengths are divided by.
         factor: f64,
+        /// Wavelengths longer than original context / this are divided by `factor`.
         low_freq_factor: f64,
+        /// Wavelengths shorter than original context / this are kept.
         high_freq_factor: f64,
+        /// The context length the model was pretrained on.
         original_max_position_embeddings: usize,
     },
 }

@@ -6,20 +6,24 @@
 /// parser.
 macro_rules! site_kinds {
     ($($(#[$doc:meta])* $variant:ident => $name:literal,)+) => {
+        /// What a site is: the module whose inputs and output gradients it holds.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub enum SiteKind {
             $($(#[$doc])* $variant,)+
         }
 
         impl SiteKind {
+            /// Every kind, in declaration order.
             pub const ALL: &'static [SiteKind] = &[$(SiteKind::$variant,)+];
 
+            /// The kind's name in a trace's `sites` metadata.
             pub fn name(self) -> &'static str {
                 match self {
                     $(SiteKind::$variant => $name,)+
                 }
             }
 
+            /// The kind a trace names `s`, if one is.
             pub fn parse(s: &str) -> Option<Self> {
                 SiteKind::ALL.iter().copied().find(|k| k.name() == s)
             }
@@ -73,8 +77,11 @@ impl SiteKind {
 /// How a site is described in a trace header.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SiteSpec {
+    /// The prefix of the site's tensors in the trace file.
     pub name: String,
+    /// The parameter whose gradient the site contributes to.
     pub param: String,
+    /// What module the site is.
     pub kind: SiteKind,
     /// Rows of the table, for embeddings.
     pub vocab: Option<usize>,

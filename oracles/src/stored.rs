@@ -43,6 +43,7 @@ impl StoredBlocks {
         Ok(StoredBlocks { blocks })
     }
 
+    /// Number of blocks.
     pub fn layers(&self) -> usize {
         self.blocks.len()
     }

@@ -63,9 +63,13 @@ pub(crate) fn to_f64_unchecked(st: &SafeTensors, name: &str, label: &str) -> Res
 /// widened. Readers take f64 a range at a time ([`Floats::widened`]); widening is exact.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Floats {
+    /// Stored as f64.
     F64(Vec<f64>),
+    /// Stored as f32.
     F32(Vec<f32>),
+    /// Stored as IEEE half.
     F16(Vec<half::f16>),
+    /// Stored as bfloat16.
     Bf16(Vec<half::bf16>),
 }
 
@@ -97,6 +101,7 @@ impl Floats {
         })
     }
 
+    /// Number of values.
     pub fn len(&self) -> usize {
         match self {
             Floats::F64(v) => v.len(),
@@ -124,6 +129,7 @@ impl Floats {
         }
     }
 
+    /// True when there are no values.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -84,6 +84,7 @@ impl SiteRecord {
 /// A batch's factors, B×R leading, R each site's own rows per example.
 #[derive(Clone, Debug)]
 pub struct Site {
+    /// Name, parameter and kind.
     pub spec: SiteSpec,
     /// B×R×in (linear, conv1d; for layernorm the normalized input x̂).
     pub activations: Option<Array3<f64>>,
@@ -97,12 +98,16 @@ pub struct Site {
 /// the sum of their gradients, and its norm has their cross terms.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TiedParameter {
+    /// The shared parameter's name.
     pub param: String,
+    /// (site name, kind) of every site that writes it, in trace order.
     pub sites: Vec<(String, SiteKind)>,
 }
 
+/// A batch's per-site factors: what a clipper computes per-example norms from.
 #[derive(Clone, Debug)]
 pub struct Trace {
+    /// The sites, in forward order.
     pub sites: Vec<Site>,
 }
 
@@ -181,6 +186,7 @@ impl Trace {
         }
     }
 
+    /// Examples in the batch (0 for a trace without sites).
     pub fn batch_size(&self) -> usize {
         self.sites.first().map_or(0, |s| s.backprops.dim().0)
     }

@@ -9,7 +9,9 @@ use std::collections::HashMap;
 /// An id of an `ids` tensor and where it first occurs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IdAt {
+    /// The id.
     pub id: i64,
+    /// The example it occurs in.
     pub example: usize,
     /// The row of the example's ids (a token's position; a bag member for an embedding bag).
     pub row: usize,
@@ -48,6 +50,7 @@ impl IdAt {
 /// a convolution, the members of a bag, 1 for a pooled head.
 #[derive(Clone, Copy, Debug)]
 pub struct SiteShape<'a> {
+    /// The site's name, parameter and kind.
     pub spec: &'a SiteSpec,
     /// B×R×out.
     pub backprops: &'a [usize],

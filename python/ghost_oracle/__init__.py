@@ -27,8 +27,17 @@ from typing import Any
 from ._api import BUILTIN_CLIPPERS, MUTANTS, audit, check, mutants
 from ._failure import ClippingCheckFailed
 from ._native import __version__
-from ._report import (VERDICTS, CaseResult, ClipperResult, NoiseCheck, NoisyUpdateCheck, Privacy, Report,
-                      StepResult, SumCheck)
+from ._report import (
+    VERDICTS,
+    CaseResult,
+    ClipperResult,
+    NoiseCheck,
+    NoisyUpdateCheck,
+    Privacy,
+    Report,
+    StepResult,
+    SumCheck,
+)
 
 __all__ = [
     "BUILTIN_CLIPPERS",

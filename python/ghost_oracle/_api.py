@@ -5,6 +5,7 @@ import numbers
 import os
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from . import _native
 from ._report import Report
@@ -22,7 +23,7 @@ def _number(name: str, x: object) -> float | None:
         return None
     if isinstance(x, bool) or not isinstance(x, numbers.Real) and not hasattr(x, "__float__"):
         raise TypeError(f"{name} must be a number, got {x!r}")
-    return float(x)  # type: ignore[arg-type]
+    return float(x)
 
 
 def _count(name: str, x: object) -> int | None:
@@ -30,7 +31,7 @@ def _count(name: str, x: object) -> int | None:
         return None
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         if isinstance(x, numbers.Real) and float(x).is_integer():
-            return int(x)
+            return int(float(x))
         raise TypeError(f"{name} must be an integer, got {x!r}")
     return int(x)
 
@@ -41,7 +42,7 @@ def _warn_no_noise(sigma: float | None) -> None:
 
 
 def _accounting(sampling_rate: object, steps: object, epochs: object, dataset_size: object,
-                delta: object) -> dict:
+                delta: object) -> dict[str, Any]:
     return {
         "sampling_rate": _number("sampling_rate", sampling_rate),
         "steps": _count("steps", steps),

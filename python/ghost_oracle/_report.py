@@ -26,7 +26,7 @@ def _epsilon(x: Any) -> float:
     return math.inf if x is None else float(x)
 
 
-def _array(xs: list, dtype: Any = np.float64) -> np.ndarray:
+def _array(xs: list[Any], dtype: Any = np.float64) -> np.ndarray:
     a = np.asarray(xs, dtype=dtype)
     a.setflags(write=False)
     return a
@@ -73,7 +73,7 @@ class Privacy:
     rounding_at: str | None = None
 
     @classmethod
-    def _from_native(cls, d: dict | None) -> Privacy | None:
+    def _from_native(cls, d: dict[str, Any] | None) -> Privacy | None:
         if d is None:
             return None
         return cls(
@@ -138,7 +138,7 @@ class SumCheck:
         return self.verdict == "pass"
 
     @classmethod
-    def _from_native(cls, d: dict | None) -> SumCheck | None:
+    def _from_native(cls, d: dict[str, Any] | None) -> SumCheck | None:
         if d is None:
             return None
         return cls(what=str(d["what"]), rel_err=_opt(d["rel_err"]), bound=_opt(d["bound"]),
@@ -175,7 +175,7 @@ class NoiseCheck:
         return self.param is None
 
     @classmethod
-    def _from_native(cls, d: dict) -> NoiseCheck:
+    def _from_native(cls, d: dict[str, Any]) -> NoiseCheck:
         # The scope is {"tensor": name} for one tensor, "whole" for the whole update.
         scope = d["scope"]
         param = None if scope == "whole" else str(scope["tensor"])
@@ -204,7 +204,7 @@ class NoisyUpdateCheck:
         return self.verdict == "pass"
 
     @classmethod
-    def _from_native(cls, d: dict | None) -> NoisyUpdateCheck | None:
+    def _from_native(cls, d: dict[str, Any] | None) -> NoisyUpdateCheck | None:
         if d is None:
             return None
         return cls(implied_coefficients=_array([_f(x) for x in d["implied_coefficients"]]), chi2=_f(d["chi2"]),
@@ -260,7 +260,7 @@ class StepResult:
         return tuple(x for x in (self.clipped_sum, self.update) if x is not None)
 
     @classmethod
-    def _from_native(cls, d: dict | None) -> StepResult | None:
+    def _from_native(cls, d: dict[str, Any] | None) -> StepResult | None:
         if d is None:
             return None
         return cls(verdict=str(d["verdict"]), true_coefficients=_array([_f(x) for x in d["true_coefficients"]]),
@@ -345,7 +345,7 @@ class CaseResult:
                 f"{self.worst_example}, max sensitivity {self.max_sensitivity:.4f})")
 
     @classmethod
-    def _from_native(cls, d: dict) -> CaseResult:
+    def _from_native(cls, d: dict[str, Any]) -> CaseResult:
         examples = d["examples"]
 
         def column(key: str, dtype: Any = np.float64) -> np.ndarray:
@@ -424,7 +424,7 @@ class ClipperResult:
         return f"ClipperResult({self.name!r}, {self.verdict}, {len(self.cases)} case(s), worst {self.worst.name!r})"
 
     @classmethod
-    def _from_native(cls, d: dict) -> ClipperResult:
+    def _from_native(cls, d: dict[str, Any]) -> ClipperResult:
         return cls(
             name=d["name"],
             verdict=d["verdict"],
@@ -454,7 +454,7 @@ class Report:
       `explain()`: the deciding case in words (what `assert_norms` raises with).
     """
 
-    def __init__(self, native: dict):
+    def __init__(self, native: dict[str, Any]) -> None:
         self.kind: str = native["kind"]
         #: The precision the bound assumed (a check) or the clippers computed in.
         self.precision: Precision = native["precision"]
@@ -474,10 +474,10 @@ class Report:
                 ClipperResult(
                     name=c.name, verdict=c.verdict, cases=c.cases, worst_case=c.worst_case,
                     warnings=c.warnings, privacy=c.privacy, mutant=bool(r["mutant"]),
-                    reproduces=r["reproduces"], cells=dict(zip(cases, r["cells"])),
+                    reproduces=r["reproduces"], cells=dict(zip(cases, r["cells"], strict=True)),
                     problems=tuple(r["problems"]),
                 )
-                for c, r in zip(clippers, rows)
+                for c, r in zip(clippers, rows, strict=True)
             ]
             self.cases: tuple[str, ...] = tuple(cases)
             self.passed: bool = bool(native["ok"])
@@ -489,7 +489,8 @@ class Report:
         divisor = native.get("batch_divisor")
         if divisor is not None:
             clippers = [dataclasses.replace(c, cases=tuple(
-                k if k.step is None else dataclasses.replace(k, step=dataclasses.replace(k.step, batch_divisor=float(divisor)))
+                k if k.step is None
+                else dataclasses.replace(k, step=dataclasses.replace(k.step, batch_divisor=float(divisor)))
                 for k in c.cases)) for c in clippers]
         self.clippers: tuple[ClipperResult, ...] = tuple(clippers)
 

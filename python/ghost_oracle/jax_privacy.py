@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._report import Report
+from ._types import Precision
 from .jax.capture import PerExampleLoss, flat_params
 from .jax.gate import assert_norms as _assert_norms
 from .jax.gate import assert_update as _assert_update
@@ -108,7 +109,7 @@ def dp_step(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inp
 
 def assert_norms(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any, *,
                  l2_clip_norm: float, noise_multiplier: float = 1.0, microbatch_size: int | None = None,
-                 is_padding_example: Any = None, precision: str | None = None,
+                 is_padding_example: Any = None, precision: Precision | None = None,
                  trace_path: str | os.PathLike[str] | None = None) -> Report:
     """Asserts that jax_privacy's per-example norms (`clipped_grad(..., return_grad_norms=True)`)
     on `inputs` are the true ones. Raises `ClippingCheckFailed` otherwise."""
@@ -124,7 +125,7 @@ def assert_update(model: nn.Module, params: Any, per_example_loss: PerExampleLos
                   l2_clip_norm: float, noise_multiplier: float, normalize_by: float = 1.0,
                   rescale_to_unit_norm: bool = False, microbatch_size: int | None = None,
                   is_padding_example: Any = None, prng_key: int | jax.Array = 0, num_bands: int = 1,
-                  precision: str | None = None, trace_path: str | os.PathLike[str] | None = None) -> Report:
+                  precision: Precision | None = None, trace_path: str | os.PathLike[str] | None = None) -> Report:
     """Runs jax_privacy's step and asserts its norms, clipped sum and noisy update. Raises
     `ClippingCheckFailed` otherwise."""
     __tracebackhide__ = True

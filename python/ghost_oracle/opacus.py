@@ -108,7 +108,7 @@ def per_sample_norms(
     if per_example_loss is not None:
         batch = _backward(gsm, per_example_loss, inputs)
     try:
-        sq = None
+        sq: torch.Tensor | None = None
         per_param: list[torch.Tensor] = []
         sizes: dict[str, int] = {}
         for name, p in gsm._module.named_parameters():  # a tied parameter once
@@ -126,7 +126,8 @@ def per_sample_norms(
             sizes[name] = int(gs.shape[0])
             if as_optimizer:
                 per_param.append(gs.detach().reshape(len(gs), -1).norm(2, dim=-1))
-            term = gs.detach().reshape(gs.shape[0], -1).to(device="cpu", dtype=torch.float64).pow(2).sum(1)
+            term: torch.Tensor = (gs.detach().reshape(gs.shape[0], -1).to(device="cpu", dtype=torch.float64)
+                                  .pow(2).sum(1))
             if sq is not None and term.shape != sq.shape:
                 other = next(iter(sizes))
                 raise ValueError(
@@ -142,7 +143,7 @@ def per_sample_norms(
             raise ValueError(f"grad_sample has batch size {sq.shape[0]} for a batch of {batch}")
         if as_optimizer:
             device = per_param[0].device
-            norms = torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)
+            norms: torch.Tensor = torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)
             return norms.to(device="cpu", dtype=torch.float64)
         return sq.sqrt()
     finally:
@@ -164,7 +165,8 @@ def ghost_norms(
         if not any(hasattr(p, "_norm_sample") for p in gsm._module.parameters()):
             raise ValueError("no per-sample norms recorded: run a backward pass through the "
                              "GradSampleModuleFastGradientClipping first, or pass per_example_loss and inputs")
-        return gsm.get_norm_sample().detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        norms: torch.Tensor = gsm.get_norm_sample()  # Opacus is untyped: its tensors are Any here
+        return norms.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
     finally:
         if per_example_loss is not None:
             _clear(gsm)
@@ -436,7 +438,7 @@ class _StepRecorder:
             get_clipping_coef = gsm.get_clipping_coef
 
             def recording_get_clipping_coef() -> torch.Tensor:
-                coef = get_clipping_coef()  # sets per_sample_gradient_norms
+                coef: torch.Tensor = get_clipping_coef()  # sets per_sample_gradient_norms
                 self.norms.append(gsm.per_sample_gradient_norms.detach().clone())
                 self.factors.append(coef.detach().clone())
                 return coef

@@ -2,11 +2,18 @@
 with a tiny tied model, its batch, its per-example loss and its exact per-example norms
 (`ghost_oracle.testing.TiedCase`). It imports torch and transformers only when a test asks for
 a fixture, so that installing the package costs a test run that uses none of them nothing."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import pytest
+
+if TYPE_CHECKING:
+    from ghost_oracle.testing import TiedCase
 
 
 @pytest.fixture(scope="session")
-def tied_gpt2():
+def tied_gpt2() -> TiedCase:
     """GPT-2 (float32, training mode), its lm_head tied to `transformer.wte.weight`."""
     from ghost_oracle import testing as t
 
@@ -14,7 +21,7 @@ def tied_gpt2():
 
 
 @pytest.fixture(scope="session")
-def tied_llama():
+def tied_llama() -> TiedCase:
     """Llama (float64, grouped-query attention), its lm_head tied to `model.embed_tokens.weight`."""
     from ghost_oracle import testing as t
 
@@ -22,7 +29,7 @@ def tied_llama():
 
 
 @pytest.fixture(scope="session")
-def tied_qwen3():
+def tied_qwen3() -> TiedCase:
     """Qwen3 (float64, per-head q/k norms), its lm_head tied to `model.embed_tokens.weight`."""
     from ghost_oracle import testing as t
 
@@ -30,7 +37,7 @@ def tied_qwen3():
 
 
 @pytest.fixture(scope="session")
-def tied_gemma3():
+def tied_gemma3() -> TiedCase:
     """Gemma 3 (float64, scaled embedding, (1 + w) norms, sliding and full attention), its lm_head
     tied to `model.embed_tokens.weight`."""
     from ghost_oracle import testing as t

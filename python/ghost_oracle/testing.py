@@ -21,8 +21,9 @@ others are float64 in eval mode.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -55,6 +56,9 @@ def exact_norms(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mod
 # A one-layer tied GPT-2: B = 4, T = 12, V = 19.
 
 GPT2_B, GPT2_T, GPT2_V = 4, 12, 19
+# The fixture models' attention: the eager implementation. transformers takes it through a
+# config's **kwargs, which its typed signatures do not list.
+_EAGER: dict[str, Any] = {"attn_implementation": "eager"}
 
 
 def gpt2(dtype: torch.dtype = torch.float32, vocab: int = GPT2_V, seed: int = 11) -> torch.nn.Module:
@@ -62,16 +66,16 @@ def gpt2(dtype: torch.dtype = torch.float32, vocab: int = GPT2_V, seed: int = 11
 
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=16, n_embd=12, n_layer=1, n_head=3, bos_token_id=0,
-                                  eos_token_id=0, attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **_EAGER)
+    lm = transformers.GPT2LMHeadModel(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in lm.named_parameters():
             if ".ln_" in name or "ln_f" in name:
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.4 * torch.randn_like(p))
-    assert model.lm_head.weight is model.transformer.wte.weight
+    assert lm.lm_head.weight is lm.transformer.wte.weight
+    model: torch.nn.Module = lm
     # Opacus records activations only in training mode; dropout is 0, so train == eval.
     return model.to(dtype).train()
 
@@ -97,7 +101,7 @@ def _stock(cls: Any, cfg: Any, seed: int = 3) -> torch.nn.Module:
     """A Hugging Face model in float64, eval mode, its weights redrawn from a seeded generator:
     norms' weights around their initial value, every other weight at scale 0.35."""
     torch.manual_seed(seed)
-    model = cls(cfg).to(torch.float64).eval()
+    model: torch.nn.Module = cls(cfg).to(torch.float64).eval()
     g = torch.Generator().manual_seed(seed + 4)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -117,10 +121,10 @@ def llama() -> torch.nn.Module:
 
     cfg = transformers.LlamaConfig(vocab_size=LLAMA_V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                   tie_word_embeddings=True, attn_implementation="eager", bos_token_id=0,
-                                   eos_token_id=0)
+                                   tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, **_EAGER)
     model = _stock(transformers.LlamaForCausalLM, cfg)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    lm: Any = model
+    assert lm.lm_head.weight is lm.model.embed_tokens.weight
     return model
 
 
@@ -140,7 +144,7 @@ def llama_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 # sliding and full attention), float64, B = 3, T = 7, V = 48.
 
 LM_B, LM_T, LM_V = 3, 7, 48
-_LAYERS = dict(max_position_embeddings=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+_LAYERS: dict[str, Any] = dict(max_position_embeddings=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                vocab_size=LM_V, attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 

@@ -55,20 +55,20 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import torch
 
 from ._api import check
 from ._failure import ClippingCheckFailed
-from .export import FORMAT, KINDS, UNCLAIMED, TraceExportError, export_trace, register_module, unregister_module
 from ._report import Report
 from ._types import Clipping, Precision
+from .export import FORMAT, KINDS, UNCLAIMED, TraceExportError, export_trace, register_module, unregister_module
 
-Inputs = Union[torch.Tensor, Mapping[str, torch.Tensor]]
+Inputs: TypeAlias = torch.Tensor | Mapping[str, torch.Tensor]
 
-__all__ = ["FORMAT", "KINDS", "ClippingCheckFailed", "TraceExportError", "assert_norms", "assert_update", "export_trace", "register_module",
-           "unregister_module"]
+__all__ = ["FORMAT", "KINDS", "ClippingCheckFailed", "TraceExportError", "assert_norms", "assert_update",
+           "export_trace", "register_module", "unregister_module"]
 
 
 def assert_norms(
@@ -150,8 +150,11 @@ def assert_norms(
                     noise_multiplier=noise_multiplier, dtype=dtype, batch_axis=batch_axis))
 
 
-def _export_check_assert(model, per_example_loss, inputs, *, claimed_norms, clipper, precision, accounting,
-                         trace_path, export, max_memory=None) -> Report:
+def _export_check_assert(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], torch.Tensor],
+                         inputs: Inputs | list[Inputs], *, claimed_norms: Any, clipper: str,
+                         precision: Precision | None, accounting: Mapping[str, Any],
+                         trace_path: str | os.PathLike[str] | None,
+                         export: Mapping[str, Any], max_memory: int | str | None = None) -> Report:
     """Export (to `trace_path`, or a temporary file), check, raise `AssertionError` unless pass.
     `claimed_norms` None: the exact norms, which the check computes from the trace's factors;
     the trace is exported once with placeholders, its `claimed.norms` replaced by the check's

@@ -71,7 +71,8 @@ def func_norms(model, ids, untie=False, drop_head=False, scale=1.0):
             model, p, (i,), {"position_ids": position_ids}, tie_weights=not untie), x.unsqueeze(0))[0]
 
     g = vmap(grad(loss), in_dims=(None, 0))(params, ids)
-    sq = sum((v.reshape(ids.shape[0], -1) ** 2).sum(1) for k, v in g.items() if not (drop_head and k == "lm_head.weight"))
+    sq = sum((v.reshape(ids.shape[0], -1) ** 2).sum(1)
+             for k, v in g.items() if not (drop_head and k == "lm_head.weight"))
     return sq.sqrt()
 
 

@@ -105,7 +105,7 @@ def randomize(model):
     are drawn all the same."""
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for mod_name, m in model.named_modules():
+        for m in model.modules():
             norm = type(m).__name__.endswith("RMSNorm") or isinstance(m, torch.nn.LayerNorm)
             for pname, p in m.named_parameters(recurse=False):
                 r = torch.randn(p.shape, generator=g, dtype=torch.float64)

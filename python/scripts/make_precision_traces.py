@@ -137,9 +137,14 @@ def factor_norms(path):
                 g = d.sum(1)
             else:
                 a = f.get_tensor(f"{n}.activations").double()
-                g = {"linear": lambda: torch.einsum("bto,bti->boi", d, a),
-                     "conv1d": lambda: torch.einsum("bti,bto->bio", a, d),
-                     "layernorm": lambda: (d * a).sum(1)}[s["kind"]]()
+                if s["kind"] == "linear":
+                    g = torch.einsum("bto,bti->boi", d, a)
+                elif s["kind"] == "conv1d":
+                    g = torch.einsum("bti,bto->bio", a, d)
+                elif s["kind"] == "layernorm":
+                    g = (d * a).sum(1)
+                else:
+                    raise KeyError(s["kind"])
             g = g.reshape(g.shape[0], -1)
             untied = untied + (g ** 2).sum(1)
             grads[s["param"]] = grads[s["param"]] + g if s["param"] in grads else g
@@ -205,11 +210,13 @@ def main():
                 "bytes": os.path.getsize(path),
             }
             r = record[name]
-            print(f"{name:18s} {r['bytes'] / 1024:6.1f} KB  C {c:.5f}  claimed/factors {r['max_rel_error_vs_factor_norms']:.2e}"
+            print(f"{name:18s} {r['bytes'] / 1024:6.1f} KB  C {c:.5f}"
+                  f"  claimed/factors {r['max_rel_error_vs_factor_norms']:.2e}"
                   f"  claimed/f64 model {r['max_rel_error_vs_float64_model']:.2e}"
                   f"  factors/f64 model {r['factor_norms_vs_float64_model']:.2e}"
                   f"  max c·n*/C {r['max_clipped_contribution']:.5f}"
-                  f" ({r['max_clipped_contribution_with_min_1_C_over_claimed']:.5f} with min(1, C/n))  untied/true {float((untied / truth).min()):.3f}"
+                  f" ({r['max_clipped_contribution_with_min_1_C_over_claimed']:.5f} with min(1, C/n))"
+                  f"  untied/true {float((untied / truth).min()):.3f}"
                   f"..{float((untied / truth).max()):.3f}  sites {site_dtypes}")
     with open(os.path.join(OUT, "precision.json"), "w") as f:
         json.dump(record, f, indent=1)

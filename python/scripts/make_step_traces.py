@@ -23,9 +23,11 @@ its version):
 |---|---|---|
 | hooks_tied_gpt2_sigma0 | hooks, σ = 0 | one batch of 4 |
 | hooks_tied_gpt2_sigma1 | hooks, σ = 1 | one batch of 4 |
-| hooks_llama_microbatches_sigma0 | hooks, σ = 0 | two micro-batches of 2, `signal_skip_step(do_skip=True)` between (BatchMemoryManager) |
+| hooks_llama_microbatches_sigma0 | hooks, σ = 0 | two micro-batches of 2, `signal_skip_step(do_skip=True)` between |
 | ghost_llama_sigma0 | ghost, σ = 0 | one batch of 4 |
 | ghost_llama_two_backward_sigma0 | ghost, σ = 0 | two micro-batches of 2, two `loss.backward()` then one step |
+
+hooks_llama_microbatches_sigma0 steps its micro-batches as BatchMemoryManager does.
 
 The last one is Opacus's accumulation defect: its loss's `backward()` zeroes the gradients
 before the clipped backward pass, so only the last micro-batch's clipped sum survives into
@@ -167,7 +169,7 @@ def per_example_gradients(model, loss, x):
     for i in range(x.shape[0]):
         li = loss(m, x[i:i + 1])[0]
         gs = torch.autograd.grad(li, list(params.values()), allow_unused=True)
-        for (n, p), g in zip(params.items(), gs):
+        for (n, p), g in zip(params.items(), gs, strict=True):
             out[n].append(torch.zeros_like(p) if g is None else g.detach())
     return {n: torch.stack(v) for n, v in out.items()}
 

@@ -18,7 +18,6 @@ transformers = pytest.importorskip("transformers")
 from torch.func import functional_call, grad, vmap  # noqa: E402
 
 
-
 def pytest_configure(config):
     # Opacus's full backward hooks on models whose inputs are token ids: nothing to act on.
     config.addinivalue_line("filterwarnings", "ignore:Full backward hook is firing:UserWarning")
@@ -27,10 +26,14 @@ def pytest_configure(config):
 # The tiny tied models, their batches and losses, and the fixtures tied_gpt2 and tied_llama:
 # ghost_oracle.testing (a pytest plugin once the package is installed; imported here too, so
 # that the tests also run against a source checkout).
-from ghost_oracle.pytest_plugin import tied_gemma3, tied_gpt2, tied_llama, tied_qwen3  # noqa: E402, F401
-from ghost_oracle.testing import (GPT2_B as B, GPT2_T as T, GPT2_V as V, LLAMA_B as LB, LLAMA_T as LT,  # noqa: E402, F401
-                                  LLAMA_V as LV, causal_lm_loss, gpt2, gpt2_ids, gpt2_loss, llama, llama_ids,
-                                  llama_loss, positions)
+from ghost_oracle.pytest_plugin import tied_gemma3, tied_gpt2, tied_llama, tied_qwen3
+from ghost_oracle.testing import GPT2_B as B
+from ghost_oracle.testing import GPT2_T as T
+from ghost_oracle.testing import GPT2_V as V
+from ghost_oracle.testing import LLAMA_B as LB
+from ghost_oracle.testing import LLAMA_T as LT
+from ghost_oracle.testing import LLAMA_V as LV
+from ghost_oracle.testing import causal_lm_loss, gpt2, gpt2_ids, gpt2_loss, llama, llama_ids, llama_loss, positions
 
 
 def llama_rmsnorm_in_input_dtype(model):

@@ -17,7 +17,7 @@ opacus = pytest.importorskip("opacus")
 from opacus import GradSampleModule  # noqa: E402
 from opacus.layers import DPMultiheadAttention  # noqa: E402
 
-V, D, O = 11, 6, 5
+V, D, OUT = 11, 6, 5
 
 
 class SeqFirstEmbedding(torch.nn.Module):
@@ -27,7 +27,7 @@ class SeqFirstEmbedding(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = torch.nn.Embedding(V, D)
-        self.fc = torch.nn.Linear(D, O)
+        self.fc = torch.nn.Linear(D, OUT)
 
     def forward(self, ids):
         return self.fc(torch.tanh(self.emb(ids)))
@@ -41,8 +41,8 @@ def seq_first_loss(model, ids):  # ids T×B: one loss per column
 class SeqFirstLinear(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.a = torch.nn.Linear(D, O)
-        self.b = torch.nn.Linear(O, 3)
+        self.a = torch.nn.Linear(D, OUT)
+        self.b = torch.nn.Linear(OUT, 3)
 
     def forward(self, x):  # x T×B×D
         return self.b(torch.tanh(self.a(x)))
@@ -134,14 +134,14 @@ def test_flattened_rows_in_either_order_find_their_examples(tmp_path):
     class Flat(torch.nn.Module):
         def __init__(self, minor):
             super().__init__()
-            self.emb, self.fc, self.minor = torch.nn.Embedding(V, D), torch.nn.Linear(D, O), minor
+            self.emb, self.fc, self.minor = torch.nn.Embedding(V, D), torch.nn.Linear(D, OUT), minor
 
         def forward(self, ids):  # ids B×T
             h = self.emb(ids)
             rows = h.transpose(0, 1).reshape(-1, D) if self.minor else h.reshape(-1, D)
             y = torch.tanh(self.fc(rows))
-            return y.reshape(ids.shape[1], ids.shape[0], O).transpose(0, 1) if self.minor else y.reshape(
-                *ids.shape, O)
+            return y.reshape(ids.shape[1], ids.shape[0], OUT).transpose(0, 1) if self.minor else y.reshape(
+                *ids.shape, OUT)
 
     def loss(model, ids):
         return (model(ids) ** 2).sum((1, 2))
@@ -162,7 +162,7 @@ class AttentionAcrossTheBatch(torch.nn.Module):
         super().__init__()
         self.emb = torch.nn.Embedding(V, 8)
         self.attn = DPMultiheadAttention(8, 2)
-        self.fc = torch.nn.Linear(8, O)
+        self.fc = torch.nn.Linear(8, OUT)
 
     def forward(self, ids):
         h = self.emb(ids)
@@ -209,7 +209,7 @@ def test_batch_norm_in_training_mode_is_refused(tmp_path):
     class Bn(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb, self.fc = torch.nn.Embedding(V, D), torch.nn.Linear(D, O)
+            self.emb, self.fc = torch.nn.Embedding(V, D), torch.nn.Linear(D, OUT)
             self.bn = torch.nn.BatchNorm1d(D, affine=False)
 
         def forward(self, ids):

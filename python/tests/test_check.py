@@ -136,7 +136,8 @@ def test_audit_and_mutants_take_epochs():
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_audit_in_half_precision(dtype):
     case = REPO / "oracles" / "golden" / "cases" / "tied_l1_h2_t2"
-    report = ghost_oracle.audit(case, case / "batch.safetensors", clippers=["ghost-tied", "materialize"], precision=dtype)
+    report = ghost_oracle.audit(case, case / "batch.safetensors", clippers=["ghost-tied", "materialize"],
+                                precision=dtype)
     assert report.precision == dtype and report.passed, report.explain()
     f32 = ghost_oracle.audit(case, case / "batch.safetensors", clippers=["ghost-tied"])
     assert report.max_bound > 10 * f32.max_bound  # the bound of a coarser arithmetic

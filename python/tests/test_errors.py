@@ -107,7 +107,8 @@ def test_a_trace_whose_header_lies_is_refused(tmp_path):
     (dict(epochs=2, dataset_size=1000.5), TypeError, "dataset_size must be an integer"),
     (dict(epochs=2), ValueError, "dataset_size must be given with the epochs, got none"),
     (dict(dataset_size=1000), ValueError, "epochs must be given with the dataset size, got none"),
-    (dict(steps=10, epochs=2, dataset_size=1000), ValueError, "epochs must be left out when the steps are given, got both"),
+    (dict(steps=10, epochs=2, dataset_size=1000), ValueError,
+     "epochs must be left out when the steps are given, got both"),
 ])
 def test_bad_check_arguments(kw, exc, text):
     with pytest.raises(exc) as e:

@@ -8,11 +8,11 @@ import json
 
 import pytest
 from conftest import causal_lm_loss, func_norms, torch, transformers
+from safetensors import safe_open
+from torch.func import functional_call, grad, vmap
 
 import ghost_oracle
 from ghost_oracle.torch import TraceExportError, assert_norms, export_trace, register_module, unregister_module
-from safetensors import safe_open
-from torch.func import functional_call, grad, vmap
 
 V, B, T = 48, 3, 7
 LAYERS = dict(max_position_embeddings=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

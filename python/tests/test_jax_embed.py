@@ -7,11 +7,12 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 
 
-import ghost_oracle
 import numpy as np
-from ghost_oracle.jax import assert_norms, export_trace
 from jax_models import TiedLM, batch, init, lm_loss, true_norms, untied_params
 from safetensors import safe_open
+
+import ghost_oracle
+from ghost_oracle.jax import assert_norms, export_trace
 
 
 @pytest.fixture(scope="module")

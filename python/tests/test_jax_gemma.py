@@ -15,8 +15,9 @@ pytest.importorskip("jax_privacy")
 
 import jax.numpy as jnp
 import numpy as np
-from ghost_oracle import jax_privacy as gj
 from jax_models import true_norms
+
+from ghost_oracle import jax_privacy as gj
 
 VOCAB = 32
 

@@ -7,12 +7,13 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 
 import flax.linen as nn
-import ghost_oracle
 import jax.numpy as jnp
 import numpy as np
-from ghost_oracle.jax import assert_norms, assert_update, export_trace
 from jax_models import clipped_sum, norms_of, per_example_grads
 from safetensors import safe_open
+
+import ghost_oracle
+from ghost_oracle.jax import assert_norms, assert_update, export_trace
 
 
 class EinsumConv(nn.Module):

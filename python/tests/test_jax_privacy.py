@@ -8,11 +8,8 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 pytest.importorskip("jax_privacy")
 
-import ghost_oracle
 import jax.numpy as jnp
 import numpy as np
-from ghost_oracle import jax_privacy as gj
-from ghost_oracle.jax import assert_norms, assert_update
 from jax_models import (
     TiedLM,
     batch,
@@ -24,6 +21,10 @@ from jax_models import (
 )
 from jax_privacy import noise_addition
 from safetensors import safe_open
+
+import ghost_oracle
+from ghost_oracle import jax_privacy as gj
+from ghost_oracle.jax import assert_norms, assert_update
 
 C = 0.5  # below every example's norm on this batch: every example is clipped
 

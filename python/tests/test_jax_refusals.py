@@ -8,8 +8,9 @@ pytest.importorskip("flax")
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
-from ghost_oracle.jax import TraceExportError, assert_norms, export_trace
 from jax_models import norms_of, per_example_grads
+
+from ghost_oracle.jax import TraceExportError, assert_norms, export_trace
 
 
 class WithRawScale(nn.Module):

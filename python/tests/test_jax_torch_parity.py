@@ -7,12 +7,13 @@ pytest.importorskip("flax")
 torch = pytest.importorskip("torch")
 
 import flax.linen as fnn
-import ghost_oracle
-import ghost_oracle.jax as gjax
-import ghost_oracle.torch as gtorch
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
+
+import ghost_oracle
+import ghost_oracle.jax as gjax
+import ghost_oracle.torch as gtorch
 
 V, D = 11, 6
 

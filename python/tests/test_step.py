@@ -9,9 +9,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("opacus")
 
+from conftest import TRACES, causal_lm_loss, func_norms, gpt2, gpt2_ids, gpt2_loss  # noqa: E402
+
 import ghost_oracle  # noqa: E402
 import ghost_oracle.opacus as dpo  # noqa: E402
-from conftest import TRACES, causal_lm_loss, func_norms, gpt2, gpt2_ids, gpt2_loss  # noqa: E402
 from ghost_oracle.torch import assert_update  # noqa: E402
 
 STABILIZER = 1e-6  # Opacus's γ in min(1, C / (n + γ))

@@ -11,13 +11,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("opacus")
 pytest.importorskip("transformers")
 
-import ghost_oracle.opacus as dpo
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ghost_oracle import testing as t
-from ghost_oracle.tied.fsdp import TiedGradSampleModuleFSDP, shard_tied
 from opacus import PrivacyEngine
 from tied_runs import PerExampleLoss
+
+import ghost_oracle.opacus as dpo
+from ghost_oracle import testing as t
+from ghost_oracle.tied.fsdp import TiedGradSampleModuleFSDP, shard_tied
 
 WORLD = 2
 
@@ -68,7 +69,10 @@ def run(tmp_path_factory):
     c = float(exact.median()) * 0.8
     out = tmp_path_factory.mktemp("fsdp")
     mp.spawn(_rank, args=(_free_port(), str(out), c), nprocs=WORLD, join=True)
-    load = lambda stem: [torch.load(out / f"{stem}{r}.pt") for r in range(WORLD)]
+
+    def load(stem: str) -> list[torch.Tensor]:
+        return [torch.load(out / f"{stem}{r}.pt") for r in range(WORLD)]
+
     return exact, load("norms"), load("mutant")
 
 

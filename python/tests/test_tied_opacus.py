@@ -19,10 +19,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("opacus")
 
-import ghost_oracle
-from ghost_oracle import testing as t
-from ghost_oracle.tied import TiedGradSampleHooks, TiedGradSampleModule
-from ghost_oracle.torch import assert_norms, assert_update
 from tied_runs import (
     STABILIZER,
     loop_clipped_sum,
@@ -31,6 +27,11 @@ from tied_runs import (
     plugin_step,
     rmsnorms_in_input_dtype,
 )
+
+import ghost_oracle
+from ghost_oracle import testing as t
+from ghost_oracle.tied import TiedGradSampleHooks, TiedGradSampleModule
+from ghost_oracle.torch import assert_norms, assert_update
 
 NORM_TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 STEP_TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
@@ -78,7 +79,8 @@ def test_step_equals_the_autograd_loop_and_passes_assert_update(fixture, dtype, 
     check_step(fixture, dtype, micro_batches, sigma)
 
 
-@pytest.mark.parametrize(("micro_batches", "sigma"), [(1, 1.0), (2, 0.0)], ids=["1-backward-sigma1", "2-backward-sigma0"])
+@pytest.mark.parametrize(("micro_batches", "sigma"), [(1, 1.0), (2, 0.0)],
+                         ids=["1-backward-sigma1", "2-backward-sigma0"])
 def test_step_pairings_on_gpt2(tied_gpt2, micro_batches, sigma):
     check_step(tied_gpt2, torch.float32, micro_batches, sigma)
 

@@ -11,12 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("opacus")
 
-import ghost_oracle.tied
-from ghost_oracle import testing as t
-from ghost_oracle.tied.plugin import TiedDPTensor
 from opacus import GradSampleModule, PrivacyEngine
 from tied_runs import PerExampleLoss, loop_clipped_sum, max_rel, plugin_norms
 from torch import nn
+
+import ghost_oracle.tied
+from ghost_oracle import testing as t
+from ghost_oracle.tied.plugin import TiedDPTensor
 
 PACKAGE = Path(ghost_oracle.tied.__file__).parent
 ALLOWED_ROOTS = {"torch", "opacus", "__future__"}

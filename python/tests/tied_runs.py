@@ -6,9 +6,10 @@ import types
 import warnings
 from dataclasses import dataclass
 
-import ghost_oracle.opacus as dpo
 import torch
 from opacus import PrivacyEngine
+
+import ghost_oracle.opacus as dpo
 
 STABILIZER = 1e-6  # Opacus's γ in min(1, C / (n + γ))
 
@@ -107,13 +108,13 @@ def loop_clipped_sum(model, loss, inputs, c):
         for i in range(losses.shape[0]):
             grads = torch.autograd.grad(losses[i], [p for _, p in named], retain_graph=True, allow_unused=True)
             grads = [torch.zeros(p.shape, dtype=torch.float64) if g is None else g.double()
-                     for (_, p), g in zip(named, grads)]
+                     for (_, p), g in zip(named, grads, strict=True)]
             n = math.sqrt(sum(float((g ** 2).sum()) for g in grads))
             norms.append(n)
             coef = min(1.0, c / (n + STABILIZER))
             scaled = torch.autograd.grad(coef * losses[i], [p for _, p in named], retain_graph=True,
                                          allow_unused=True)
-            for (name, _), g in zip(named, scaled):
+            for (name, _), g in zip(named, scaled, strict=True):
                 if g is not None:
                     total[name] += g.double()
     return total, torch.tensor(norms, dtype=torch.float64)

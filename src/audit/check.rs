@@ -38,6 +38,7 @@ impl Default for CheckOptions {
 /// A trace file's audit, with what its header says that the audit's figures do not.
 #[derive(Clone, Debug)]
 pub struct CheckedTrace {
+    /// The trace's claims judged, as one clipper's audit.
     pub audit: ClipperAudit,
     /// The parameters its sites share (a tied embedding and LM head), with their sites.
     pub tied: Vec<TiedParameter>,

@@ -9,27 +9,35 @@ use crate::judge::{CaseMetrics, Verdict};
 use crate::mutants::{Corrupts, ExpectedVerdict, Mutant};
 use crate::registry;
 
+/// One clipper's row: its verdicts per case and what is wrong with them.
 pub struct Row {
+    /// The clipper's name.
     pub clipper: String,
+    /// The bug seeded into it; `None` for a clipper as written.
     pub mutant: Option<Mutant>,
     /// Most severe verdict per base case (over its clipping norms).
     pub cells: Vec<Verdict>,
+    /// What the row's verdicts say is wrong (a correct clipper failing, a mutant surviving).
     pub problems: Vec<String>,
     /// A seeded bug that this audit cannot see (no bug at its precision, or in a part of the step
     /// it does not judge): it is run and shown, and neither catching nor missing it is a problem.
     pub invisible: bool,
 }
 
+/// Every clipper (correct and mutated) against every case: which bugs the audit catches.
 pub struct KillMatrix {
     /// The precision the clippers computed in (`f32`, `bf16`, ...).
     pub precision: String,
+    /// The base cases, in column order.
     pub cases: Vec<String>,
+    /// One row per clipper, correct ones first.
     pub rows: Vec<Row>,
     /// Every clipper's full audit, in row order.
     pub audits: Vec<ClipperAudit>,
 }
 
 impl KillMatrix {
+    /// True when no row has a problem.
     pub fn ok(&self) -> bool {
         self.rows.iter().all(|r| r.problems.is_empty())
     }
@@ -104,6 +112,8 @@ fn check(mutant: Option<Mutant>, audit: &ClipperAudit, opts: &AuditOptions) -> V
     problems
 }
 
+/// Audits every built-in clipper and every mutant on `cases`; `progress` is told (done, total,
+/// clipper) as each clipper finishes.
 pub fn kill_matrix(
     cases: &[Case],
     opts: &AuditOptions,

@@ -29,9 +29,13 @@ use ghost_oracle_reference::{self as reference, Batch, Model, Reduction};
 /// true norm, unless the user fixes C).
 #[derive(Clone, Debug)]
 pub struct Case {
+    /// The case's name in reports.
     pub name: String,
+    /// The model whose gradients are clipped.
     pub model: Model,
+    /// The batch, B×T.
     pub batch: Batch,
+    /// The clipping norms to try, as multiples of the case's median true norm.
     pub c_multipliers: Vec<f64>,
 }
 
@@ -58,10 +62,13 @@ impl Case {
 pub struct AuditOptions {
     /// C; `None`: the median true norm of each case, times each of its `c_multipliers`.
     pub max_grad_norm: Option<ClipNorm>,
+    /// σ, the noise multiplier.
     pub noise_multiplier: NoiseMultiplier,
     /// The precision the clippers compute in (the reference is always f64).
     pub precision: Precision,
+    /// Where the clippers compute.
     pub device: Device,
+    /// How each example's loss is reduced over its targets.
     pub reduction: Reduction,
     /// The run each clipper's ε is stated for.
     pub accounting: Accounting,

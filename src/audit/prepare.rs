@@ -11,7 +11,9 @@ use std::borrow::Borrow;
 
 /// The judge of a case and its trace in the clippers' dtype and device.
 pub struct PreparedCase {
+    /// The case's truth and tolerance.
     pub judge: Judge,
+    /// The case's factors in the clippers' dtype, on their device.
     pub trace: Trace,
     /// The clipping norms to evaluate at, each with its label.
     pub clip_norms: Vec<(CaseLabel, ClipNorm)>,

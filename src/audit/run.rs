@@ -16,10 +16,15 @@ use std::borrow::Borrow;
 /// One clipper's results over every case, with the ε its run really has.
 #[derive(Clone, Debug, Serialize)]
 pub struct ClipperAudit {
+    /// The clipper's name (a mutant's included).
     pub name: String,
+    /// The most severe verdict over the cases.
     pub verdict: Verdict,
+    /// Index into `cases` of the case that decides the verdict.
     pub worst_case: usize,
+    /// Every case's figures, in audit order.
     pub cases: Vec<CaseMetrics>,
+    /// What the clipper said a user must know (e.g. a shared parameter it ignores), once each.
     pub warnings: Vec<String>,
     /// The precision the tolerance assumed.
     pub precision: Precision,

@@ -11,6 +11,7 @@ use crate::trace::Trace;
 pub struct GhostClipper;
 
 impl GhostClipper {
+    /// The name the registry and reports know it by.
     pub const NAME: &'static str = "ghost";
 }
 

@@ -12,6 +12,7 @@ use candle_core::Tensor;
 pub struct MaterializeClipper;
 
 impl MaterializeClipper {
+    /// The name the registry and reports know it by.
     pub const NAME: &'static str = "materialize";
 }
 

@@ -19,8 +19,11 @@ use gram::Factored;
 /// ⟨G_j, G_k⟩ per example for two sites of one parameter.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CrossTerm {
+    /// The parameter the two sites write.
     pub param: String,
+    /// Indices of the two sites in the trace.
     pub sites: (usize, usize),
+    /// ⟨G_j, G_k⟩ for each example, in batch order.
     pub values: Vec<f64>,
 }
 
@@ -40,7 +43,9 @@ pub struct NormReport {
 /// What a clipper hands the optimizer: coefficients and the clipped gradient sum Σ_i c_i g_i.
 #[derive(Clone, Debug)]
 pub struct Clipped {
+    /// The per-example norms and their parts.
     pub report: NormReport,
+    /// c_i for each example, from its norm and C.
     pub coefficients: Vec<f64>,
     /// (parameter, Σ_i c_i g_i in the parameter's layout), in first-use order.
     pub clipped_sum: Vec<(String, Tensor)>,
@@ -52,7 +57,9 @@ pub struct Clipped {
 pub struct NoiseSpec {
     /// σC, the noise's standard deviation.
     pub std: f64,
+    /// D, what the noisy sum is divided by (the expected or actual batch size).
     pub divisor: f64,
+    /// Seed of the ChaCha8 stream the noise is drawn from.
     pub seed: u64,
 }
 
@@ -169,6 +176,7 @@ where
 /// A clipper's DP-SGD step: what it clipped, and the update it steps with.
 #[derive(Clone, Debug)]
 pub struct Stepped {
+    /// The clipped sum with the noisy update it steps with.
     pub clipped: Clipped,
     /// (parameter, update), in first-use order.
     pub update: Vec<(String, Tensor)>,
@@ -183,6 +191,7 @@ pub struct Stepped {
 /// assert_eq!(clipper.name(), "ghost-tied");
 /// ```
 pub trait Clipper {
+    /// The name the registry, the CLI and reports know the clipper by.
     fn name(&self) -> String;
 
     /// Per-example gradient norms from the trace, in the trace's dtype and device.

@@ -12,6 +12,7 @@ use crate::trace::Trace;
 pub struct TiedGhostClipper;
 
 impl TiedGhostClipper {
+    /// The name the registry and reports know it by.
     pub const NAME: &'static str = "ghost-tied";
 }
 

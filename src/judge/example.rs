@@ -19,6 +19,7 @@ pub struct ExampleMetrics {
     pub err_units: f64,
     /// c_i, the clipper's clipping coefficient, and c*_i from the true norm by the same rule.
     pub coefficient: f64,
+    /// c*_i, from n*_i by the clipper's rule.
     pub true_coefficient: f64,
     /// c_i n*_i / C: the example's clipped contribution in units of C.
     pub sensitivity: f64,

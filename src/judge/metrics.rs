@@ -21,7 +21,9 @@ use serde::Serialize;
 /// its clipped sum per parameter (f64 values in the parameter's row-major layout).
 #[derive(Clone, Debug, Default)]
 pub struct Claim {
+    /// n_i, the norm the clipper claims for each example, in batch order.
     pub norms: Vec<f64>,
+    /// c_i, the coefficient the clipper applied to each example, in batch order.
     pub coefficients: Vec<f64>,
     /// Σ_i c_i g_i per parameter, in the dtype the clipper produced it in.
     pub clipped_sum: Option<Vec<(String, Floats)>>,
@@ -34,7 +36,9 @@ pub struct Claim {
 /// (fastDP's default), whose every contribution C·n/(n + γ) stays below C.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ClippingRule {
+    /// Flat or automatic.
     pub clipping: Clipping,
+    /// γ, added to the norm in the coefficient's denominator.
     pub stabilizer: f64,
 }
 
@@ -82,7 +86,9 @@ impl ClippingRule {
 /// C as a multiple of the case's median true norm.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct CaseLabel {
+    /// The case's name, without the clipping norm.
     pub base_case: String,
+    /// C as a multiple of the case's median true norm; `None` when C was given.
     pub c_multiplier: Option<f64>,
 }
 
@@ -105,24 +111,38 @@ impl From<&str> for CaseLabel {
     }
 }
 
+/// One case's figures and verdict: a clipper's claim against the truth at one C and σ.
 #[derive(Clone, Debug, Serialize)]
 pub struct CaseMetrics {
     /// The label reports show ([`CaseLabel::label`]).
     pub case: String,
+    /// The case's name, without the clipping norm.
     pub base_case: String,
+    /// C as a multiple of the case's median true norm; `None` when C was given.
     pub c_multiplier: Option<f64>,
+    /// C, the clipping norm the case was judged at.
     pub max_grad_norm: f64,
+    /// σ, the stated noise multiplier.
     pub noise_multiplier: f64,
+    /// The most severe finding over the examples (and the step, when there is one).
     pub verdict: Verdict,
+    /// The example that decides the verdict.
     pub worst_example: usize,
+    /// Largest |n_i − n*_i| / n*_i over the examples.
     pub max_norm_rel_err: f64,
+    /// Largest error in units of its rounding bound (`err_units`) over the examples.
     pub max_err_units: f64,
+    /// Largest |c_i − c*_i| over the examples.
     pub max_coef_abs_diff: f64,
+    /// Examples whose clipping decision differs from the true one.
     pub decision_flips: usize,
+    /// Largest clipped contribution c_i n*_i / C over the examples (above 1: privacy lost).
     pub max_sensitivity_ratio: f64,
+    /// σ / max(1, `max_sensitivity_ratio`): the noise multiplier the run acts with.
     pub effective_noise_multiplier: f64,
     /// σC / ‖Σ c_i g_i*‖; `null` where the clipped signal is zero.
     pub effective_noise_ratio: Option<f64>,
+    /// σC / ‖Σ c*_i g_i*‖, the same ratio with the true coefficients; `null` where that signal is zero.
     pub reference_noise_ratio: Option<f64>,
     /// Cosine of the clipped sums with the clipper's and the true coefficients; `null` where
     /// either is zero.
@@ -130,7 +150,10 @@ pub struct CaseMetrics {
     /// ‖S − S*‖ / ‖S*‖ of the clipper's clipped sum; `null` where the clipper reported none or
     /// S* = 0 (the verdict then compares the absolute error with the absolute bound).
     pub clipped_sum_rel_err: Option<f64>,
+    /// The rounding bound on `clipped_sum_rel_err`, relative to ‖S*‖; `null` with it.
     pub clipped_sum_bound: Option<f64>,
+    /// Largest |2⟨g_in, g_out⟩| / ‖g*‖² of a tied parameter over the examples: how much the
+    /// cross term a clipper may leave out weighs; `null` without a tied parameter.
     pub max_cross_share: Option<f64>,
     /// Examples whose norm or coefficient is invalid.
     pub invalid_examples: Vec<usize>,
@@ -140,12 +163,14 @@ pub struct CaseMetrics {
     pub max_bound: f64,
     /// Sequence length and widest factor of the trace: what makes a low-precision bound grow.
     pub seq_len: usize,
+    /// Widest factor (entries per row) of any site of the trace.
     pub widest_factor: usize,
     /// The largest clipped contribution c·n*/C, whatever the verdict (a correct clipper's
     /// rounding can exceed C too, and the run then spends more privacy than it states); `null`
     /// when a norm is invalid. This is what the run's ε is computed from, and it equals
     /// `max_sensitivity_ratio` otherwise.
     pub worst_contribution: Option<f64>,
+    /// Every example's figures, in batch order.
     pub examples: Vec<ExampleMetrics>,
     /// The DP-SGD step, when the trace carries one; its verdict is folded into `verdict`.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -36,7 +36,9 @@ use metrics::SumError;
 /// The truth and the tolerance of one batch: all a verdict needs besides the claim.
 #[derive(Clone, Debug)]
 pub struct Judge {
+    /// The case's f64 truth: norms, Gram and factors.
     pub truth: Truth,
+    /// The rounding bounds at the clipper's precision.
     pub tolerance: Tolerance,
 }
 

@@ -12,9 +12,13 @@ use serde::Serialize;
 /// Stated and actual ε of one clipper's run.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PrivacyReport {
+    /// q, the Poisson sampling rate.
     pub sampling_rate: f64,
+    /// Number of DP-SGD steps.
     pub steps: u64,
+    /// δ of the (ε, δ) guarantee.
     pub delta: f64,
+    /// No accounting option was given: the run is the typical fine-tuning run.
     pub default_setting: bool,
     /// The stated noise multiplier σ.
     pub noise_multiplier: f64,
@@ -36,6 +40,7 @@ pub struct PrivacyReport {
     pub sigma_needed: Option<f64>,
     /// The optimal Rényi order of the actual ε, and whether it sits at an end of the grid.
     pub order: f64,
+    /// The optimal order is the smallest or the largest of the grid (the ε may be loose).
     pub order_at_grid_edge: bool,
 }
 

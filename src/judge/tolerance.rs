@@ -101,6 +101,7 @@ pub struct Tolerance {
     pub site_scale: Vec<Vec<f64>>,
     /// Parameter index of every site.
     pub site_param: Vec<usize>,
+    /// Number of parameters (distinct values of `site_param`).
     pub n_params: usize,
     /// Per example, Σ|terms| of n² over the Gram route (own and 2× cross terms).
     pub abs_terms: Vec<f64>,
@@ -412,7 +413,6 @@ impl ExampleTerms {
 }
 
 impl Tolerance {
-
     /// Relative bound on |n̂_i − n_i| / n_i for a clipper working in unit roundoff `u`, given the
     /// true norm n_i (docs/tolerances.md): dot-product and input rounding, the T² accumulation of
     /// the terms, and the reference's own f64 rounding.

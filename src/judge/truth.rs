@@ -37,6 +37,7 @@ pub(crate) fn with_block_bytes<R>(bytes: usize, f: impl FnOnce() -> R) -> R {
 /// Everything about a case that comes from the reference, not from the clipper.
 #[derive(Clone, Debug)]
 pub struct Truth {
+    /// n*_i, the true norm of each example, in batch order.
     pub norms: Vec<f64>,
     /// ⟨g_i*, g_k*⟩ for every pair of examples.
     pub gram: Vec<Vec<f64>>,

@@ -2,6 +2,8 @@
 
 use serde::Serialize;
 
+/// What a clipper's claim for a case means for the run, ordered by severity (`Ord`: the
+/// most severe of several verdicts is their maximum).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Verdict {

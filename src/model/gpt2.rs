@@ -12,6 +12,7 @@ use crate::trace::SiteKind;
 use candle_core::{DType, Device, Tensor, D};
 use ghost_oracle_reference::{Batch, Gpt2, Gpt2Config, Reduction};
 
+/// GPT-2 in candle, from the reference's weights: the trace a real training step would export.
 pub struct CandleGpt2 {
     config: Gpt2Config,
     pub(crate) core: Core,

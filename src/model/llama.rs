@@ -21,6 +21,8 @@ use crate::trace::SiteKind;
 use candle_core::{DType, Device, Tensor, D};
 use ghost_oracle_reference::{Batch, Llama, LlamaConfig, NormLayout, Reduction};
 
+/// The Llama-shaped families in candle, from the reference's weights: the trace a real training
+/// step would export.
 pub struct CandleLlama {
     config: LlamaConfig,
     pub(crate) core: Core,

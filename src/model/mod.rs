@@ -22,15 +22,18 @@ use ghost_oracle_reference::{Batch, DecoderModel, Dims, Model, Reduction, IGNORE
 
 /// The trace of a batch and the batch gradient Σ_i ∇L_i of every parameter.
 pub struct Extracted {
+    /// The per-site factors, in the model's dtype and device.
     pub trace: Trace,
     /// (checkpoint name, gradient) in the reference's parameter order (a tied head once).
     pub batch_gradient: Vec<(String, Tensor)>,
+    /// Each example's loss under the reduction, in batch order.
     pub losses: Vec<f64>,
 }
 
 /// A candle model of any family the reference knows. Every `match` on it is exhaustive, so a new
 /// family is a compile error wherever it is not handled.
 pub enum CandleModel {
+    /// GPT-2 (`gpt2`).
     Gpt2(CandleGpt2),
     /// Every Llama-shaped family of the reference (`llama`, `qwen2`, `qwen3`, `gemma`, `gemma2`,
     /// `gemma3_text`, `vaultgemma`).
@@ -55,6 +58,7 @@ impl CandleModel {
         }
     }
 
+    /// The dtype the model computes in.
     pub fn dtype(&self) -> DType {
         match self {
             CandleModel::Gpt2(m) => m.core.dtype,

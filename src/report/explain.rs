@@ -44,12 +44,14 @@ impl Reader {
 
 /// A report's audits with what the explanation needs besides them.
 pub struct Explanation<'a> {
+    /// Every clipper's audit, in report order.
     pub audits: &'a [ClipperAudit],
     /// The precision the bound assumed (a trace file) or the clippers computed in.
     pub precision: &'a str,
     /// For a trace file: the parameters its sites share (none is a finding too). `None` for an
     /// audit on a model, whose explanation reads a tied parameter from the cross term alone.
     pub tied: Option<&'a [TiedParameter]>,
+    /// Who reads the explanation (the CLI or Python): words its hints for their spelling.
     pub reader: Reader,
 }
 

@@ -28,6 +28,7 @@ fn row_check(r: &Row, precision: &str) -> String {
     }
 }
 
+/// The kill matrix as a text table: a row per clipper, a column per case.
 pub fn kill_matrix_table(m: &KillMatrix) -> String {
     let mut s = String::new();
     let w = m.rows.iter().map(|r| r.clipper.len()).max().unwrap_or(10);
@@ -91,6 +92,7 @@ pub fn kill_matrix_html(m: &KillMatrix, dtype: &str) -> Result<String> {
     Ok(page(&format!("ghost-oracle kill matrix ({dtype})"), &body))
 }
 
+/// The kill matrix as JSON.
 pub fn kill_matrix_json(m: &KillMatrix) -> Value {
     let rows: Vec<Value> = m
         .rows

@@ -26,6 +26,7 @@ fn sci(v: f64) -> String {
     }
 }
 
+/// The reference's per-example (and per-parameter) norms as a text table.
 pub fn reference_table(r: &Reference) -> String {
     let mut s = String::new();
     let _ = writeln!(
@@ -89,6 +90,7 @@ pub fn reference_table(r: &Reference) -> String {
     s
 }
 
+/// Every clipper's audit as text tables, headed by the precision and device.
 pub fn audit_tables(audits: &[ClipperAudit], dtype: &str, device: &str) -> String {
     let mut s = String::new();
     for a in audits {
@@ -452,6 +454,7 @@ pub fn summary(audits: &[ClipperAudit]) -> String {
     s
 }
 
+/// Every clipper's audit as JSON, with the precision and device.
 pub fn audit_json(audits: &[ClipperAudit], dtype: &str, device: &str) -> Value {
     let clippers: Vec<Value> = audits
         .iter()
@@ -489,13 +492,15 @@ pub fn audit_json(audits: &[ClipperAudit], dtype: &str, device: &str) -> Value {
     })
 }
 
-pub fn xml_escape(s: &str) -> String {
+/// `s` with the characters XML gives a meaning to (`&`, `<`, `>`, `"`) escaped.
+pub(crate) fn xml_escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
         .replace('"', "&quot;")
 }
 
+/// Every clipper's audit as a JUnit XML document: a test suite per clipper, a test case per case.
 pub fn audit_junit(audits: &[ClipperAudit]) -> String {
     let mut s = String::from(
         "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites name=\"ghost-oracle audit\">\n",

@@ -40,8 +40,10 @@ pub fn to_f64_vec(t: &Tensor) -> Result<Vec<f64>> {
     Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?)
 }
 
+/// A site's factors on the clipper's device: what a ghost clipper reads.
 #[derive(Clone, Debug)]
 pub struct Site {
+    /// Name, parameter and kind.
     pub spec: SiteSpec,
     /// B×R×in (linear, conv1d); for layernorm the normalized input x̂.
     pub activations: Option<Tensor>,
@@ -54,7 +56,9 @@ pub struct Site {
 /// The sites that write one parameter (two or more: the parameter is shared).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamSites {
+    /// The shared parameter's name.
     pub param: String,
+    /// Indices into [`Trace::sites`] of the sites that write it, in trace order.
     pub sites: Vec<usize>,
 }
 
@@ -68,8 +72,10 @@ impl Site {
     }
 }
 
+/// A batch's per-site factors, on one device in one dtype.
 #[derive(Clone, Debug)]
 pub struct Trace {
+    /// The sites, in forward order.
     pub sites: Vec<Site>,
 }
 
@@ -125,10 +131,12 @@ impl Trace {
         Ok(trace)
     }
 
+    /// Examples in the batch (0 for a trace without sites).
     pub fn batch_size(&self) -> usize {
         self.sites.first().map_or(0, |s| s.backprops.dims()[0])
     }
 
+    /// The dtype the factors are held in.
     pub fn dtype(&self) -> DType {
         self.sites
             .first()
@@ -140,6 +148,7 @@ impl Trace {
         precision_of(self.dtype())
     }
 
+    /// The device the factors are on.
     pub fn device(&self) -> Device {
         self.sites
             .first()

@@ -28,8 +28,10 @@ use crate::tensors::TensorSource;
 use params::layer_layout;
 use std::path::Path;
 
+/// A Llama-family decoder (Llama, Qwen2/3, the Gemmas): config, weights and checkpoint names.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Llama {
+    /// The model's hyperparameters and flavor.
     pub config: LlamaConfig,
     /// The weights; their `layers` are empty when the blocks are `stored`.
     pub params: LlamaParams,

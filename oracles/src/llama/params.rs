@@ -14,22 +14,31 @@ use ndarray::{Array2, ArrayViewD, ArrayViewMutD};
 pub struct LlamaLayer {
     /// Fixes the checkpoint name of `mlp_norm`.
     pub norm_layout: NormLayout,
+    /// RMSNorm before the attention.
     pub input_layernorm: RmsNorm,
+    /// Query projection, d → heads·head_dim.
     pub q_proj: Linear,
+    /// Key projection, d → key/value heads·head_dim.
     pub k_proj: Linear,
+    /// Value projection, d → key/value heads·head_dim.
     pub v_proj: Linear,
     /// `self_attn.q_norm` / `self_attn.k_norm` (Qwen3, Gemma 3): one RMSNorm over head_dim,
     /// applied to every head at every position.
     pub q_norm: Option<RmsNorm>,
+    /// The key heads' RMSNorm (see `q_norm`).
     pub k_norm: Option<RmsNorm>,
+    /// Attention output projection, heads·head_dim → d.
     pub o_proj: Linear,
     /// `post_attention_layernorm` of the sandwich layout: on the attention's output.
     pub attn_out_norm: Option<RmsNorm>,
     /// The norm before the MLP: `post_attention_layernorm` in the Llama layout,
     /// `pre_feedforward_layernorm` in Gemma 2's and VaultGemma's.
     pub mlp_norm: RmsNorm,
+    /// Gated MLP's gate projection, d → intermediate.
     pub gate_proj: Linear,
+    /// Gated MLP's up projection, d → intermediate.
     pub up_proj: Linear,
+    /// Gated MLP's down projection, intermediate → d.
     pub down_proj: Linear,
     /// `post_feedforward_layernorm` of the sandwich layout: on the MLP's output.
     pub mlp_out_norm: Option<RmsNorm>,
@@ -40,6 +49,7 @@ pub struct LlamaLayer {
 pub struct LlamaParams {
     /// `model.embed_tokens.weight`, V×d.
     pub embed_tokens: Array2<f64>,
+    /// The blocks, first layer first (empty when they are stored on disk).
     pub layers: Vec<LlamaLayer>,
     /// `model.norm.weight`.
     pub norm: RmsNorm,
@@ -47,6 +57,7 @@ pub struct LlamaParams {
     pub lm_head: Option<Array2<f64>>,
 }
 
+/// Checkpoint name of the token embedding.
 pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
 pub(super) const FINAL_NORM: &str = "model.norm.weight";
 
@@ -296,6 +307,7 @@ impl ZeroModules<'_> {
 }
 
 impl LlamaLayer {
+    /// A block of zeros shaped by `cfg`: a zero gradient.
     pub fn zeros(cfg: &LlamaConfig) -> Self {
         let zero = ZeroModules(cfg);
         LlamaLayer {
@@ -423,6 +435,7 @@ impl LlamaParams {
         }
     }
 
+    /// Zeros shaped by `cfg`, with an untied head when `with_head`: a zero gradient.
     pub fn zeros(cfg: &LlamaConfig, with_head: bool) -> Self {
         Self::zeros_of(cfg, with_head, true, true)
     }

@@ -39,11 +39,15 @@ pub(crate) const MAX_PARAM_ENTRIES: u64 = 1 << 40;
 /// What a trace says besides its factors.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TraceMeta {
+    /// C, the clipping bound the claims were made with.
     pub max_grad_norm: f64,
+    /// σ of the step's Gaussian noise, when the trace gives it.
     pub noise_multiplier: Option<f64>,
     /// Name of the clipper that produced the claims, when the exporter says.
     pub clipper: Option<String>,
+    /// The per-example norms the clipper computed, in batch order.
     pub claimed_norms: Vec<f64>,
+    /// The clip coefficients the clipper applied, when the trace gives them.
     pub claimed_coefficients: Option<Vec<f64>>,
     /// The coarsest dtype of the factor tensors as stored (a mixed-precision trace is only as
     /// accurate as its least precise site).

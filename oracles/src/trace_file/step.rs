@@ -28,6 +28,7 @@ pub struct StepClaim {
     pub batch_divisor: Option<f64>,
     /// γ in the coefficient (`clip_stabilizer`; Opacus uses 1e-6).
     pub clip_stabilizer: f64,
+    /// Whether the coefficient is flat or automatic.
     pub clipping: Clipping,
 }
 

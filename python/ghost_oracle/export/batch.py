@@ -1,14 +1,17 @@
 """The batch as the user passes it: its examples' axis, its micro-batches, and per-example
 values (claimed norms and coefficients)."""
-from collections.abc import Mapping
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
 
-def _batch_shape(inputs, batch_axis=0):
+def _batch_shape(inputs: object, batch_axis: int = 0) -> tuple[int, int]:
     """(B, T) of a batch: a tensor of ids (B×T, or T×B with `batch_axis=1`), or a dict with
     `input_ids` (else its first tensor of two axes or more), read along `batch_axis`."""
-    def shape(t):
+    def shape(t: torch.Tensor) -> tuple[int, int]:
         return t.shape[batch_axis], t.shape[1 - batch_axis]
 
     if torch.is_tensor(inputs):
@@ -28,7 +31,7 @@ def _batch_shape(inputs, batch_axis=0):
                     f"got {type(inputs).__name__}")
 
 
-def _batch_size(inputs, batch_axis=0):
+def _batch_size(inputs: object, batch_axis: int = 0) -> int | None:
     """B as the inputs show it: the size of `batch_axis` of the tensor (of a dict's `input_ids`,
     else of its first tensor with that axis); None for other inputs (a tuple of arguments, whose
     tensors need not be per example: ids and offsets), for which the per-example loss says B."""
@@ -43,7 +46,7 @@ def _batch_size(inputs, batch_axis=0):
     return None if t is None else t.shape[batch_axis]
 
 
-def _input_tensors(inputs):
+def _input_tensors(inputs: object) -> list[torch.Tensor]:
     """The tensors the batch holds, for telling which uses are fed them directly."""
     if torch.is_tensor(inputs):
         return [inputs]
@@ -54,14 +57,14 @@ def _input_tensors(inputs):
     return []
 
 
-def _check_batch_axis(batch_axis):
+def _check_batch_axis(batch_axis: object) -> int:
     if type(batch_axis) is not int or batch_axis not in (0, 1):
         raise ValueError(f"batch_axis must be 0 (batch × sequence, the default) or 1 (sequence × batch: "
                          f"batch_first=False), got {batch_axis!r}")
     return int(batch_axis)
 
 
-def _per_example(values, b, what):
+def _per_example(values: Any, b: int, what: str) -> torch.Tensor:
     """`values` (a tensor, array, list or number per example) as a float64 CPU tensor of B."""
     if torch.is_tensor(values):
         values = values.detach().cpu()
@@ -74,7 +77,7 @@ def _per_example(values, b, what):
     return t.contiguous()
 
 
-def _concat_micro_batches(batches, batch_axis=0):
+def _concat_micro_batches(batches: Iterable[Any], batch_axis: int = 0) -> Any:
     """The logical batch of a list of micro-batches: their concatenation along the batch axis.
     Tensors of ids are concatenated; dicts need the same keys, and each tensor value whose
     leading axis is the micro-batch's B is concatenated, while any other value (a shared 1×T
@@ -83,14 +86,14 @@ def _concat_micro_batches(batches, batch_axis=0):
     batches = list(batches)
     if not batches:
         raise ValueError("inputs is an empty list: pass the batch, or the list of its micro-batches")
-    shapes = []
+    shapes: list[tuple[int, int]] = []
     for k, mb in enumerate(batches):
         try:
             shapes.append(_batch_shape(mb, batch_axis))
         except (TypeError, ValueError) as e:
             raise type(e)(f"micro-batch {k}: {e}") from e
     t0 = shapes[0][1]
-    for k, (bk, tk) in enumerate(shapes):
+    for k, (_, tk) in enumerate(shapes):
         if tk != t0:
             raise ValueError(
                 f"micro-batch {k} has sequence length T = {tk} but micro-batch 0 has T = {t0}: the trace "
@@ -103,20 +106,21 @@ def _concat_micro_batches(batches, batch_axis=0):
         kinds = sorted({type(mb).__name__ for mb in batches})
         raise TypeError(f"micro-batches must all be tensors of ids or all dicts, got {kinds}")
     keys = list(batches[0])
-    out = {}
+    out: dict[str, Any] = {}
     for k, mb in enumerate(batches):
         if sorted(mb) != sorted(keys):
             raise ValueError(f"micro-batch {k} has keys {sorted(mb)} but micro-batch 0 has {sorted(keys)}")
     for key in keys:
         values = [mb[key] for mb in batches]
         if all(torch.is_tensor(v) for v in values):
-            if all(v.dim() > batch_axis and v.shape[batch_axis] == bk for v, (bk, _) in zip(values, shapes)):
+            if all(v.dim() > batch_axis and v.shape[batch_axis] == bk
+                   for v, (bk, _) in zip(values, shapes, strict=True)):
                 out[key] = torch.cat(values, dim=batch_axis)  # one slice per example
                 continue
             if all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values[1:]):
                 out[key] = values[0]  # shared by every micro-batch (a 1×T position_ids)
                 continue
-            k, (v, (bk, _)) = next((k, x) for k, x in enumerate(zip(values, shapes))
+            k, (v, (bk, _)) = next((k, x) for k, x in enumerate(zip(values, shapes, strict=True))
                                    if x[0].dim() <= batch_axis or x[0].shape[batch_axis] != x[1][0])
             raise ValueError(f"micro-batch {k}: `{key}` has shape {list(v.shape)}; to be concatenated its axis "
                              f"{batch_axis} (batch_axis) must be the micro-batch's {bk} examples (or it must be the "

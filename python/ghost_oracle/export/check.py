@@ -4,28 +4,39 @@ equals autograd's `p.grad` to rounding, at a tolerance that follows each site's 
 holds one parameter at a time, a block of rows at a time (a tied embedding and head in blocks of
 vocabulary rows): its memory is a few hundred MiB above the model's, not a second copy of every
 gradient."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import torch
 
 from .errors import TraceExportError
 from .precision import DTYPE_NAMES, reduction_tolerance, unit_roundoff
 from .site_kinds import layout, low_precision_rounds, rebuild
 
+#: The sites of one parameter: (spec, tensors, the use's entry) each.
+Uses = Sequence[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]
 
-def self_check(model, sites, names, owners, store_dtype, progress=None):
+
+def self_check(model: torch.nn.Module,
+               sites: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]],
+               names: Mapping[int, str], owners: Mapping[int, list[tuple[str, str]]],
+               store_dtype: torch.dtype | None, progress: Any = None) -> None:
     """Raises unless every trainable parameter that received a gradient has a site and its
     sites' factors rebuild autograd's gradient to rounding, each site at its own precision
     (`entry["dtype"]`; `store_dtype` None: each site stored in its own)."""
-    by_param = {}
+    by_param: dict[str, list[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]] = {}
     for spec, ts, entry in sites:
         by_param.setdefault(spec["param"], []).append((spec, ts, entry))
-    seen = set()
-    params = []
+    seen: set[int] = set()
+    params: list[torch.nn.Parameter] = []
     for _, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen or not p.requires_grad or p.grad is None:
             continue
         seen.add(id(p))
         params.append(p)
-    def fused_experts(p):
+    def fused_experts(p: torch.Tensor) -> bool:
         """A 3-D tensor of stacked expert matrices, by its shape and its name or its module's."""
         labels = [names[id(p)]] + [c for _, c in owners.get(id(p), [])]
         return p.dim() == 3 and names[id(p)] not in by_param and any("expert" in s.lower() for s in labels)
@@ -67,7 +78,7 @@ def self_check(model, sites, names, owners, store_dtype, progress=None):
         _check_param(p, name, mods, uses, store_dtype)
 
 
-def _blocks(uses, numel):
+def _blocks(uses: Uses, numel: int) -> list[tuple[int, int] | None]:
     """Row ranges of the parameter's layout, each a block of about `_BLOCK_ENTRIES` entries:
     a tied embedding and head (V×d) is rebuilt a block of vocabulary rows at a time, never
     whole. One block where the sites lay the parameter out with different rows."""
@@ -83,14 +94,18 @@ def _blocks(uses, numel):
 _BLOCK_ENTRIES = 4 << 20
 
 
-def _check_param(p, name, mods, uses, store_dtype):
+def _check_param(p: torch.nn.Parameter, name: str, mods: str, uses: Uses, store_dtype: torch.dtype | None) -> None:
     """Holds the batch gradient rebuilt from `uses` (the sites of parameter `p`) to autograd's
     `p.grad`, a block of rows at a time; raises naming the worst entry."""
+    assert p.grad is not None  # only the parameters that received a gradient are checked
     grad = p.grad.detach().reshape(-1)
-    worst = None  # (error / tolerance, entry, rebuilt, autograd, error, tolerance)
+    worst: tuple[float, int, float, float, float, float] | None = None  # (error / tolerance, entry, rebuilt,
+    # autograd, error, tolerance)
     bad_count = 0
     for block in _blocks(uses, p.numel()):
-        rebuilt = absum = tol = None
+        rebuilt: torch.Tensor | None = None
+        absum: torch.Tensor | None = None
+        tol: torch.Tensor | None = None
         for spec, ts, entry in uses:
             r, a = rebuild(spec, ts, block)
             rebuilt = r if rebuilt is None else rebuilt + r
@@ -100,8 +115,9 @@ def _check_param(p, name, mods, uses, store_dtype):
             t = reduction_tolerance(a, entry["dtype"], store, rows,
                                     low_precision_rounds(spec, ts, entry["dtype"], block))
             tol = t if tol is None else tol + t
+        assert rebuilt is not None and absum is not None and tol is not None  # a parameter has uses
         # autograd adds the uses of a tied parameter into p.grad in the parameter's dtype
-        tol += 2.0 * (len(uses) - 1) * unit_roundoff(p.dtype) * absum + torch.finfo(p.dtype).tiny
+        tol = tol + 2.0 * (len(uses) - 1) * unit_roundoff(p.dtype) * absum + torch.finfo(p.dtype).tiny
         offset = 0 if block is None else block[0] * (p.numel() // layout(*uses[0][:2])[0])
         want = grad[offset:offset + rebuilt.numel()].to(device="cpu", dtype=torch.float64)
         err = (rebuilt - want).abs()
@@ -113,14 +129,14 @@ def _check_param(p, name, mods, uses, store_dtype):
             if worst is None or float(ratio[k]) > worst[0]:
                 worst = (float(ratio[k]), offset + k, float(rebuilt[k]), float(want[k]), float(err[k]), float(tol[k]))
     if worst is not None:
-        _, k, r, w, e, t = worst
+        _, k, rebuilt_k, want_k, err_k, tol_k = worst
         site_list = ", ".join(f"`{s['name']}` ({s['kind']}, module class {e['cls']}, computed in "
                               f"{DTYPE_NAMES.get(e['dtype'], e['dtype'])})" for s, _, e in uses)
         raise TraceExportError(
             f"parameter `{name}` (module {mods}): the gradient rebuilt from its sites {site_list} differs "
             f"from autograd's at {bad_count} of {p.numel()} entries; worst entry {k}: rebuilt "
-            f"{r:.6e}, autograd {w:.6e}, |error| {e:.3e} > "
-            f"tolerance {t:.3e}. The module's forward is not what the exporter models "
+            f"{rebuilt_k:.6e}, autograd {want_k:.6e}, |error| {err_k:.3e} > "
+            f"tolerance {tol_k:.3e}. The module's forward is not what the exporter models "
             "(a subclass that changes forward, a scale or cast inside it, a class declared with "
             "register_module that does not compute what its kind computes)"
         )

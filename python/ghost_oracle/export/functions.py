@@ -14,13 +14,18 @@ handler. A parameter used any other way has no site, and the self-check refuses 
 - `F.conv1d/2d/3d`: a linear site over unfolded patches (`kinds/conv.py`);
 - `F.layer_norm`, `F.rms_norm`, `F.group_norm`, `F.instance_norm`: a layernorm site, x̂ the same
   call without its weight and bias."""
+from __future__ import annotations
+
+import contextlib
 import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .kinds.base import Handler
+from .kinds.base import Handler, Use
 from .kinds.channel_norm import ChannelNorm
 from .kinds.conv import Conv, Geometry
 from .kinds.embedding import Embedding
@@ -28,22 +33,28 @@ from .kinds.linear import Linear
 from .kinds.norm import Norm
 from .precision import autocast_dtype
 
+if TYPE_CHECKING:
+    from .record import _Recorder
 
-def _arg(args, kwargs, i, name):
+#: What a call reads: (its input, {"weight"/"bias": tensor}[, fields for its use's entry]).
+Operands = tuple[Any, dict[str, Any]] | tuple[Any, dict[str, Any], dict[str, Any]]
+
+
+def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], i: int, name: str) -> Any:
     return args[i] if len(args) > i else kwargs.get(name)
 
 
 class FunctionHandler(Handler):
     """A handler for a function: `operands` picks the input and the parameters a call reads."""
 
-    def operands(self, args, kwargs):
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
         """(input, {attr: tensor}[, entry fields]) of a call, attrs "weight" and "bias"; None to
         leave it."""
         raise NotImplementedError
 
 
 class FnLinear(FunctionHandler, Linear):
-    def operands(self, args, kwargs):
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
         return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 1, "weight"),
                                                  "bias": _arg(args, kwargs, 2, "bias")}
 
@@ -52,7 +63,7 @@ class FnMatmul(FunctionHandler, Linear):
     """`x @ w` is a conv1d site (w in×out); `x @ w.T`, w's transpose (a tied head written as
     `h @ embedding.weight.T`), a linear site of w (out×in)."""
 
-    def operands(self, args, kwargs):
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
         x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
         if not torch.is_tensor(w) or w.dim() != 2:
             return None
@@ -64,28 +75,28 @@ class FnMatmul(FunctionHandler, Linear):
             return x, {"weight": base}, {"site_kind": "linear"}
         return None
 
-    def site_kind(self, use):
-        return use.entry["site_kind"]
+    def site_kind(self, use: Use) -> str:
+        return cast(str, use.entry["site_kind"])
 
 
 class FnEmbedding(FunctionHandler, Embedding):
-    def operands(self, args, kwargs):
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
         if _arg(args, kwargs, 3, "max_norm") is not None or _arg(args, kwargs, 5, "scale_grad_by_freq"):
             return None  # not modelled: the self-check refuses the parameter by name
         return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 1, "weight")}
 
-    def padding_idx(self, use):
+    def padding_idx(self, use: Use) -> int | None:
         p = use.entry["padding_idx"]
         return None if p is None else p % use.param("weight").shape[0]  # a negative index counts from the end
 
-    def check_options(self, use):
+    def check_options(self, use: Use) -> None:
         pass  # `operands` leaves the calls with options it does not model
 
 
 class FnConv(FunctionHandler, Conv):
     """`F.conv1d/2d/3d(x, w, b, stride, padding, dilation, groups)`."""
 
-    def operands(self, args, kwargs):
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
         w = _arg(args, kwargs, 1, "weight")
         if not torch.is_tensor(w):
             return None
@@ -93,11 +104,11 @@ class FnConv(FunctionHandler, Conv):
                        _arg(args, kwargs, 5, "dilation") or 1, _arg(args, kwargs, 6, "groups") or 1)
         return _arg(args, kwargs, 0, "input"), {"weight": w, "bias": _arg(args, kwargs, 2, "bias")}, {"geometry": geo}
 
-    def geometry(self, use):
-        return use.entry["geometry"]
+    def geometry(self, use: Use) -> Geometry:
+        return cast(Geometry, use.entry["geometry"])
 
 
-def _without_affine(use, position):
+def _without_affine(use: Use | _Replay, position: int) -> torch.Tensor:
     """The recorded call again, its weight and bias (from argument `position` on) left out: x̂,
     in the precision the call computed in."""
     func, args, kwargs = use.entry["call"]
@@ -106,7 +117,8 @@ def _without_affine(use, position):
         args[k] = None
     kwargs = {k: (None if k in ("weight", "bias") else v) for k, v in kwargs.items()}
     with torch.no_grad():
-        return func(*args, **kwargs)
+        xhat: torch.Tensor = func(*args, **kwargs)
+    return xhat
 
 
 class FnLayerNorm(FunctionHandler, Norm):
@@ -114,27 +126,27 @@ class FnLayerNorm(FunctionHandler, Norm):
     call without its weight and bias, and the product with the weight runs in the output's
     precision."""
 
-    def operands(self, args, kwargs):
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
         return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 2, "weight"),
                                                  "bias": _arg(args, kwargs, 3, "bias")}
 
-    def normalized(self, use):
+    def normalized(self, use: Use) -> tuple[torch.Tensor, torch.dtype]:
         return _without_affine(use, 2), use.entry["out_dtype"]
 
 
 class FnRmsNorm(FnLayerNorm):
-    def operands(self, args, kwargs):
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
         return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 2, "weight")}
 
 
 class FnGroupNorm(FunctionHandler, ChannelNorm):
     """`F.group_norm(x, groups, w, b, eps)`."""
 
-    def operands(self, args, kwargs):
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
         return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 2, "weight"),
                                                  "bias": _arg(args, kwargs, 3, "bias")}
 
-    def normalized(self, use):
+    def normalized(self, use: Use) -> torch.Tensor:
         return _without_affine(use, 2)
 
 
@@ -142,11 +154,11 @@ class FnInstanceNorm(FunctionHandler, ChannelNorm):
     """`F.instance_norm(x, running_mean, running_var, w, b, use_input_stats, momentum, eps)`:
     replayed without weight and bias, on copies of the running statistics."""
 
-    def operands(self, args, kwargs):
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
         return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 3, "weight"),
                                                  "bias": _arg(args, kwargs, 4, "bias")}
 
-    def normalized(self, use):
+    def normalized(self, use: Use) -> torch.Tensor:
         func, args, kwargs = use.entry["call"]
         args = [a.clone() if k in (1, 2) and torch.is_tensor(a) else a for k, a in enumerate(args)]
         kwargs = {k: (v.clone() if k in ("running_mean", "running_var") and torch.is_tensor(v) else v)
@@ -157,7 +169,7 @@ class FnInstanceNorm(FunctionHandler, ChannelNorm):
 class _Replay:
     """A stand-in use for `_without_affine`: just the call."""
 
-    def __init__(self, func, args, kwargs):
+    def __init__(self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         self.entry = {"call": (func, args, kwargs)}
 
 
@@ -175,18 +187,18 @@ if hasattr(F, "rms_norm"):
 _DISPATCH_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
 
-def _never(*args, **kwargs):
+def _never(*args: object, **kwargs: object) -> bool:
     return False
 
 
-def _detached(values):
+def _detached(values: Mapping[str, Any] | Sequence[Any]) -> dict[str, Any] | tuple[Any, ...]:
     """The call's arguments without their graph (a replay needs their values only)."""
     if isinstance(values, dict):
         return {k: v.detach() if torch.is_tensor(v) else v for k, v in values.items()}
     return tuple(v.detach() if torch.is_tensor(v) else v for v in values)
 
 
-def _dtype(weight, output):
+def _dtype(weight: torch.Tensor, output: torch.Tensor) -> torch.dtype:
     """As `precision.site_dtype`, for a weight passed to a function."""
     ac = autocast_dtype(output.device.type)
     if ac is not None and ac != weight.dtype and output.dtype == ac:
@@ -195,11 +207,12 @@ def _dtype(weight, output):
 
 
 class _Capture(TorchFunctionMode):
-    def __init__(self, rec, names):
+    def __init__(self, rec: _Recorder, names: Mapping[int, str]) -> None:
         super().__init__()
         self.rec, self.names = rec, names
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func not in FUNCTIONS and inspect.isfunction(func) and func.__module__ == F.__name__:
             return self._inside(func, args, kwargs)
@@ -220,20 +233,21 @@ class _Capture(TorchFunctionMode):
         site_names = {}
         for attr, p in params.items():
             local = next((k for k, v in owner[1]._parameters.items() if v is p), None) if owner else None
-            base = f"{owner[0]}.{local}" if local is not None and owner[0] else self.names[id(p)]
+            base = f"{owner[0]}.{local}" if owner is not None and local is not None and owner[0] else self.names[id(p)]
             site_names[attr] = self.rec.use_name(base)
         where = owner[0] if owner and owner[0] else "the model"
         fname = getattr(func, "__name__", str(func))
         entry = {"module": owner[1] if owner else None, "name": f"{where}: {fname}", "cls": f"a call of {fname}",
                  "handler": handler, "input": x.detach(), "params": params, "site_names": site_names,
-                 "dtype": _dtype(params["weight"], out), "out_dtype": out.dtype, "call": (func, _detached(args), _detached(kwargs)),
+                 "dtype": _dtype(params["weight"], out), "out_dtype": out.dtype,
+                 "call": (func, _detached(args), _detached(kwargs)),
                  **extra}
         if isinstance(handler, FnEmbedding):
             entry["padding_idx"] = _arg(args, kwargs, 2, "padding_idx")
         return self.rec.add(entry, out)
 
 
-    def _inside(self, func, args, kwargs):
+    def _inside(self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         saved = {name: getattr(F, name) for name in _DISPATCH_CHECKS}
         try:
             for name in _DISPATCH_CHECKS:
@@ -246,16 +260,17 @@ class _Capture(TorchFunctionMode):
 
 
 class _CaptureHandle:
-    def __init__(self, mode):
-        self.mode = mode
-        mode.__enter__()
+    def __init__(self, mode: _Capture) -> None:
+        # Entered through an ExitStack: torch's mode methods carry no annotations.
+        self.mode: contextlib.ExitStack[bool | None] | None = contextlib.ExitStack()
+        self.mode.enter_context(mode)
 
-    def remove(self):
+    def remove(self) -> None:
         if self.mode is not None:
-            self.mode.__exit__(None, None, None)
+            self.mode.close()
             self.mode = None
 
 
-def function_capture(rec, names):
+def function_capture(rec: _Recorder, names: Mapping[int, str]) -> _CaptureHandle:
     """Starts capturing; the handle's `remove()` stops it (at most once)."""
     return _CaptureHandle(_Capture(rec, names))

@@ -9,6 +9,11 @@ example i's loss reaches outside any one slice belongs to a model that mixes exa
 (attention across the batch, batch statistics), for which a per-example gradient, and so
 per-example clipping, is not defined.
 """
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
 import torch
 
 from .errors import TraceExportError
@@ -18,14 +23,17 @@ from .errors import TraceExportError
 PROBE_ALL_UP_TO = 8
 PROBE_SEED = 20260612
 
+#: A batch layout: ("axis" | "major" | "minor", the axis).
+Layout = tuple[str, int]
 
-def _layouts(shape, b):
+
+def _layouts(shape: Sequence[int], b: int) -> list[Layout]:
     """The candidate batch layouts of an output of `shape`, as (form, axis): ("axis", a), the
     examples along axis a (its size B); ("major", a), axis a of B·k rows, example-major (each
     example's k rows together); ("minor", a), axis a of k·B rows, example-minor (rows i, i + B,
     ...). The last axis holds features and is never the batch, unless it is the only one."""
     last = len(shape) - 1 if len(shape) > 1 else len(shape)
-    out = []
+    out: list[Layout] = []
     for a in range(last):
         n = shape[a]
         if n == b:
@@ -35,7 +43,7 @@ def _layouts(shape, b):
     return out
 
 
-def _batch_first(t, layout, b):
+def _batch_first(t: torch.Tensor, layout: Layout, b: int) -> torch.Tensor:
     """`t` with the examples on a leading axis of size B (of size 1 for a per-batch input, which
     the caller expands)."""
     form, a = layout
@@ -46,17 +54,17 @@ def _batch_first(t, layout, b):
     if t.shape[a] % b != 0:  # a per-batch input of a flattened use: left for the shape checks
         return t
     if form == "major":
-        return t.unflatten(a, (b, t.shape[a] // b)).movedim(a, 0)
-    return t.unflatten(a, (t.shape[a] // b, b)).movedim(a + 1, 0)
+        return cast(torch.Tensor, t.unflatten(a, (b, t.shape[a] // b))).movedim(a, 0)
+    return cast(torch.Tensor, t.unflatten(a, (t.shape[a] // b, b))).movedim(a + 1, 0)
 
 
-def _describe(layout):
+def _describe(layout: Layout) -> str:
     form, a = layout
     return {"axis": f"axis {a}", "major": f"axis {a} (example-major flattened rows)",
             "minor": f"axis {a} (example-minor flattened rows)"}[form]
 
 
-def _input_spill(t, g, i, b, batch_axis):
+def _input_spill(t: torch.Tensor, g: torch.Tensor | None, i: int, b: int, batch_axis: int) -> list[int] | None:
     """The examples other than i whose part of the input `t` example i's loss alone reaches
     (`g` its gradient), along `batch_axis`; None where `t` has no such axis."""
     if g is None or t.dim() <= batch_axis or t.shape[batch_axis] != b:
@@ -65,7 +73,8 @@ def _input_spill(t, g, i, b, batch_axis):
     return [j for j in nz.nonzero().flatten().tolist() if j != i]
 
 
-def _refuse_spilled_input(name, t, g, i, others, b, batch_axis):
+def _refuse_spilled_input(name: str, t: torch.Tensor, g: torch.Tensor, i: int, others: list[int], b: int,
+                          batch_axis: int) -> None:
     """An input whose examples example i's loss reaches beyond its own: another axis that keeps
     the examples apart is a layout mismatch, none is a model that mixes examples."""
     for a in range(t.dim()):
@@ -83,14 +92,16 @@ def _refuse_spilled_input(name, t, g, i, others, b, batch_axis):
         "clipping bounds nothing: no per-example norm is defined")
 
 
-def _probe_order(b):
+def _probe_order(b: int) -> list[int]:
     if b <= PROBE_ALL_UP_TO:
         return list(range(b))
     gen = torch.Generator().manual_seed(PROBE_SEED)
     return torch.randperm(b, generator=gen).tolist()
 
 
-def _find_layouts(entries, losses, b, batch_axis, direct_inputs, leaves=(), progress=None):
+def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: int, batch_axis: int,
+                  direct_inputs: Sequence[torch.Tensor], leaves: Sequence[tuple[str, torch.Tensor]] = (),
+                  progress: Any = None) -> None:
     """Sets `entry["layout"]` for every use whose output received a gradient in the batch's
     backward, from the gradients of single examples' losses (the graph must still be alive).
     Raises `TraceExportError` for a use no layout fits (the model mixes examples), one several
@@ -104,15 +115,16 @@ def _find_layouts(entries, losses, b, batch_axis, direct_inputs, leaves=(), prog
         return
     if b == 1:  # one example: the batch is the example, any axis of size 1 holds it
         for e in live:
-            shape = tuple(e["output"].shape)
-            fits = [lay for lay in [("axis", batch_axis)] + _layouts(shape, 1)
-                    if lay[1] < len(shape) - 1 and shape[lay[1]] == 1]
+            dims = tuple(e["output"].shape)
+            fits = [lay for lay in [("axis", batch_axis)] + _layouts(dims, 1)
+                    if lay[1] < len(dims) - 1 and dims[lay[1]] == 1]
             e["layout"] = fits[0] if fits else ("major", 0)
         return
     status = {id(e): {lay: [True, False] for lay in _layouts(tuple(e["output"].shape), b)} for e in live}
     reached_any = bool(live)  # with no use to reach, every example is probed for the inputs alone
-    spill = {id(e): None for e in live}  # the first probe that reached another example, for the message
-    input_spill = {}
+    # The first probe that reached another example, for the message.
+    spill: dict[int, tuple[int, list[int], Layout] | None] = {id(e): None for e in live}
+    input_spill: dict[str, tuple[torch.Tensor, torch.Tensor, int, list[int]]] = {}
     reached = {id(e): False for e in live}
     order = _probe_order(b)
     for n, i in enumerate(order):
@@ -122,11 +134,11 @@ def _find_layouts(entries, losses, b, batch_axis, direct_inputs, leaves=(), prog
             progress.step("per-example probes (one backward each)", n, len(order))
         grads = torch.autograd.grad(losses[i], [e["output"] for e in live] + [t for _, t in leaves],
                                     retain_graph=True, allow_unused=True)
-        for (name, t), g in zip(leaves, grads[len(live):]):
+        for (name, t), g in zip(leaves, grads[len(live):], strict=True):
             others = _input_spill(t, g, i, b, batch_axis)
             if others and name not in input_spill:
                 input_spill[name] = (t, g, i, others)
-        for e, g in zip(live, grads[:len(live)]):
+        for e, g in zip(live, grads[:len(live)], strict=True):
             if g is None:
                 continue
             for lay, st in status[id(e)].items():
@@ -157,11 +169,12 @@ def _find_layouts(entries, losses, b, batch_axis, direct_inputs, leaves=(), prog
                 raise TraceExportError(
                     f"{where}: its output ({shape}) receives a gradient from the batch but from none of the "
                     f"{len(order)} examples' losses alone; the batch axis of this use cannot be found")
-            if spill[id(e)] is None:
+            spilled = spill[id(e)]
+            if spilled is None:
                 raise TraceExportError(
                     f"{where}: its output has shape {shape}, with no axis of the batch's {b} examples (nor of "
                     f"{b}·k flattened rows); the exporter cannot tell which part of it is which example's")
-            i, others, lay = spill[id(e)]
+            i, others, lay = spilled
             shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
             raise TraceExportError(
                 f"the model mixes examples: the loss of example {i} alone sends gradient into the output of "

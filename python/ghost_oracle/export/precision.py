@@ -1,4 +1,8 @@
 """Precision: the dtype each use really computed in, and the rounding each precision allows."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
 import torch
 
 DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -8,17 +12,17 @@ DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16",
 PRECISIONS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-def unit_roundoff(dt):
+def unit_roundoff(dt: torch.dtype) -> float:
     return torch.finfo(dt).eps / 2
 
 
-def low_precision(dt):
+def low_precision(dt: torch.dtype) -> bool:
     """bf16 and f16: kernels take their products and accumulate them in f32, and store the
     result rounded back."""
     return unit_roundoff(dt) > unit_roundoff(torch.float32)
 
 
-def autocast_dtype(device_type):
+def autocast_dtype(device_type: str) -> torch.dtype | None:
     """Autocast's dtype where autocast is enabled for `device_type` at this point of the forward,
     else None."""
     try:
@@ -33,14 +37,14 @@ def autocast_dtype(device_type):
         return None
 
 
-def autocast_state(device_type):
+def autocast_state(device_type: str) -> tuple[str, torch.dtype] | None:
     """(device type, dtype) of the autocast enabled at this point of the forward, else None: a
     norm's forward is replayed under it."""
     ac = autocast_dtype(device_type)
     return None if ac is None else (device_type, ac)
 
 
-def site_dtype(module, output):
+def site_dtype(module: torch.nn.Module, output: torch.Tensor) -> torch.dtype:
     """The dtype `module`'s use computed in: autocast's, where autocast lowered the op (enabled
     for the output's device type, and the output in autocast's dtype instead of the weight's),
     else the weight's."""
@@ -54,7 +58,7 @@ def site_dtype(module, output):
     return w
 
 
-def compute_dtype(model, error):
+def compute_dtype(model: torch.nn.Module, error: Callable[[str], Exception]) -> torch.dtype:
     """The precision the model computes in: its trainable parameters' dtype (the coarsest, if
     they differ)."""
     dts = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
@@ -63,7 +67,8 @@ def compute_dtype(model, error):
     return max(dts, key=unit_roundoff)
 
 
-def reduction_tolerance(absum, site_dtype, store_dtype, n, low_precision_rounds=None):
+def reduction_tolerance(absum: torch.Tensor, site_dtype: torch.dtype, store_dtype: torch.dtype, n: int,
+                        low_precision_rounds: torch.Tensor | float | None = None) -> torch.Tensor:
     """How far autograd's batch gradient of one site may lie from the gradient rebuilt (in f64)
     from its stored factors, entry by entry; `absum` is Σ|terms|, n the number of terms per
     entry (B·rows).

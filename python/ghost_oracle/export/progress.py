@@ -1,8 +1,11 @@
 """Progress of a long export on stderr: one line per stage, rewritten at most every two seconds,
 only once the export has taken more than a few seconds (a small model's export stays silent).
 At the Llama-3.2-1B shape an export takes minutes; this says where it is and how long is left."""
+from __future__ import annotations
+
 import sys
 import time
+from typing import TextIO
 
 #: Seconds before the first line, and between two lines.
 QUIET_S = 5.0
@@ -10,13 +13,15 @@ EVERY_S = 2.0
 
 
 class Progress:
-    def __init__(self, stream=None):
+    """The export's progress line: `step` as each stage advances, `done` at the end."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
         self.start = time.monotonic()
         self.last = 0.0
         self.stream = stream if stream is not None else sys.stderr
         self.shown = False
 
-    def step(self, stage, done, total):
+    def step(self, stage: str, done: int, total: int) -> None:
         """`done` of `total` units of `stage` are finished."""
         now = time.monotonic()
         elapsed = now - self.start
@@ -31,7 +36,7 @@ class Progress:
         self.stream.flush()
         self.shown = True
 
-    def done(self):
+    def done(self) -> None:
         if self.shown:
             self.stream.write(f"\rghost-oracle export: done in {time.monotonic() - self.start:.0f} s\033[K\n")
             self.stream.flush()

@@ -1,15 +1,19 @@
 """Recording: a forward hook on every module a handler models records each call (a use): its
 input, its output (expanded to the batch where it was computed once for it) and, once the
 batch's backward has run, its output's gradient."""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
 import torch
 
 from .errors import TraceExportError
 from .functions import function_capture
-from .kinds import handler_for, is_declared
+from .kinds import Handler, handler_for, is_declared
 from .precision import autocast_state, site_dtype
 
 
-def _detached(x):
+def _detached(x: Any) -> Any:
     """The recorded input: a tensor, or a tuple of them (and of other values) for a handler that
     reads several arguments."""
     if isinstance(x, tuple):
@@ -17,17 +21,17 @@ def _detached(x):
     return x.detach()
 
 
-def param_names(model):
+def param_names(model: torch.nn.Module) -> dict[int, str]:
     """Canonical name of every parameter object (a tied tensor keeps its first name)."""
-    names = {}
+    names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
 
 
-def param_owners(model):
+def param_owners(model: torch.nn.Module) -> dict[int, list[tuple[str, str]]]:
     """id(parameter) -> [(module name, class name)] of every module holding it directly."""
-    owners = {}
+    owners: dict[int, list[tuple[str, str]]] = {}
     for mod_name, m in model.named_modules(remove_duplicate=False):
         for p in m._parameters.values():
             if p is not None:
@@ -44,23 +48,24 @@ class _Recorder:
     output (the tensor the per-example probes differentiate) and, once the batch's backward has
     run, its output's gradient. `probing` keeps the probes' gradients out of the entries."""
 
-    def __init__(self, model, batch_size, batch_axis):
+    def __init__(self, model: torch.nn.Module, batch_size: int, batch_axis: int) -> None:
         self.batch_size, self.batch_axis = batch_size, batch_axis
-        self.entries = []
+        self.entries: list[dict[str, Any]] = []
         self.probing = False
-        self.calls = {}  # module name -> calls so far: a module called again is a new use
-        self.site_names = set()
-        self.stack = []  # the modules running now, innermost last, and whether a handler models them
+        self.calls: dict[str, int] = {}  # module name -> calls so far: a module called again is a new use
+        self.site_names: set[str] = set()
+        # The modules running now, innermost last, and whether a handler models them.
+        self.stack: list[tuple[tuple[str, torch.nn.Module], bool]] = []
         self.trainable = {id(p) for p in model.parameters() if p.requires_grad}
 
-    def inside_modelled_module(self):
+    def inside_modelled_module(self) -> bool:
         """A module handler is running: it models every parameter use inside its forward."""
         return any(modelled for _, modelled in self.stack)
 
-    def innermost(self):
+    def innermost(self) -> tuple[str, torch.nn.Module] | None:
         return self.stack[-1][0] if self.stack else None
 
-    def use_name(self, base):
+    def use_name(self, base: str) -> str:
         """`base` for a first use, `base@k` for the k-th use after it."""
         name, k = base, 0
         while name in self.site_names:
@@ -69,7 +74,7 @@ class _Recorder:
         self.site_names.add(name)
         return name
 
-    def add(self, entry, output):
+    def add(self, entry: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
         """Records a use whose output is `output`; returns the output the forward goes on with
         (expanded to the batch where it was computed once for it)."""
         out = output
@@ -79,7 +84,7 @@ class _Recorder:
             out = out.expand(*out.shape[:a], b, *out.shape[a + 1:])
         entry.update({"output": out, "grad": None, "autocast": autocast_state(output.device.type)})
 
-        def save_grad(g):
+        def save_grad(g: torch.Tensor) -> None:
             if not self.probing:
                 entry["grad"] = g.detach()
 
@@ -87,7 +92,8 @@ class _Recorder:
         self.entries.append(entry)
         return out
 
-    def module_hook(self, module, args, kwargs, output, mod_name, handler):
+    def module_hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                    mod_name: str, handler: Handler) -> torch.Tensor | None:
         k = self.calls.get(mod_name, 0)
         self.calls[mod_name] = k + 1
         x = handler.input(module, args, kwargs)
@@ -108,6 +114,12 @@ class _Recorder:
         return out if out is not output else None
 
 
+class _Handle(Protocol):
+    """What undoes one part of the recording."""
+
+    def remove(self) -> None: ...
+
+
 # The hooks a module runs in a forward and the backward through it.
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
@@ -120,8 +132,8 @@ class _StashedHooks:
     accumulate state. Full backward hooks are attached at forward time, so a forward without
     them has none to run. `remove()` puts them back."""
 
-    def __init__(self, model):
-        self.saved = []
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.saved: list[tuple[torch.nn.Module, str, Any]] = []
         for m in model.modules():
             for attr in _HOOK_DICTS:
                 d = getattr(m, attr, None)
@@ -129,19 +141,19 @@ class _StashedHooks:
                     self.saved.append((m, attr, d))
                     setattr(m, attr, type(d)())
 
-    def remove(self):
+    def remove(self) -> None:
         for m, attr, d in self.saved:
             setattr(m, attr, d)
         self.saved = []
 
 
-def record(model, batch_size, batch_axis):
+def record(model: torch.nn.Module, batch_size: int, batch_axis: int) -> tuple[_Recorder, list[_Handle]]:
     """Hooks every modelled module and starts the capture of functional calls on parameters.
     Returns the recorder and the handles that undo it (call `h.remove()` on each, last first)."""
     rec = _Recorder(model, batch_size, batch_axis)
-    handles = [_StashedHooks(model)]
+    handles: list[_Handle] = [_StashedHooks(model)]
     names = dict(model.named_modules())
-    modelled = {}
+    modelled: dict[int, bool] = {}
     for mod_name, module in names.items():
         handler = handler_for(module)
         if handler is not None:
@@ -150,11 +162,11 @@ def record(model, batch_size, batch_axis):
                 lambda m, a, kw, o, n=mod_name, h=handler: rec.module_hook(m, a, kw, o, n, h), with_kwargs=True))
     mod_names = {id(m): n for n, m in names.items()}
 
-    def push(module, args):
+    def push(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if id(module) in mod_names:
             rec.stack.append(((mod_names[id(module)], module), modelled.get(id(module), False)))
 
-    def pop(module, args, output):
+    def pop(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if id(module) in mod_names and rec.stack:
             rec.stack.pop()
 

@@ -3,6 +3,11 @@ batch gradient each rebuilds from its factors, and the rounding its backward add
 
 A module handler (`kinds/`) writes sites of these kinds; the reader in Rust knows the same five.
 """
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from .precision import low_precision
@@ -10,7 +15,7 @@ from .precision import low_precision
 SITE_KINDS = ("linear", "conv1d", "embedding", "layernorm", "bias")
 
 
-def layout(spec, ts):
+def layout(spec: Mapping[str, Any], ts: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     """(rows, cols) of the parameter's gradient as the site writes it: `p.reshape(-1)` is rows
     blocks of cols entries (an embedding's or a head's rows are the vocabulary)."""
     kind = spec["kind"]
@@ -26,7 +31,8 @@ def layout(spec, ts):
     raise ValueError(f"site `{spec['name']}`: unknown site kind {kind!r}; the kinds are {', '.join(SITE_KINDS)}")
 
 
-def rebuild(spec, ts, rows=None):
+def rebuild(spec: Mapping[str, Any], ts: Mapping[str, torch.Tensor],
+            rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ over examples and rows of the site's gradient, the same sum of |terms|), f64, in the
     parameter's layout flattened the way `p.reshape(-1)` is; `rows` (start, stop): only those
     rows of the layout (`layout`), so that a large table is rebuilt a block at a time."""
@@ -61,7 +67,8 @@ def rebuild(spec, ts, rows=None):
     return torch.einsum("bti,bto->io", a, g).reshape(-1), torch.einsum("bti,bto->io", a.abs(), g.abs()).reshape(-1)
 
 
-def low_precision_rounds(spec, ts, site_dtype, rows=None):
+def low_precision_rounds(spec: Mapping[str, Any], ts: Mapping[str, torch.Tensor], site_dtype: torch.dtype,
+                         rows: tuple[int, int] | None = None) -> torch.Tensor | None:
     """The roundings per entry a low-precision backward of this kind adds, where the kind has its
     own count (None: the default of `precision.reduction_tolerance`). An embedding's backward
     adds each lookup's row into the table in the low precision, one rounding per occurrence of

@@ -1,17 +1,20 @@
 """The claimed step: the library's clipped sum and update per parameter, checked against the
 model before they are written."""
+from __future__ import annotations
+
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from .precision import DTYPE_NAMES
 
-
 STEP_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-def _resolve_step(model, what, tensors, names):
+def _resolve_step(model: torch.nn.Module, what: str, tensors: object,
+                  names: Mapping[int, str]) -> dict[str, tuple[torch.nn.Parameter, torch.Tensor]]:
     """`tensors` (a mapping from parameter names to the library's tensors) keyed by each
     parameter's trace name (its `param`), checked against the model: every name is a trainable
     parameter (a tied one under any of its names, once), every value a floating-point tensor with
@@ -19,7 +22,8 @@ def _resolve_step(model, what, tensors, names):
     if not isinstance(tensors, Mapping):
         raise TypeError(f"{what} must be a dict from parameter names to tensors, got {type(tensors).__name__}")
     by_name = dict(model.named_parameters(remove_duplicate=False))
-    out, given_as = {}, {}
+    out: dict[str, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+    given_as: dict[str, str] = {}
     for key, t in tensors.items():
         p = by_name.get(key)
         if p is None:
@@ -46,7 +50,7 @@ def _resolve_step(model, what, tensors, names):
     return out
 
 
-def _number(value, what, positive):
+def _number(value: Any, what: str, positive: bool) -> float:
     try:
         v = float(value)
     except (TypeError, ValueError) as e:

@@ -62,7 +62,8 @@ coefficients.
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -73,6 +74,7 @@ from .batch import _batch_size, _check_batch_axis, _concat_micro_batches, _input
 from .check import self_check
 from .errors import TraceExportError
 from .kinds import Use
+from .kinds.base import Site
 from .layout import _find_layouts
 from .precision import DTYPE_NAMES, unit_roundoff
 from .precision import compute_dtype as model_compute_dtype
@@ -85,10 +87,10 @@ from .step import _number, _resolve_step
 UNCLAIMED = object()
 
 
-def _input_leaves(inputs):
+def _input_leaves(inputs: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     """(the inputs with every floating-point tensor replaced by a detached copy that requires
     gradients, [(name, leaf)])."""
-    def leaf(t):
+    def leaf(t: Any) -> Any:
         return t.detach().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t
 
     if torch.is_tensor(inputs):
@@ -103,7 +105,7 @@ def _input_leaves(inputs):
     return inputs, []
 
 
-def _sites(entry, names, dtype, b):
+def _sites(entry: dict[str, Any], names: Mapping[int, str], dtype: torch.dtype | None, b: int) -> list[Site]:
     """The (spec, tensors) pairs of one use, from its module's handler; stored in `dtype` (None:
     the use's own compute dtype)."""
     if entry["grad"] is None:
@@ -111,7 +113,7 @@ def _sites(entry, names, dtype, b):
     return list(entry["handler"].sites(Use(entry, names, dtype, b)))
 
 
-def _own(v, owned):
+def _own(v: torch.Tensor, owned: set[int]) -> torch.Tensor:
     """A factor as the file is written from it: on the host, contiguous, holding its storage
     alone (safetensors refuses tensors that share one: a bias and its weight share backprops).
     A factor that already is that is written as captured, not copied: at 1B-class sizes the
@@ -128,10 +130,12 @@ def _own(v, owned):
     return v
 
 
-def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_norm,
-                 clipper="claimed", claimed_coefficients=None, noise_multiplier=None, dtype=None,
-                 update=None, clipped_sum=None, batch_divisor=None, clip_stabilizer=0.0, clipping="flat",
-                 batch_axis=0):
+def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
+                 path: str | os.PathLike[str], claimed_norms: Any, max_grad_norm: float,
+                 clipper: str = "claimed", claimed_coefficients: Any = None, noise_multiplier: float | None = None,
+                 dtype: torch.dtype | None = None, update: Mapping[str, torch.Tensor] | None = None,
+                 clipped_sum: Mapping[str, torch.Tensor] | None = None, batch_divisor: float | None = None,
+                 clip_stabilizer: float = 0.0, clipping: str = "flat", batch_axis: int = 0) -> list[dict[str, Any]]:
     """Records the trace of one batch, checks it against autograd and writes it with the claimed
     norms (and, when given, the claimed step: `clipped_sum`, `update`, `batch_divisor`,
     `clip_stabilizer`, `clipping`; see the module's docstring). Returns the site specs. Raises
@@ -168,7 +172,7 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
         raise ValueError(f"dtype {dtype} cannot store a trace; use one of {list(DTYPE_NAMES)}")
     names = param_names(model)
     owners = param_owners(model)
-    step = {}
+    step: dict[str, dict[str, tuple[torch.nn.Parameter, torch.Tensor]]] = {}
     for what, claimed in (("clipped_sum", clipped_sum), ("update", update)):
         if claimed is not None:
             step[what] = _resolve_step(model, what, claimed, names)
@@ -214,8 +218,9 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
         for e in entries:  # the outputs hold the graph alive
             e.pop("output", None)
         losses = None
-    sites, tensors = [], {}
-    owned = set()
+    sites: list[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]] = []
+    tensors: dict[str, torch.Tensor] = {}
+    owned: set[int] = set()
     for entry in entries:
         for spec, ts in _sites(entry, names, dtype, b):
             if spec["name"] in tensors or any(s["name"] == spec["name"] for s, _, _ in sites):
@@ -241,11 +246,12 @@ def export_trace(model, per_example_loss, inputs, path, claimed_norms, max_grad_
     for spec, ts, _ in sites:
         for k, v in ts.items():
             tensors[f"{spec['name']}.{k}"] = v
-    parameters = {}
+    parameters: dict[str, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         if p.requires_grad and names[id(p)] not in parameters:
             if p.grad is None:
-                warnings.warn(f"parameter `{names[id(p)]}` received no gradient: it is left out of the trace")
+                warnings.warn(f"parameter `{names[id(p)]}` received no gradient: it is left out of the trace",
+                              stacklevel=1)
                 continue
             parameters[names[id(p)]] = p.numel()
     if claimed_norms is UNCLAIMED:

@@ -15,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 from .._api import check
 from .._failure import ClippingCheckFailed
 from .._report import Report
+from .._types import Precision
 from .capture import PerExampleLoss
 from .trace import UNCLAIMED, export_trace
 
@@ -30,7 +31,7 @@ def _replace_claimed_norms(path: str, norms: Any) -> None:
 
 
 def export_check_assert(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any, *,
-                        claimed_norms: Any, clipper: str, precision: str | None, sampling_rate: float | None,
+                        claimed_norms: Any, clipper: str, precision: Precision | None, sampling_rate: float | None,
                         steps: int | None, delta: float | None, trace_path: str | os.PathLike[str] | None,
                         export: dict[str, Any]) -> Report:
     """`claimed_norms` None: the exact norms (the trace is checked once with placeholders, its
@@ -61,7 +62,7 @@ def export_check_assert(model: nn.Module, params: Any, per_example_loss: PerExam
 def assert_norms(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any,
                  claimed_norms: Any | Callable[[Any, Any], Any], *, max_grad_norm: float,
                  noise_multiplier: float = 1.0, clipper: str = "claimed", claimed_coefficients: Any = None,
-                 dtype: str | None = None, precision: str | None = None, sampling_rate: float | None = None,
+                 dtype: str | None = None, precision: Precision | None = None, sampling_rate: float | None = None,
                  steps: int | None = None, delta: float | None = None,
                  trace_path: str | os.PathLike[str] | None = None, is_padding_example: Any = None) -> Report:
     """Asserts that `claimed_norms` are the true per-example gradient norms of the Flax `model`
@@ -84,7 +85,7 @@ def assert_update(model: nn.Module, params: Any, per_example_loss: PerExampleLos
                   max_grad_norm: float, noise_multiplier: float, batch_divisor: float, clipped_sum: Any = None,
                   clip_stabilizer: float = 0.0, clipping: str = "flat", claimed_norms: Any = None,
                   claimed_coefficients: Any = None, clipper: str = "claimed", dtype: str | None = None,
-                  precision: str | None = None, sampling_rate: float | None = None, steps: int | None = None,
+                  precision: Precision | None = None, sampling_rate: float | None = None, steps: int | None = None,
                   delta: float | None = None, trace_path: str | os.PathLike[str] | None = None,
                   is_padding_example: Any = None) -> Report:
     """Asserts that `update` (a dict keyed by Flax parameter path, or the params pytree) is the

@@ -148,7 +148,7 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
     coarsest = max(precisions, key=unit_roundoff)
     specs = [s.spec() for s in sites]
     if len(set(precisions)) > 1:
-        for spec, s in zip(specs, sites):
+        for spec, s in zip(specs, sites, strict=True):
             spec["compute_dtype"] = s.precision
     parameters = {name: int(np.asarray(g).size) for name, g in grads.items() if name not in unused}
     tensors: dict[str, np.ndarray] = {}

@@ -172,7 +172,7 @@ class TiedParameter:
         index = self.uses.index(use)
         square = self._own(use, grad, act, ids)
         if self.include_cross_terms:
-            for k, other in enumerate(self.uses):
+            for other in self.uses:
                 if other is use or not other.arrived:
                     continue
                 square = square + 2.0 * self._cross(use, grad, act, ids, other, index)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from opacus import PrivacyEngine  # type: ignore[import-untyped]
-from opacus.grad_sample.gsm_base import AbstractGradSampleModule  # type: ignore[import-untyped]
+from opacus import PrivacyEngine
+from opacus.grad_sample.gsm_base import AbstractGradSampleModule
 from torch import nn
 
 from .plugin import (

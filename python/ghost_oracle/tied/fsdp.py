@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (  # type: ignore[import-untyped]
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
     GradSampleModuleFastGradientClippingFSDP,
 )
 from torch import nn

@@ -20,15 +20,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from opacus.grad_sample import (  # type: ignore[import-untyped]
+from opacus.grad_sample import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
 )
-from opacus.utils.fast_gradient_clipping_utils import (  # type: ignore[import-untyped]
+from opacus.utils.fast_gradient_clipping_utils import (
     DPLossFastGradientClipping,
     DPTensorFastGradientClipping,
 )
-from opacus.utils.module_utils import requires_grad, trainable_modules  # type: ignore[import-untyped]
+from opacus.utils.module_utils import requires_grad, trainable_modules
 from torch import nn
 
 from .capture import TiedParameter, find_tied_parameters, is_scaled_embedding

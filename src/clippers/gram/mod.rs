@@ -24,12 +24,23 @@ pub enum Factor {
     /// B×R×m values.
     Dense(Tensor),
     /// B×R ids (u32) into a table of `size` rows: row t is onehot(ids_t).
-    OneHot { ids: Tensor, size: usize },
+    OneHot {
+        /// B×R ids.
+        ids: Tensor,
+        /// Rows of the table: the factor's width.
+        size: usize,
+    },
     /// The constant 1 (bias-like sites): m = 1.
-    Ones { batch: usize, rows: usize },
+    Ones {
+        /// B, the examples.
+        batch: usize,
+        /// R, the rows per example.
+        rows: usize,
+    },
 }
 
 impl Factor {
+    /// Entries per row: the table's rows for a one-hot factor, 1 for ones.
     pub fn width(&self) -> usize {
         match self {
             Factor::Dense(t) => t.dims()[2],
@@ -50,11 +61,14 @@ impl Factor {
 /// A site's gradient as a pair of factors.
 #[derive(Clone, Debug)]
 pub struct Factored {
+    /// The input-side factor (a per-example gradient is leftᵀ · right).
     pub left: Factor,
+    /// The output-side factor.
     pub right: Factor,
 }
 
 impl Factored {
+    /// The site's two factors by its kind, refused when a tensor the kind needs is missing.
     pub fn of(site: &Site) -> Result<Self> {
         let missing =
             |what: &str| Error::input(format!("site `{}`: {what} missing", site.spec.name));
@@ -92,6 +106,7 @@ impl Factored {
         })
     }
 
+    /// (left width, right width): the shape of the per-example gradient the factors make.
     pub fn shape(&self) -> (usize, usize) {
         (self.left.width(), self.right.width())
     }

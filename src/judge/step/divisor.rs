@@ -10,7 +10,9 @@ use serde::Serialize;
 /// its signal, under noise from its projection on the clipped sum (or on S* without one).
 #[derive(Clone, Debug, Serialize)]
 pub struct DivisorCheck {
+    /// D as the library states it.
     pub stated: f64,
+    /// D as read from the update.
     pub implied: f64,
     /// The relative uncertainty of `implied`: one standard deviation of what the noise adds to
     /// it, or the rounding bound without noise.

@@ -34,6 +34,7 @@ use sum::{check_sum, ClaimedSum, SumContext};
 pub struct StepMetrics {
     /// c*_i from the true norms with the library's clipping rule and stabilizer.
     pub true_coefficients: Vec<f64>,
+    /// The clipped sum before noise checked against Σ_i c*_i g_i*, when the trace has it.
     pub clipped_sum: Option<SumCheck>,
     /// Judged as a sum only without noise (σ = 0).
     pub update: Option<SumCheck>,
@@ -56,17 +57,24 @@ pub struct StepMetrics {
     pub contributions: Vec<f64>,
     /// σ / max(1, max_i contribution): the noise multiplier the step acts with.
     pub sigma_eff: f64,
+    /// The most severe finding over the step's checks.
     pub verdict: Verdict,
 }
 
 /// What a step is judged against: the truth and its tolerance, the clipper's arithmetic, the
 /// metrics of its norms (their rounding bounds and contributions), C and σ.
 pub struct StepJudge<'a> {
+    /// The f64 truth of the batch.
     pub truth: &'a Truth,
+    /// The rounding bounds of the clipper's precision.
     pub tolerance: &'a Tolerance,
+    /// How the library computed (precision, accumulation).
     pub arithmetic: &'a Arithmetic,
+    /// The case's per-example figures (their bounds and contributions).
     pub examples: &'a [ExampleMetrics],
+    /// C.
     pub max_grad_norm: ClipNorm,
+    /// σ.
     pub noise_multiplier: NoiseMultiplier,
 }
 

@@ -40,15 +40,19 @@ impl fmt::Display for NoiseScope {
 /// added N(0, σ²C²) to each.
 #[derive(Clone, Debug, Serialize)]
 pub struct NoiseCheck {
+    /// The tensor checked, or the whole update.
     pub scope: NoiseScope,
+    /// Entries of the tensor: χ²'s degrees of freedom.
     pub entries: usize,
     /// ‖r‖² / (σC)².
     pub chi2: f64,
     /// The acceptance interval of χ² at the step's false-alarm rate (Laurent–Massart).
     pub low: f64,
+    /// Upper end of the acceptance interval.
     pub high: f64,
     /// σ̂ / σ = √(χ² / entries): the noise the tensor got, in units of the stated.
     pub sigma_ratio: f64,
+    /// Whether the noise is within the acceptance interval.
     pub verdict: Verdict,
 }
 
@@ -58,16 +62,20 @@ pub struct NoiseCheck {
 /// u·D − Σ ĉ_i g*_i, is the noise with those directions projected out, χ² with N − rank(G).
 #[derive(Clone, Debug, Serialize)]
 pub struct NoisyUpdateCheck {
+    /// ĉ_i, the coefficients the update implies, recovered with the true gradients.
     pub implied_coefficients: Vec<f64>,
     /// (ĉ − c*)ᵀG(ĉ − c*)/(σC)², its degrees of freedom and its acceptance interval.
     pub chi2: f64,
+    /// Degrees of freedom of `chi2`.
     pub dof: usize,
+    /// Upper end of `chi2`'s acceptance interval.
     pub high: f64,
     /// The smallest error of the clipped signal this test can see from one update, as a
     /// fraction of ‖S*‖: σC·√high / ‖S*‖. Under σ ≈ 1 a few-percent signal error hides here.
     pub smallest_visible: Option<f64>,
     /// The residual noise over the whole update.
     pub residual: NoiseCheck,
+    /// Whether the implied coefficients and the residual noise pass.
     pub verdict: Verdict,
     /// Reported once, in the step's `divisor`.
     #[serde(skip)]

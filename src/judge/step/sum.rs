@@ -40,14 +40,17 @@ pub struct SumCheck {
     pub what: SumKind,
     /// ‖X − S*‖ / ‖S*‖ and the rounding bound on it (`null` where S* = 0).
     pub rel_err: Option<f64>,
+    /// The rounding bound on `rel_err`.
     pub bound: Option<f64>,
     /// The parameter whose sum is furthest off, relative to its own ‖S*_p‖.
     pub worst_param: String,
+    /// ‖X_p − S*_p‖ / ‖S*_p‖ of `worst_param` (`null` where S*_p = 0).
     pub worst_param_rel_err: Option<f64>,
     /// ⟨X, S*⟩ / ‖S*‖²: a wrong divisor scales the whole sum by this.
     pub scale: Option<f64>,
     /// ĉ = G⁺b, the coefficients X implies, and the largest ĉ_i n*_i / C.
     pub implied_coefficients: Vec<f64>,
+    /// max_i ĉ_i n*_i / C: above 1, the sum spends more privacy than stated.
     pub implied_sensitivity: f64,
     /// ĉ_i plus the most the sum's rounding bound can move it: the high end, for privacy.
     pub coefficient_high: Vec<f64>,
@@ -65,6 +68,7 @@ pub struct SumCheck {
     pub singular: bool,
     /// Some value of X is NaN or infinite.
     pub invalid: bool,
+    /// Pass, a utility distortion or a privacy violation, from the figures above.
     pub verdict: Verdict,
 }
 

@@ -7,25 +7,33 @@ registered for exact module types (as Opacus's grad samplers are, never by `isin
 subclass may change `forward`) or, for Hugging Face classes known by name, by a test on the
 module; users declare their own classes with `register_module`.
 """
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar, cast
+
 import torch
 
 from ..errors import TraceExportError
 from ..layout import _batch_first
+
+#: One site: its spec (name, param, kind and the kind's extras) and its tensors by role.
+Site = tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 
 class Handler:
     """How the uses of one kind of module become sites. `kind` is the name `register_module`
     declares a class with; subclasses implement `sites` and may override `input`."""
 
-    kind = None
+    kind: str | None = None
 
-    def input(self, module, args, kwargs):
+    def input(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         """What the module computed from: its first argument."""
         if args:
             return args[0]
         return next(iter(kwargs.values()), None)
 
-    def sites(self, use):
+    def sites(self, use: Use) -> Iterable[Site]:
         """Yields (spec, tensors) for every trainable parameter the use reads."""
         raise NotImplementedError
 
@@ -35,7 +43,8 @@ class Use:
     recorded input and output gradient, its batch layout, the batch size B, and the dtype
     the factors are stored in."""
 
-    def __init__(self, entry, names, store_dtype, b):
+    def __init__(self, entry: dict[str, Any], names: Mapping[int, str], store_dtype: torch.dtype | None,
+                 b: int) -> None:
         self.entry = entry
         self.module = entry["module"]
         self.name = entry["name"]
@@ -45,32 +54,32 @@ class Use:
         self._store = store_dtype
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         """The precision the use computed in."""
-        return self.entry["dtype"]
+        return cast(torch.dtype, self.entry["dtype"])
 
     @dtype.setter
-    def dtype(self, value):
+    def dtype(self, value: torch.dtype) -> None:
         self.entry["dtype"] = value
 
     @property
-    def store(self):
+    def store(self) -> torch.dtype:
         """The dtype the factors are written in: the use's own unless the caller chose one."""
         return self.dtype if self._store is None else self._store
 
     @property
-    def input(self):
+    def input(self) -> Any:
         return self.entry["input"]
 
     @property
-    def grad(self):
+    def grad(self) -> torch.Tensor:
         """The gradient of the summed losses with respect to the use's output, as recorded."""
-        return self.entry["grad"]
+        return cast(torch.Tensor, self.entry["grad"])
 
-    def batch_first(self, t):
+    def batch_first(self, t: torch.Tensor) -> torch.Tensor:
         return _batch_first(t, self.entry["layout"], self.b)
 
-    def per_example(self, t, what, features=True):
+    def per_example(self, t: torch.Tensor, what: str, features: bool = True) -> torch.Tensor:
         """`t` as B×rows×features (B×rows for ids, `features=False`): the examples first, as the
         use's layout has them, and every other axis but the features flattened into rows (a
         sequence, image positions, heads, bag members; one row for a B×F vector). A tensor
@@ -83,33 +92,33 @@ class Use:
                              f"needs {self.b} examples{' × rows × features' if features else ' × rows'}")
         return t.reshape(self.b, -1, t.shape[-1]) if features else t.reshape(self.b, -1)
 
-    def error(self, message):
+    def error(self, message: str) -> TraceExportError:
         return TraceExportError(f"module `{self.name}` ({self.cls}): {message}")
 
     @staticmethod
-    def trainable(p):
+    def trainable(p: object) -> bool:
         return isinstance(p, torch.nn.Parameter) and p.requires_grad
 
-    def param(self, attr):
+    def param(self, attr: str) -> Any:
         """The parameter `attr` the use reads: the module's, or, for a functional call, the
         tensor passed as that argument."""
         params = self.entry.get("params")
         return params.get(attr) if params is not None else getattr(self.module, attr, None)
 
-    def weight(self, kind):
+    def weight(self, kind: str) -> torch.nn.Parameter:
         w = self.param("weight")
         if not isinstance(w, torch.nn.Parameter):
             raise self.error(f"traced as {kind}, it has no `weight` parameter")
         return w
 
-    def spec(self, attr, kind, **extra):
+    def spec(self, attr: str, kind: str, **extra: Any) -> dict[str, Any]:
         """The site spec of the parameter `attr` used as `kind`."""
         p = self.param(attr)
         names = self.entry.get("site_names")
         name = names[attr] if names is not None else f"{self.name}.{attr}"
         return {"name": name, "param": self.names[id(p)], "kind": kind, **extra}
 
-    def bias_site(self, g, attr="bias"):
+    def bias_site(self, g: torch.Tensor, attr: str = "bias") -> list[Site]:
         """The bias site, where the module has a trainable bias: its backprops are the output
         gradient `g` (B×rows×out), rows as the weight's site has them."""
         bias = self.param(attr)
@@ -120,32 +129,36 @@ class Use:
 
 # The registry. Declarations (`register_module`) come first, then built-in exact types, then
 # the built-in tests for classes known by name.
-_DECLARED = {}
-_BUILTIN = {}
-_BY_TEST = []
-_KINDS = {}
+_DECLARED: dict[type, Handler] = {}
+_BUILTIN: dict[type, Handler] = {}
+_BY_TEST: list[tuple[Callable[[torch.nn.Module], bool], Handler]] = []
+_KINDS: dict[str, Handler] = {}
+
+H = TypeVar("H", bound=Handler)
 
 
-def builtin(cls, handler):
+def builtin(cls: type, handler: H) -> H:
     """Registers `handler` for modules of exactly the class `cls`."""
     _BUILTIN[cls] = handler
     return handler
 
 
-def builtin_test(test, handler):
+def builtin_test(test: Callable[[torch.nn.Module], bool], handler: H) -> H:
     """Registers `handler` for modules that pass `test(module)` (Hugging Face classes known by
     name and attributes)."""
     _BY_TEST.append((test, handler))
     return handler
 
 
-def declarable(handler):
+def declarable(handler: H) -> H:
     """Makes `handler` the one `register_module(cls, handler.kind)` declares classes with."""
+    if handler.kind is None:
+        raise TypeError(f"{type(handler).__name__} has no kind to be declared with")
     _KINDS[handler.kind] = handler
     return handler
 
 
-def handler_for(module):
+def handler_for(module: torch.nn.Module) -> Handler | None:
     """The handler of `module`, or None when the exporter has no model of it."""
     t = type(module)
     h = _DECLARED.get(t) or _BUILTIN.get(t)
@@ -154,11 +167,11 @@ def handler_for(module):
     return next((h for test, h in _BY_TEST if test(module)), None)
 
 
-def is_declared(module):
+def is_declared(module: torch.nn.Module) -> bool:
     return type(module) in _DECLARED
 
 
-def register_module(cls, kind):
+def register_module(cls: type[torch.nn.Module], kind: str | Handler) -> type[torch.nn.Module]:
     """Declares that modules of exactly the class `cls` compute what the exporter's `kind`
     computes, so that they are traced as such:
 
@@ -191,11 +204,11 @@ def register_module(cls, kind):
     return cls
 
 
-def unregister_module(cls):
+def unregister_module(cls: type[torch.nn.Module]) -> None:
     """Withdraws a `register_module` declaration (a no-op for a class never declared)."""
     _DECLARED.pop(cls, None)
 
 
-def kinds():
+def kinds() -> tuple[str, ...]:
     """The kinds `register_module` declares classes with."""
     return tuple(_KINDS)

@@ -6,21 +6,25 @@ statistics, which mixes examples, and the layout probes refuse the model). A **l
 one row per position, so that Σ over rows of δ ⊙ x̂ is the weight's gradient; a bias site on
 the same rows. x̂ is the module's own forward with w = 1 and b = 0 (its running statistics, if
 any, used as its forward uses them, and left untouched)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
 import torch
 
-from .base import Handler, builtin
+from .base import Handler, Site, Use, builtin
 
 
-def _channels_last(use, t):
+def _channels_last(use: Use, t: torch.Tensor) -> torch.Tensor:
     """B×C×positions… → B×P×C."""
     t = use.batch_first(t)
     return t.reshape(t.shape[0], t.shape[1], -1).transpose(1, 2)
 
 
 class ChannelNorm(Handler):
-    kind = "layernorm"
+    kind: str = "layernorm"
 
-    def normalized(self, use):
+    def normalized(self, use: Use) -> torch.Tensor:
         """x̂: the module's own forward with w = 1 and b = 0, on copies of its running statistics."""
         m = use.module
         params = {"weight": torch.ones_like(m.weight)}
@@ -28,9 +32,10 @@ class ChannelNorm(Handler):
             params["bias"] = torch.zeros_like(m.bias)
         params.update({k: v.clone() for k, v in m.named_buffers(recurse=False) if v is not None})
         with torch.no_grad():
-            return torch.func.functional_call(m, params, (use.input,))
+            xhat: torch.Tensor = torch.func.functional_call(m, params, (use.input,))
+            return xhat
 
-    def sites(self, use):
+    def sites(self, use: Use) -> Iterator[Site]:
         weight = use.weight("a channel norm")
         if use.entry["layout"] != ("axis", 0) or use.input.dim() < 2:
             raise use.error(f"its input has shape {list(use.input.shape)}; the exporter models a batched "

@@ -9,12 +9,19 @@ are the output's gradient at that position with the other groups' channels zeroe
 Σ over rows of backprops ⊗ activations is the grouped weight's gradient, entry for entry.
 Stride, padding (numbers, "same", "valid", and the non-zero padding modes), dilation and groups
 are all read from the module."""
+from __future__ import annotations
+
 import math
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
-from .base import Handler, builtin
+from .base import Handler, Site, Use, builtin
+
+#: A size per spatial axis, or one for all of them.
+_Size = int | tuple[int, ...] | list[int]
 
 
 class Geometry:
@@ -22,10 +29,11 @@ class Geometry:
     dilation, groups, kernel size, and a padding mode other than zeros with the padding it
     applies first (`pre_pad`, in `F.pad`'s order)."""
 
-    def __init__(self, weight, stride, padding, dilation, groups, padding_mode="zeros", pre_pad=None):
+    def __init__(self, weight: torch.Tensor, stride: _Size, padding: str | _Size, dilation: _Size, groups: int,
+                 padding_mode: str = "zeros", pre_pad: Sequence[int] | None = None) -> None:
         n = weight.dim() - 2
 
-        def tup(v):
+        def tup(v: _Size) -> tuple[int, ...]:
             return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
 
         self.kernel = tuple(weight.shape[2:])
@@ -34,20 +42,21 @@ class Geometry:
         self.padding_mode, self.pre_pad = padding_mode, pre_pad
 
     @classmethod
-    def of_module(cls, m):
+    def of_module(cls, m: Any) -> Geometry:
         return cls(m.weight, m.stride, m.padding, m.dilation, m.groups, m.padding_mode,
                    m._reversed_padding_repeated_twice)
 
 
-def _padded(geo, x):
+def _padded(geo: Geometry, x: torch.Tensor) -> torch.Tensor:
     """`x` padded as the convolution pads it."""
     n = x.dim() - 2
     if geo.padding_mode != "zeros":
-        return F.pad(x, geo.pre_pad, mode=geo.padding_mode)
+        # `of_module` sets `pre_pad` for every padding mode but zeros.
+        return F.pad(x, cast(Sequence[int], geo.pre_pad), mode=geo.padding_mode)
     if isinstance(geo.padding, str):
         if geo.padding == "valid":
             return x
-        pads = []  # "same": the total padding split as PyTorch splits it, the odd one at the end
+        pads: list[int] = []  # "same": the total padding split as PyTorch splits it, the odd one at the end
         for d in reversed(range(n)):
             total = geo.dilation[d] * (geo.kernel[d] - 1)
             pads += [total // 2, total - total // 2]
@@ -58,7 +67,7 @@ def _padded(geo, x):
     return F.pad(x, pads)
 
 
-def patches(geo, x):
+def patches(geo: Geometry, x: torch.Tensor) -> torch.Tensor:
     """B×P×C_in×∏k: every output position's input patch, positions row-major."""
     x = _padded(geo, x)
     n = x.dim() - 2
@@ -73,12 +82,12 @@ def patches(geo, x):
 
 
 class Conv(Handler):
-    kind = "linear"
+    kind: str = "linear"
 
-    def geometry(self, use):
+    def geometry(self, use: Use) -> Geometry:
         return Geometry.of_module(use.module)
 
-    def sites(self, use):
+    def sites(self, use: Use) -> Iterator[Site]:
         geo = self.geometry(use)
         weight = use.weight("a convolution")
         if use.entry["layout"] != ("axis", 0) or use.input.dim() != weight.dim():

@@ -7,27 +7,32 @@
 - OPT's learned positions (`OPTLearnedPositionalEmbedding`: ids = positions + 2).
 
 Rows at `padding_idx` receive no gradient from a lookup, so their backprops are zero."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 import torch
 
-from .base import Handler, builtin, builtin_test, declarable
+from .base import Handler, Site, Use, builtin, builtin_test, declarable
 
 
 class Embedding(Handler):
-    kind = "embedding"
+    kind: str = "embedding"
 
-    def lookup_grad(self, use, g):
+    def lookup_grad(self, use: Use, g: torch.Tensor) -> torch.Tensor:
         """The gradient of the lookup, from the output's."""
         return g
 
-    def padding_idx(self, use):
+    def padding_idx(self, use: Use) -> int | None:
         return getattr(use.module, "padding_idx", None)
 
-    def check_options(self, use):
+    def check_options(self, use: Use) -> None:
         m = use.module
         if getattr(m, "max_norm", None) is not None or getattr(m, "scale_grad_by_freq", False):
             raise use.error("max_norm / scale_grad_by_freq are not modelled")
 
-    def sites(self, use):
+    def sites(self, use: Use) -> Iterator[Site]:
         weight = use.weight(self.kind)
         g = use.per_example(use.grad, "output gradient")
         self.check_options(use)
@@ -41,14 +46,14 @@ class Embedding(Handler):
 
 
 class ScaledEmbedding(Embedding):
-    def lookup_grad(self, use, g):
+    def lookup_grad(self, use: Use, g: torch.Tensor) -> torch.Tensor:
         s = use.module.embed_scale  # a buffer cast to the weight's dtype in Hugging Face's classes
         s = s.to(use.module.weight.dtype) if torch.is_tensor(s) else float(s)
         return g * s
 
 
 class OptPositions(Embedding):
-    def input(self, module, args, kwargs):
+    def input(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         """The ids OPT's learned-position table is indexed with (its forward, replayed)."""
         pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
         if pos is None:

@@ -4,20 +4,25 @@ rows are the bag's members: ids the members, backprops the output's gradient tim
 member's weight (its per-sample weight, and 1/|bag| in mean mode). Members at `padding_idx`
 are left out of the bag, as the module leaves them out (and out of the mean's count); bags
 shorter than the longest are padded with rows of zero gradient."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 import torch
 
-from .base import Handler, builtin
+from .base import Handler, Site, Use, builtin
 
 
 class EmbeddingBag(Handler):
-    kind = "embedding"
+    kind: str = "embedding"
 
-    def input(self, module, args, kwargs):
+    def input(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         names = ("input", "offsets", "per_sample_weights")
         vals = list(args) + [None] * (3 - len(args))
         return tuple(kwargs.get(n, vals[i]) for i, n in enumerate(names))
 
-    def bags(self, use):
+    def bags(self, use: Use) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, weights), each B×M: the members of every bag and the weight of each."""
         m = use.module
         ids, offsets, psw = use.input
@@ -28,15 +33,15 @@ class EmbeddingBag(Handler):
         ends = starts[1:] + [ids.shape[0]]
         if m.include_last_offset:
             starts, ends = starts[:-1], ends[:-1]
-        width = max([e - s for s, e in zip(starts, ends)] + [1])
+        width = max([e - s for s, e in zip(starts, ends, strict=True)] + [1])
         out_ids = torch.zeros(len(starts), width, dtype=torch.int64)
         out_w = torch.zeros(len(starts), width, dtype=torch.float64)
-        for k, (s, e) in enumerate(zip(starts, ends)):
+        for k, (s, e) in enumerate(zip(starts, ends, strict=True)):
             out_ids[k, :e - s] = ids[s:e]
             out_w[k, :e - s] = 1.0 if psw is None else psw[s:e].to(torch.float64)
         return out_ids, out_w
 
-    def sites(self, use):
+    def sites(self, use: Use) -> Iterator[Site]:
         m = use.module
         weight = use.weight("an embedding bag")
         if m.mode not in ("sum", "mean") or m.max_norm is not None or m.scale_grad_by_freq:
@@ -58,7 +63,7 @@ class EmbeddingBag(Handler):
         if use.trainable(weight):
             yield use.spec("weight", self.kind, vocab=weight.shape[0]), {"ids": ids, "backprops": bp.to(use.store)}
 
-    def lengths(self, use):
+    def lengths(self, use: Use) -> torch.Tensor:
         m = use.module
         ids, offsets, _ = use.input
         starts = offsets.tolist()
@@ -66,7 +71,7 @@ class EmbeddingBag(Handler):
         if m.include_last_offset:
             starts, ends = starts[:-1], ends[:-1]
         n = []
-        for s, e in zip(starts, ends):
+        for s, e in zip(starts, ends, strict=True):
             members = ids[s:e]
             if m.padding_idx is not None:
                 members = members[members != m.padding_idx]

@@ -1,24 +1,29 @@
 """`nn.Linear` and the classes declared `"linear"`: y = x Wᵀ (+ b), W out×in. A linear site
 (activations: the input as the matmul saw it, under autocast cast to autocast's dtype;
 backprops: the output's gradient) and a bias site."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
 import torch
 
-from .base import Handler, builtin, declarable
+from .base import Handler, Site, Use, builtin, declarable
 
 
 class Linear(Handler):
-    kind = "linear"
+    kind: str = "linear"
 
-    def site_kind(self, use):
+    def site_kind(self, use: Use) -> str:
         """The trace's kind of the weight's site: the weight's layout (out×in, or in×out)."""
         return self.kind
 
-    def sites(self, use):
+    def sites(self, use: Use) -> Iterator[Site]:
         weight = use.weight(self.kind)
         g = use.per_example(use.grad, "output gradient")
         x = use.per_example(use.input, "input").to(use.dtype)
         if use.trainable(weight):
-            yield use.spec("weight", self.site_kind(use)), {"activations": x.to(use.store), "backprops": g.to(use.store)}
+            yield use.spec("weight", self.site_kind(use)), {"activations": x.to(use.store),
+                                                             "backprops": g.to(use.store)}
         yield from use.bias_site(g)
 
 

@@ -11,22 +11,26 @@ dL/dw = Σ over rows of δ ⊙ x̂ for both forms) and a bias site.
 - a norm over the last axis of B×T×H×k (Qwen3's and Gemma 3's per-head q/k norms, whose one
   weight is shared by every head and position) is one site with T·H rows per example.
 """
+from __future__ import annotations
+
 import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
 from ..errors import TraceExportError
 from ..precision import DTYPE_NAMES, PRECISIONS
-from .base import Handler, builtin, builtin_test, declarable
+from .base import Handler, Site, Use, builtin, builtin_test, declarable
 
 
-def _replay(entry, x, params):
+def _replay(entry: Mapping[str, Any], x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
     """The module's own forward on `x` with its direct parameters `params` substituted, under the
     autocast the recorded forward ran in, without autograd."""
     ac = entry["autocast"]
     ctx = torch.autocast(ac[0], dtype=ac[1]) if ac is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx:
-        y = torch.func.functional_call(entry["module"], params, (x,))
+        y: Any = torch.func.functional_call(entry["module"], params, (x,))
     if not torch.is_tensor(y) or y.shape != x.shape:
         shape = list(y.shape) if torch.is_tensor(y) else type(y).__name__
         raise TraceExportError(f"module `{entry['name']}` ({entry['cls']}): traced as a norm, its forward on an "
@@ -34,7 +38,7 @@ def _replay(entry, x, params):
     return y
 
 
-def _normalized(entry, x):
+def _normalized(entry: Mapping[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
     """(x̂, precision) of a norm's use: x̂ as the module's own forward computes it (its upcasts,
     formula and ε, cast back as it casts its output), and the precision in which it multiplies
     x̂ by its weight, which is the precision of the weight's gradient.
@@ -61,7 +65,7 @@ def _normalized(entry, x):
     bias = m._parameters.get("bias")
     gen = torch.Generator().manual_seed(20240607)
     w_probe = (0.5 + 0.5 * torch.rand(k, generator=gen, dtype=torch.float64)).to(device=w.device, dtype=w.dtype)
-    params = {"weight": w_probe}
+    params: dict[str, torch.Tensor] = {"weight": w_probe}
     if bias is not None:
         b_probe = (0.25 * torch.rand(k, generator=gen, dtype=torch.float64) - 0.125).to(device=bias.device,
                                                                                        dtype=bias.dtype)
@@ -70,7 +74,7 @@ def _normalized(entry, x):
     dts = {w.dtype, x.dtype, y.dtype, torch.float32} | ({bias.dtype} if bias is not None else set())
     candidates = [d for d in PRECISIONS if d in dts]
     for form, identity in (("w", torch.ones_like(w)), ("1+w", torch.zeros_like(w))):
-        ident = {"weight": identity}
+        ident: dict[str, torch.Tensor] = {"weight": identity}
         if bias is not None:
             ident["bias"] = torch.zeros_like(bias)
         xhat = _replay(entry, x, ident)
@@ -94,20 +98,20 @@ def _normalized(entry, x):
         f"{', '.join(DTYPE_NAMES[d] for d in candidates)}: the exporter has no model of it")
 
 
-def _features_last(t, weight):
+def _features_last(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A norm over several axes (`LayerNorm([Z, W])`): its normalized axes as one feature axis,
     in the weight's row-major order."""
     return t.flatten(t.dim() - weight.dim()) if weight.dim() > 1 else t
 
 
 class Norm(Handler):
-    kind = "layernorm"
+    kind: str = "layernorm"
 
-    def normalized(self, use):
+    def normalized(self, use: Use) -> tuple[torch.Tensor, torch.dtype]:
         """(x̂, the precision of the product with the weight): the module's forward, replayed."""
         return _normalized(use.entry, use.input)
 
-    def sites(self, use):
+    def sites(self, use: Use) -> Iterator[Site]:
         weight = use.weight(self.kind)
         if use.trainable(weight):
             xhat, use.dtype = self.normalized(use)
@@ -118,7 +122,7 @@ class Norm(Handler):
         yield from use.bias_site(g)
 
 
-def _hf_rmsnorm(module):
+def _hf_rmsnorm(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None),
                                                                     torch.nn.Parameter) and (
         hasattr(module, "eps") or hasattr(module, "variance_epsilon"))
