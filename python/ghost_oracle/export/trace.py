@@ -59,10 +59,13 @@ dtype given. `batch_divisor` is D (required with `update`); `clip_stabilizer` (�
 (`flat`: c = min(1, C/(n + γ)); `automatic`: c = C/(n + γ)) say how the library forms its
 coefficients.
 """
+from __future__ import annotations
+
 import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -158,37 +161,94 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
     if isinstance(inputs, list):  # micro-batches
         inputs = _concat_micro_batches(inputs, batch_axis)
     b_inputs = _batch_size(inputs, batch_axis)
-    c = float(max_grad_norm)
-    if not (math.isfinite(c) and c > 0):
-        raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm}")
-    if noise_multiplier is not None:
-        sigma = float(noise_multiplier)
-        if not (math.isfinite(sigma) and sigma >= 0):
-            raise ValueError(f"noise_multiplier must be a non-negative number, got {noise_multiplier}")
-    compute_dtype = model_compute_dtype(model, TraceExportError)
-    if compute_dtype not in DTYPE_NAMES:
-        raise TraceExportError(f"the model computes in {compute_dtype}; traces record {list(DTYPE_NAMES)}")
-    if dtype is not None and dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype {dtype} cannot store a trace; use one of {list(DTYPE_NAMES)}")
     names = param_names(model)
-    owners = param_owners(model)
-    step: dict[str, dict[str, tuple[torch.nn.Parameter, torch.Tensor]]] = {}
-    for what, claimed in (("clipped_sum", clipped_sum), ("update", update)):
-        if claimed is not None:
-            step[what] = _resolve_step(model, what, claimed, names)
-    if batch_divisor is not None:
-        batch_divisor = _number(batch_divisor, "batch_divisor", positive=True)
-    elif update is not None:
-        raise ValueError("update needs batch_divisor: the number the library divides the noisy sum by "
-                         "(Opacus: expected_batch_size × accumulated_iterations)")
-    clip_stabilizer = _number(clip_stabilizer, "clip_stabilizer", positive=False)
-    if clipping not in ("flat", "automatic"):
-        raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" (c = C/(n + γ)), "
-                         f"got {clipping!r}")
-    if clipping == "automatic" and clip_stabilizer == 0.0:
-        # the reader refuses it too: C/(n + γ) with γ = 0 is unbounded for a zero gradient
-        raise ValueError("clipping \"automatic\" (c = C/(n + γ)) needs γ > 0 (clip_stabilizer), got 0")
+    args = _StepArguments.checked(model, names, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                                  dtype=dtype, update=update, clipped_sum=clipped_sum, batch_divisor=batch_divisor,
+                                  clip_stabilizer=clip_stabilizer, clipping=clipping)
     progress = Progress()
+    entries, b = _record_batch(model, per_example_loss, inputs, b_inputs, batch_axis, progress)
+    sites = _collect_sites(entries, names, dtype, b)
+    self_check(model, sites, names, param_owners(model), dtype, progress)
+    compute_dtype = _site_precisions(sites, args.compute_dtype)
+    specs = [s for s, _, _ in sites]
+    tensors: dict[str, torch.Tensor] = {}
+    for spec, ts, _ in sites:
+        for k, v in ts.items():
+            tensors[f"{spec['name']}.{k}"] = v
+    parameters = _manifest(model, names)
+    if claimed_norms is UNCLAIMED:
+        claimed_norms = torch.ones(b, dtype=torch.float64)
+    elif callable(claimed_norms):
+        claimed_norms = claimed_norms(model, inputs)
+    tensors["claimed.norms"] = _per_example(claimed_norms, b, "claimed_norms")
+    if claimed_coefficients is not None:
+        tensors["claimed.coefficients"] = _per_example(claimed_coefficients, b, "claimed_coefficients")
+    tensors.update(_step_tensors(args.step, parameters))
+    meta = trace_metadata(max_grad_norm=args.max_grad_norm, clipper=clipper, sites=specs,
+                          compute_dtype=DTYPE_NAMES[compute_dtype], parameters=parameters,
+                          noise_multiplier=noise_multiplier, batch_divisor=args.batch_divisor,
+                          clip_stabilizer=args.clip_stabilizer, clipping=clipping, has_step=bool(args.step))
+    progress.step("writing the trace", 0, 1)
+    save_file(tensors, os.fspath(path), metadata=meta)
+    progress.done()
+    return specs
+
+
+#: A claimed step: for "clipped_sum" and "update", each parameter's (parameter, claimed tensor).
+Step = dict[str, dict[str, tuple[torch.nn.Parameter, torch.Tensor]]]
+
+
+@dataclass
+class _StepArguments:
+    """`export_trace`'s numbers and claimed step, checked before anything runs."""
+
+    max_grad_norm: float
+    compute_dtype: torch.dtype
+    step: Step
+    batch_divisor: float | None
+    clip_stabilizer: float
+
+    @staticmethod
+    def checked(model: torch.nn.Module, names: Mapping[int, str], *, max_grad_norm: float,
+                noise_multiplier: float | None, dtype: torch.dtype | None,
+                update: Mapping[str, torch.Tensor] | None, clipped_sum: Mapping[str, torch.Tensor] | None,
+                batch_divisor: float | None, clip_stabilizer: float, clipping: str) -> _StepArguments:
+        c = float(max_grad_norm)
+        if not (math.isfinite(c) and c > 0):
+            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm}")
+        if noise_multiplier is not None:
+            sigma = float(noise_multiplier)
+            if not (math.isfinite(sigma) and sigma >= 0):
+                raise ValueError(f"noise_multiplier must be a non-negative number, got {noise_multiplier}")
+        compute_dtype = model_compute_dtype(model, TraceExportError)
+        if compute_dtype not in DTYPE_NAMES:
+            raise TraceExportError(f"the model computes in {compute_dtype}; traces record {list(DTYPE_NAMES)}")
+        if dtype is not None and dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype {dtype} cannot store a trace; use one of {list(DTYPE_NAMES)}")
+        step: Step = {}
+        for what, claimed in (("clipped_sum", clipped_sum), ("update", update)):
+            if claimed is not None:
+                step[what] = _resolve_step(model, what, claimed, names)
+        if batch_divisor is not None:
+            batch_divisor = _number(batch_divisor, "batch_divisor", positive=True)
+        elif update is not None:
+            raise ValueError("update needs batch_divisor: the number the library divides the noisy sum by "
+                             "(Opacus: expected_batch_size × accumulated_iterations)")
+        gamma = _number(clip_stabilizer, "clip_stabilizer", positive=False)
+        if clipping not in ("flat", "automatic"):
+            raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" "
+                             f"(c = C/(n + γ)), got {clipping!r}")
+        if clipping == "automatic" and gamma == 0.0:
+            # the reader refuses it too: C/(n + γ) with γ = 0 is unbounded for a zero gradient
+            raise ValueError("clipping \"automatic\" (c = C/(n + γ)) needs γ > 0 (clip_stabilizer), got 0")
+        return _StepArguments(max_grad_norm=c, compute_dtype=compute_dtype, step=step, batch_divisor=batch_divisor,
+                              clip_stabilizer=gamma)
+
+
+def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
+                  b_inputs: int | None, batch_axis: int, progress: Progress) -> tuple[list[dict[str, Any]], int]:
+    """Runs the batch's forward and backward with every use recorded, then the per-example
+    probes that find each use's batch axis: (the uses, B)."""
     model.zero_grad(set_to_none=True)
     # floating-point inputs made leaves that require gradients, so that the probes see whether
     # an example's loss reaches another example's inputs; the model gets them, the user's
@@ -218,34 +278,45 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
         for e in entries:  # the outputs hold the graph alive
             e.pop("output", None)
         losses = None
+    return entries, b
+
+
+def _collect_sites(entries: list[dict[str, Any]], names: Mapping[int, str], dtype: torch.dtype | None,
+                   b: int) -> list[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]:
+    """Every use's sites (spec, factors as written, the use), each name once; a use's capture
+    is let go as its sites are formed."""
     sites: list[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]] = []
-    tensors: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     owned: set[int] = set()
     for entry in entries:
         for spec, ts in _sites(entry, names, dtype, b):
-            if spec["name"] in tensors or any(s["name"] == spec["name"] for s, _, _ in sites):
+            if spec["name"] in seen:
                 raise TraceExportError(f"site name `{spec['name']}` appears twice")
-            ts = {k: _own(v, owned) for k, v in ts.items()}
-            sites.append((spec, ts, entry))
+            seen.add(spec["name"])
+            sites.append((spec, {k: _own(v, owned) for k, v in ts.items()}, entry))
         entry.pop("input", None)  # what is left of a use's capture is its sites' factors
         entry.pop("grad", None)
     for spec, _, entry in sites:
         if entry["dtype"] not in DTYPE_NAMES:
             raise TraceExportError(f"site `{spec['name']}` ({entry['cls']}) computed in {entry['dtype']}; traces "
                                    f"record {list(DTYPE_NAMES)}")
-    self_check(model, sites, names, owners, dtype, progress)
-    # The precision is per site: the header holds the coarsest (what a reader that knows no
-    # per-site precision judges at), and where the sites differ each carries its own.
+    return sites
+
+
+def _site_precisions(sites: list[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]],
+                     model_dtype: torch.dtype) -> torch.dtype:
+    """The header's compute dtype: the coarsest site's (what a reader that knows no per-site
+    precision judges at); where the sites differ, each spec carries its own."""
     site_dtypes = [entry["dtype"] for _, _, entry in sites]
-    if site_dtypes:
-        compute_dtype = max(site_dtypes, key=unit_roundoff)
     if len(set(site_dtypes)) > 1:
         for spec, _, entry in sites:
             spec["compute_dtype"] = DTYPE_NAMES[entry["dtype"]]
-    specs = [s for s, _, _ in sites]
-    for spec, ts, _ in sites:
-        for k, v in ts.items():
-            tensors[f"{spec['name']}.{k}"] = v
+    return max(site_dtypes, key=unit_roundoff) if site_dtypes else model_dtype
+
+
+def _manifest(model: torch.nn.Module, names: Mapping[int, str]) -> dict[str, int]:
+    """Every trainable parameter that received a gradient, once, with its number of entries (a
+    parameter without a gradient is left out, with a warning)."""
     parameters: dict[str, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         if p.requires_grad and names[id(p)] not in parameters:
@@ -254,15 +325,14 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
                               stacklevel=1)
                 continue
             parameters[names[id(p)]] = p.numel()
-    if claimed_norms is UNCLAIMED:
-        claimed_norms = torch.ones(b, dtype=torch.float64)
-    elif callable(claimed_norms):
-        claimed_norms = claimed_norms(model, inputs)
-    tensors["claimed.norms"] = _per_example(claimed_norms, b, "claimed_norms")
-    if claimed_coefficients is not None:
-        tensors["claimed.coefficients"] = _per_example(claimed_coefficients, b, "claimed_coefficients")
+    return parameters
+
+
+def _step_tensors(step: Step, parameters: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """The claimed step's tensors in the manifest's order, each covering every parameter of the
+    manifest once (a tied parameter under its trace name)."""
+    tensors: dict[str, torch.Tensor] = {}
     for what, given in step.items():
-        # every parameter of the manifest, each once (a tied parameter under its trace name)
         for param in given:
             if param not in parameters:
                 raise ValueError(f"{what}: parameter `{param}` received no gradient in this batch and is left out "
@@ -274,10 +344,4 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
         for param in parameters:  # the manifest's order
             p, t = given[param]
             tensors[f"claimed.{what}.{param}"] = t.detach().to("cpu").reshape(p.shape).contiguous().clone()
-    meta = trace_metadata(max_grad_norm=c, clipper=clipper, sites=specs, compute_dtype=DTYPE_NAMES[compute_dtype],
-                          parameters=parameters, noise_multiplier=noise_multiplier, batch_divisor=batch_divisor,
-                          clip_stabilizer=clip_stabilizer, clipping=clipping, has_step=bool(step))
-    progress.step("writing the trace", 0, 1)
-    save_file(tensors, os.fspath(path), metadata=meta)
-    progress.done()
-    return specs
+    return tensors
