@@ -152,54 +152,62 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
                     st[1] = True
                     reached[id(e)] = True
     for e in live:
-        fits = [lay for lay, (confined, hit) in status[id(e)].items() if confined and hit]
-        where = f"module `{e['name']}` ({e['cls']})"
-        shape = list(e["output"].shape)
-        if not fits and not bool(e["grad"].ne(0).any()):
-            # A use whose gradient is exactly zero (autograd fills the unused part of a split
-            # output with zeros): its sites add nothing to any example, in any layout.
-            candidates = list(status[id(e)])
-            if candidates:
-                e["layout"] = candidates[0]
-            else:
-                e["grad"] = None
-            continue
-        if not fits:
-            if not reached[id(e)]:
-                raise TraceExportError(
-                    f"{where}: its output ({shape}) receives a gradient from the batch but from none of the "
-                    f"{len(order)} examples' losses alone; the batch axis of this use cannot be found")
-            spilled = spill[id(e)]
-            if spilled is None:
-                raise TraceExportError(
-                    f"{where}: its output has shape {shape}, with no axis of the batch's {b} examples (nor of "
-                    f"{b}·k flattened rows); the exporter cannot tell which part of it is which example's")
-            i, others, lay = spilled
-            shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
-            raise TraceExportError(
-                f"the model mixes examples: the loss of example {i} alone sends gradient into the output of "
-                f"{where} ({shape}) at example(s) {shown} along {_describe(lay)}, and no axis of that output "
-                "keeps the examples apart. Example i's gradient then depends on the other examples of the "
-                "batch (attention or normalization across the batch: a seq-first attention fed batch-first "
-                "data, BatchNorm), so per-example clipping bounds nothing and no per-example norm is "
-                "defined. Give each example its own computation (batch_first=True, GroupNorm or LayerNorm "
-                "for BatchNorm)")
-        if len(fits) > 1:
-            raise TraceExportError(
-                f"{where}: its output ({shape}) is confined to one example along "
-                f"{' and '.join(_describe(f) for f in fits)} alike in every probed example; the batch axis of "
-                "this use is ambiguous (pass a batch whose examples differ at every position)")
-        e["layout"] = fits[0]
-        x = e["input"]
-        fed_inputs = torch.is_tensor(x) and any(t.shape == x.shape and t.data_ptr() == x.data_ptr()
-                         for t in direct_inputs)
-        if fed_inputs and fits[0] != ("axis", batch_axis):
-            raise TraceExportError(
-                f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
-                f"{_describe(fits[0])}, but the inputs were given with batch_axis={batch_axis}: the examples of "
-                f"these inputs lie along {_describe(fits[0])}. Pass batch_axis={fits[0][1]} (seq-first data: "
-                "batch_first=False)" if fits[0][0] == "axis" else
-                f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
-                f"{_describe(fits[0])}, not along the inputs' batch_axis={batch_axis}")
+        _settle_layout(e, status[id(e)], spill[id(e)], reached[id(e)], len(order), b, batch_axis, direct_inputs)
     for name, (t, g, i, others) in input_spill.items():
         _refuse_spilled_input(name, t, g, i, others, b, batch_axis)
+
+
+def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
+                   spilled_at: tuple[int, list[int], Layout] | None, reached: bool, n_probed: int, b: int,
+                   batch_axis: int, direct_inputs: Sequence[torch.Tensor]) -> None:
+    """Sets one use's layout from what the probes saw: the one layout along which every probed
+    example's gradient stayed at its own index and reached it. Raises naming the use where none
+    or several fit, and where a use fed the inputs directly disagrees with `batch_axis`."""
+    fits = [lay for lay, (confined, hit) in status.items() if confined and hit]
+    where = f"module `{e['name']}` ({e['cls']})"
+    shape = list(e["output"].shape)
+    if not fits and not bool(e["grad"].ne(0).any()):
+        # A use whose gradient is exactly zero (autograd fills the unused part of a split
+        # output with zeros): its sites add nothing to any example, in any layout.
+        candidates = list(status)
+        if candidates:
+            e["layout"] = candidates[0]
+        else:
+            e["grad"] = None
+        return
+    if not fits:
+        if not reached:
+            raise TraceExportError(
+                f"{where}: its output ({shape}) receives a gradient from the batch but from none of the "
+                f"{n_probed} examples' losses alone; the batch axis of this use cannot be found")
+        if spilled_at is None:
+            raise TraceExportError(
+                f"{where}: its output has shape {shape}, with no axis of the batch's {b} examples (nor of "
+                f"{b}·k flattened rows); the exporter cannot tell which part of it is which example's")
+        i, others, lay = spilled_at
+        shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
+        raise TraceExportError(
+            f"the model mixes examples: the loss of example {i} alone sends gradient into the output of "
+            f"{where} ({shape}) at example(s) {shown} along {_describe(lay)}, and no axis of that output "
+            "keeps the examples apart. Example i's gradient then depends on the other examples of the "
+            "batch (attention or normalization across the batch: a seq-first attention fed batch-first "
+            "data, BatchNorm), so per-example clipping bounds nothing and no per-example norm is "
+            "defined. Give each example its own computation (batch_first=True, GroupNorm or LayerNorm "
+            "for BatchNorm)")
+    if len(fits) > 1:
+        raise TraceExportError(
+            f"{where}: its output ({shape}) is confined to one example along "
+            f"{' and '.join(_describe(f) for f in fits)} alike in every probed example; the batch axis of "
+            "this use is ambiguous (pass a batch whose examples differ at every position)")
+    e["layout"] = fits[0]
+    x = e["input"]
+    fed_inputs = torch.is_tensor(x) and any(t.shape == x.shape and t.data_ptr() == x.data_ptr()
+                     for t in direct_inputs)
+    if fed_inputs and fits[0] != ("axis", batch_axis):
+        raise TraceExportError(
+            f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
+            f"{_describe(fits[0])}, but the inputs were given with batch_axis={batch_axis}: the examples of "
+            f"these inputs lie along {_describe(fits[0])}. Pass batch_axis={fits[0][1]} (seq-first data: "
+            "batch_first=False)" if fits[0][0] == "axis" else
+            f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
+            f"{_describe(fits[0])}, not along the inputs' batch_axis={batch_axis}")
