@@ -52,15 +52,13 @@ is given the library's):
 from __future__ import annotations
 
 import os
-import re
-import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 import torch
 
-from ._api import check
 from ._failure import ClippingCheckFailed
+from ._gate import export_check_assert
 from ._report import Report
 from ._types import Clipping, Precision
 from .export import FORMAT, KINDS, UNCLAIMED, TraceExportError, export_trace, register_module, unregister_module
@@ -155,44 +153,15 @@ def _export_check_assert(model: torch.nn.Module, per_example_loss: Callable[[tor
                          precision: Precision | None, accounting: Mapping[str, Any],
                          trace_path: str | os.PathLike[str] | None,
                          export: Mapping[str, Any], max_memory: int | str | None = None) -> Report:
-    """Export (to `trace_path`, or a temporary file), check, raise `AssertionError` unless pass.
-    `claimed_norms` None: the exact norms, which the check computes from the trace's factors;
-    the trace is exported once with placeholders, its `claimed.norms` replaced by the check's
-    true norms and checked again."""
+    """`ghost_oracle._gate.export_check_assert` with this module's exporter."""
     __tracebackhide__ = True
 
-    def run(path: str) -> Report:
-        norms = UNCLAIMED if claimed_norms is None else claimed_norms
-        export_trace(model, per_example_loss, inputs, path, claimed_norms=norms, clipper=clipper, **export)
-        report = check(path, precision=precision, max_memory=max_memory, **accounting)
-        if claimed_norms is None:
-            _replace_claimed_norms(path, report.true_norms)
-            report = check(path, precision=precision, max_memory=max_memory, **accounting)
-        return report
+    def write(path: str, norms: Any) -> object:
+        return export_trace(model, per_example_loss, inputs, path, claimed_norms=norms, clipper=clipper, **export)
 
-    if trace_path is not None:
-        report = run(os.fspath(trace_path))
-    else:
-        with tempfile.TemporaryDirectory(prefix="ghost-oracle-") as d:
-            # the file's name is the case's name in the report's table
-            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(clipper)).strip("._") or "trace"
-            report = run(os.path.join(d, f"{name}.safetensors"))
-    if not report.passed:
-        raise ClippingCheckFailed(report)
-    return report
-
-
-def _replace_claimed_norms(path: str, norms: Any) -> None:
-    """Rewrites the trace at `path` with `claimed.norms` = `norms` (float64), nothing else
-    changed."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    tensors["claimed.norms"] = torch.tensor([float(n) for n in norms], dtype=torch.float64)
-    save_file(tensors, path, metadata=meta)
+    return export_check_assert(write, unclaimed=UNCLAIMED, claimed_norms=claimed_norms, clipper=clipper,
+                               precision=precision, accounting=accounting, trace_path=trace_path,
+                               max_memory=max_memory)
 
 
 def assert_update(

@@ -2,9 +2,7 @@
 model before they are written."""
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -48,13 +46,3 @@ def _resolve_step(model: torch.nn.Module, what: str, tensors: object,
         out[param] = (p, t)
         given_as[param] = key
     return out
-
-
-def _number(value: Any, what: str, positive: bool) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} must be a number, got {value!r}") from e
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        raise ValueError(f"{what} must be a {'positive' if positive else 'non-negative'} number, got {value}")
-    return v

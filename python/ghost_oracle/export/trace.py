@@ -72,6 +72,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..trace_file import FORMAT as FORMAT  # re-exported; the header is framework-neutral
+from ..trace_file import number as _number
 from ..trace_file import trace_metadata
 from .batch import _batch_size, _check_batch_axis, _concat_micro_batches, _input_tensors, _per_example
 from .check import self_check
@@ -83,7 +84,7 @@ from .precision import DTYPE_NAMES, unit_roundoff
 from .precision import compute_dtype as model_compute_dtype
 from .progress import Progress
 from .record import param_names, param_owners, record
-from .step import _number, _resolve_step
+from .step import _resolve_step
 
 # `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
 # has computed the true ones.

@@ -3,60 +3,35 @@ the f64 reference, raise `ClippingCheckFailed` unless the verdict is pass."""
 from __future__ import annotations
 
 import os
-import re
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-import numpy as np
-from safetensors.numpy import load_file, save_file
 
-from .._api import check
-from .._failure import ClippingCheckFailed
+from .. import _gate
 from .._report import Report
 from .._types import Precision
 from .capture import PerExampleLoss
 from .trace import UNCLAIMED, export_trace
 
 
-def _replace_claimed_norms(path: str, norms: Any) -> None:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="np") as f:
-        meta = f.metadata()
-    tensors = load_file(path)
-    tensors["claimed.norms"] = np.asarray([float(n) for n in norms], dtype=np.float64)
-    save_file(tensors, path, metadata=meta)
-
-
 def export_check_assert(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any, *,
                         claimed_norms: Any, clipper: str, precision: Precision | None, sampling_rate: float | None,
                         steps: int | None, delta: float | None, trace_path: str | os.PathLike[str] | None,
                         export: dict[str, Any]) -> Report:
-    """`claimed_norms` None: the exact norms (the trace is checked once with placeholders, its
-    claim replaced by the check's true norms, and checked again), so that only the step is
-    judged."""
+    """`ghost_oracle._gate.export_check_assert` with the Flax exporter. `claimed_norms` None:
+    the exact norms, so that only the step is judged."""
     __tracebackhide__ = True
 
-    def run(path: str) -> Report:
-        norms = UNCLAIMED if claimed_norms is None else claimed_norms
-        export_trace(model, params, per_example_loss, inputs, path, claimed_norms=norms, clipper=clipper, **export)
-        report = check(path, precision=precision, sampling_rate=sampling_rate, steps=steps, delta=delta)
-        if claimed_norms is None:
-            _replace_claimed_norms(path, report.true_norms)
-            report = check(path, precision=precision, sampling_rate=sampling_rate, steps=steps, delta=delta)
-        return report
+    def write(path: str, norms: Any) -> object:
+        return export_trace(model, params, per_example_loss, inputs, path, claimed_norms=norms, clipper=clipper,
+                            **export)
 
-    if trace_path is not None:
-        report = run(os.fspath(trace_path))
-    else:
-        with tempfile.TemporaryDirectory(prefix="ghost-oracle-") as d:
-            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(clipper)).strip("._") or "trace"
-            report = run(os.path.join(d, f"{name}.safetensors"))
-    if not report.passed:
-        raise ClippingCheckFailed(report)
-    return report
+    return _gate.export_check_assert(write, unclaimed=UNCLAIMED, claimed_norms=claimed_norms, clipper=clipper,
+                                     precision=precision,
+                                     accounting=dict(sampling_rate=sampling_rate, steps=steps, delta=delta),
+                                     trace_path=trace_path)
+
 
 
 def assert_norms(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any,
