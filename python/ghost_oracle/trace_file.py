@@ -34,6 +34,23 @@ def number(value: Any, what: str, *, positive: bool) -> float:
     return v
 
 
+def step_rule(*, batch_divisor: Any, clip_stabilizer: Any, clipping: str, has_update: bool,
+              divisor_is: str) -> tuple[float | None, float]:
+    """The step's header numbers checked as the reader checks them: (D or None, γ). `update`
+    needs D (`divisor_is` says what the library's D is); automatic clipping C/(n + γ) needs
+    γ > 0, unbounded for a zero gradient otherwise."""
+    divisor = None if batch_divisor is None else number(batch_divisor, "batch_divisor", positive=True)
+    if divisor is None and has_update:
+        raise ValueError(f"update needs batch_divisor: the number the library divides the noisy sum by ({divisor_is})")
+    gamma = number(clip_stabilizer, "clip_stabilizer", positive=False)
+    if clipping not in ("flat", "automatic"):
+        raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" (c = C/(n + γ)), "
+                         f"got {clipping!r}")
+    if clipping == "automatic" and gamma == 0.0:
+        raise ValueError("clipping \"automatic\" (c = C/(n + γ)) needs γ > 0 (clip_stabilizer), got 0")
+    return divisor, gamma
+
+
 def trace_metadata(
     *,
     max_grad_norm: float,

@@ -72,8 +72,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..trace_file import FORMAT as FORMAT  # re-exported; the header is framework-neutral
-from ..trace_file import number as _number
-from ..trace_file import trace_metadata
+from ..trace_file import step_rule, trace_metadata
 from .batch import _batch_size, _check_batch_axis, _concat_micro_batches, _input_tensors, _per_example
 from .check import self_check
 from .errors import TraceExportError
@@ -230,18 +229,9 @@ class _StepArguments:
         for what, claimed in (("clipped_sum", clipped_sum), ("update", update)):
             if claimed is not None:
                 step[what] = _resolve_step(model, what, claimed, names)
-        if batch_divisor is not None:
-            batch_divisor = _number(batch_divisor, "batch_divisor", positive=True)
-        elif update is not None:
-            raise ValueError("update needs batch_divisor: the number the library divides the noisy sum by "
-                             "(Opacus: expected_batch_size × accumulated_iterations)")
-        gamma = _number(clip_stabilizer, "clip_stabilizer", positive=False)
-        if clipping not in ("flat", "automatic"):
-            raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" "
-                             f"(c = C/(n + γ)), got {clipping!r}")
-        if clipping == "automatic" and gamma == 0.0:
-            # the reader refuses it too: C/(n + γ) with γ = 0 is unbounded for a zero gradient
-            raise ValueError("clipping \"automatic\" (c = C/(n + γ)) needs γ > 0 (clip_stabilizer), got 0")
+        batch_divisor, gamma = step_rule(batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer,
+                                         clipping=clipping, has_update=update is not None,
+                                         divisor_is="Opacus: expected_batch_size × accumulated_iterations")
         return _StepArguments(max_grad_norm=c, compute_dtype=compute_dtype, step=step, batch_divisor=batch_divisor,
                               clip_stabilizer=gamma)
 

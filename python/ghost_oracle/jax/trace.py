@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from ..trace_file import PRECISION_NAMES, TraceExportError, number, trace_metadata
+from ..trace_file import PRECISION_NAMES, TraceExportError, number, step_rule, trace_metadata
 from .capture import PerExampleLoss, capture, flat_params
 from .check import STORAGE, self_check, unit_roundoff
 from .kinds import handler_for
@@ -103,14 +103,9 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
         number(noise_multiplier, "noise_multiplier", positive=False)
     if dtype is not None and dtype not in PRECISION_NAMES:
         raise ValueError(f"dtype must be one of {list(PRECISION_NAMES)}, got {dtype!r}")
-    if batch_divisor is not None:
-        batch_divisor = number(batch_divisor, "batch_divisor", positive=True)
-    elif update is not None:
-        raise ValueError("update needs batch_divisor: the number the library divides the noisy sum by (jax_privacy: "
-                         "normalize_by, times C with rescale_to_unit_norm)")
-    clip_stabilizer = number(clip_stabilizer, "clip_stabilizer", positive=False)
-    if clipping not in ("flat", "automatic"):
-        raise ValueError(f"clipping must be \"flat\" or \"automatic\", got {clipping!r}")
+    batch_divisor, clip_stabilizer = step_rule(
+        batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping, has_update=update is not None,
+        divisor_is="jax_privacy: normalize_by, times C with rescale_to_unit_norm")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a flax.linen Module, got {type(model).__name__}")
     b = batch_size(inputs)
