@@ -233,6 +233,50 @@ def test_the_self_check_in_blocks_of_a_few_rows_accepts_and_refuses_as_whole(tmp
                        claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "opt", "llama", "gemma"])
+def test_the_sketched_self_check_accepts_right_traces_and_refuses_wrong_ones(tmp_path, monkeypatch, family):
+    # Every matrix parameter checked through the ±1 probe matrix (the route of 1B-class sizes),
+    # in blocks of a few rows: the right trace passes, a lookup gradient 0.1 % off (the tied
+    # table of GPT-2 and Gemma, where the head's sum dominates each probed row) and a missing
+    # embedding scale are refused, naming the parameter.
+    from ghost_oracle.export import check as C
+    from ghost_oracle.export.kinds.embedding import Embedding
+
+    monkeypatch.setattr(C, "FULL_CHECK_PRODUCTS", 0)
+    monkeypatch.setattr(C, "_BLOCK_ENTRIES", 40)
+    probe = C._probe_matrix
+    sketched = []
+    monkeypatch.setattr(C, "_probe_matrix", lambda uses, numel: sketched.append(v := probe(uses, numel)) or v)
+    model = F.build(family)
+    E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
+                   claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        specs = json.loads(f.metadata()["sites"])
+    # every parameter with a matrix product (an embedding alone is a gather, checked whole)
+    assert sum(v is not None for v in sketched) == len({s["param"] for s in specs if s["kind"] in ("linear", "conv1d")})
+    if family == "gemma":
+        monkeypatch.setattr(ScaledEmbedding, "lookup_grad", lambda self, use, g: g)
+    else:
+        monkeypatch.setattr(Embedding, "lookup_grad", lambda self, use, g: 1.001 * g)
+    with pytest.raises(E.TraceExportError, match=r"embed.*differs from autograd's") as e:
+        E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "u.safetensors"),
+                       claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+    # a tied table is sketched (the head is a product); an untied one is a gather, checked whole
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert ("through a ±1 probe matrix" in str(e.value)) == tied
+
+
+def test_small_parameters_are_checked_entry_by_entry(tmp_path, monkeypatch):
+    from ghost_oracle.export import check as C
+
+    probe = C._probe_matrix
+    sketched = []
+    monkeypatch.setattr(C, "_probe_matrix", lambda uses, numel: sketched.append(v := probe(uses, numel)) or v)
+    E.export_trace(F.build("llama"), F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
+                   claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
+    assert sketched and all(v is None for v in sketched)
+
+
 def test_gemma_without_its_embedding_scale_is_refused(tmp_path, monkeypatch):
     model = F.build("gemma")
     # the handler without the scale: the lookup's gradient taken as the output's

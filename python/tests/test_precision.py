@@ -197,6 +197,24 @@ def test_the_parameters_precision_alone_refuses_autocast(tmp_path, monkeypatch):
     assert not (tmp_path / "t.safetensors").exists()
 
 
+@pytest.mark.parametrize("setting", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
+                                     (torch.float32, torch.bfloat16)], ids=["f32", "bf16", "f16", "autocast_bf16"])
+def test_the_sketched_self_check_passes_each_precision_and_refuses_autocast_judged_at_f32(tmp_path, monkeypatch,
+                                                                                        setting):
+    # The check of 1B-class parameters (through a ±1 probe matrix) forced on the tiny model: its
+    # bound, summed through the probe, holds every precision's rounding, and still refuses
+    # bf16 matmuls judged at f32 (their gradients miss autograd's by bf16 rounding).
+    from ghost_oracle.export import check as C
+
+    monkeypatch.setattr(C, "FULL_CHECK_PRODUCTS", 0)
+    export(setting, tmp_path / "t.safetensors")
+    if setting[1] is not None:
+        monkeypatch.setattr(R, "site_dtype", lambda module, output: module.weight.dtype)
+        with pytest.raises(TraceExportError, match="through a ±1 probe matrix") as e:
+            export(setting, tmp_path / "u.safetensors")
+        assert "computed in f32" in str(e.value)
+
+
 def test_the_bf16_self_check_still_catches_a_wrong_rmsnorm(tmp_path, monkeypatch):
     # bf16 tolerances follow the arithmetic (f32 accumulation), so they are a small fraction of
     # Σ|terms|: an RMSNorm rebuilt with the wrong ε is refused, not waved through.

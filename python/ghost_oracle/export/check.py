@@ -13,7 +13,7 @@ import torch
 
 from .errors import TraceExportError
 from .precision import DTYPE_NAMES, reduction_tolerance, unit_roundoff
-from .site_kinds import layout, low_precision_rounds, rebuild
+from .site_kinds import layout, low_precision_rounds, rebuild, sketch
 
 #: The sites of one parameter: (spec, tensors, the use's entry) each.
 Uses = Sequence[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]
@@ -94,32 +94,88 @@ def _blocks(uses: Uses, numel: int) -> list[tuple[int, int] | None]:
 _BLOCK_ENTRIES = 4 << 20
 
 
+#: A parameter is checked entry by entry while rebuilding it costs at most this many products
+#: (B·T·rows·cols over its linear and conv1d sites: a hundredth of a second to a second here).
+#: Past it the check is sketched: at 1B-class sizes the entry-by-entry rebuild, two f64
+#: products of every weight's size, took longer than the training step itself.
+FULL_CHECK_PRODUCTS = 1 << 30
+#: Columns of the sketch's ±1 probe matrix, and its seed.
+SKETCH_COLUMNS = 4
+_SKETCH_SEED = 0x5EED
+
+
+def _probe_matrix(uses: Uses, numel: int) -> torch.Tensor | None:
+    """The ±1 matrix (cols × SKETCH_COLUMNS) the parameter's gradient is checked through, or
+    None where it is checked entry by entry: where rebuilding it is cheap, and where its sites
+    have no common matrix layout.
+
+    The sketch compares G·v with autograd's `p.grad`·v, where G is the gradient the sites
+    rebuild: a linear site's G·v = gᵀ(a·v) costs B·T·(in + out)·k products, not B·T·in·out.
+    Its bound is the entries' bounds summed through |v|, so it never refuses a right trace, and
+    a site wrong by a structural factor (a missing scale, a skipped use, a wrong layout) moves
+    every row's k sums by about √cols times the entries' error, far past it. What it gives up
+    is the entry-by-entry resolution: an error confined to a few entries of a row, below the
+    row's summed bound, passes."""
+    layouts = {layout(spec, ts) for spec, ts, _ in uses}
+    if len(layouts) != 1 or any(spec["kind"] not in ("linear", "conv1d", "embedding") for spec, _, _ in uses):
+        return None
+    _, cols = layouts.pop()
+    cost = sum(ts["backprops"].numel() // ts["backprops"].shape[-1] * numel
+               for spec, ts, _ in uses if spec["kind"] in ("linear", "conv1d"))
+    if cols == 1 or cost <= FULL_CHECK_PRODUCTS:
+        return None
+    gen = torch.Generator().manual_seed(_SKETCH_SEED)
+    return (torch.randint(0, 2, (cols, SKETCH_COLUMNS), generator=gen) * 2 - 1).to(torch.float64)
+
+
 def _check_param(p: torch.nn.Parameter, name: str, mods: str, uses: Uses, store_dtype: torch.dtype | None) -> None:
     """Holds the batch gradient rebuilt from `uses` (the sites of parameter `p`) to autograd's
-    `p.grad`, a block of rows at a time; raises naming the worst entry."""
+    `p.grad`, a block of rows at a time, entry by entry or sketched (`_probe_matrix`); raises
+    naming the worst entry."""
     assert p.grad is not None  # only the parameters that received a gradient are checked
     grad = p.grad.detach().reshape(-1)
+    v = _probe_matrix(uses, p.numel())
+    cols = layout(*uses[0][:2])[1]
+    mass = 1.0 if v is None else float(cols)  # Σ_i |v_ik|
     worst: tuple[float, int, float, float, float, float] | None = None  # (error / tolerance, entry, rebuilt,
     # autograd, error, tolerance)
     bad_count = 0
+    checked = 0
     for block in _blocks(uses, p.numel()):
         rebuilt: torch.Tensor | None = None
         absum: torch.Tensor | None = None
         tol: torch.Tensor | None = None
         for spec, ts, entry in uses:
-            r, a = rebuild(spec, ts, block)
+            rounds = low_precision_rounds(spec, ts, entry["dtype"], block)
+            if v is None:
+                r, a = rebuild(spec, ts, block)
+            else:
+                assert block is not None  # a sketched parameter has one layout, so row blocks
+                r, a = sketch(spec, ts, block, v)
+                r, a = r.reshape(-1), a.reshape(-1)
+                if rounds is not None:  # an embedding's count is the same along a row
+                    rounds = rounds.view(-1, cols)[:, :1].expand(-1, v.shape[1]).reshape(-1)
             rebuilt = r if rebuilt is None else rebuilt + r
             absum = a if absum is None else absum + a
             store = entry["dtype"] if store_dtype is None else store_dtype
             rows = ts["backprops"].shape[0] * ts["backprops"].shape[1]  # B·T, or B·T·H for a per-head norm
-            t = reduction_tolerance(a, entry["dtype"], store, rows,
-                                    low_precision_rounds(spec, ts, entry["dtype"], block))
+            t = reduction_tolerance(a, entry["dtype"], store, rows, rounds, mass)
             tol = t if tol is None else tol + t
         assert rebuilt is not None and absum is not None and tol is not None  # a parameter has uses
         # autograd adds the uses of a tied parameter into p.grad in the parameter's dtype
-        tol = tol + 2.0 * (len(uses) - 1) * unit_roundoff(p.dtype) * absum + torch.finfo(p.dtype).tiny
-        offset = 0 if block is None else block[0] * (p.numel() // layout(*uses[0][:2])[0])
-        want = grad[offset:offset + rebuilt.numel()].to(device="cpu", dtype=torch.float64)
+        tol = tol + 2.0 * (len(uses) - 1) * unit_roundoff(p.dtype) * absum + torch.finfo(p.dtype).tiny * mass
+        if v is None:
+            offset = 0 if block is None else block[0] * (p.numel() // layout(*uses[0][:2])[0])
+            want = grad[offset:offset + rebuilt.numel()].to(device="cpu", dtype=torch.float64)
+        else:
+            assert block is not None
+            offset = block[0] * v.shape[1]
+            own = grad[block[0] * cols:block[1] * cols].to(device="cpu", dtype=torch.float64).view(-1, cols)
+            want = (own @ v).reshape(-1)
+            # the two f64 products of the sketch round too: ≤ (cols + B·T)·u64 of their terms
+            n = max(ts["backprops"].numel() // ts["backprops"].shape[-1] for _, ts, _ in uses)
+            tol = tol + 2.0 * (cols + n) * unit_roundoff(torch.float64) * (absum + (own.abs() @ v.abs()).reshape(-1))
+        checked += rebuilt.numel()
         err = (rebuilt - want).abs()
         bad = err > tol
         if bool(bad.any()):
@@ -132,9 +188,15 @@ def _check_param(p: torch.nn.Parameter, name: str, mods: str, uses: Uses, store_
         _, k, rebuilt_k, want_k, err_k, tol_k = worst
         site_list = ", ".join(f"`{s['name']}` ({s['kind']}, module class {e['cls']}, computed in "
                               f"{DTYPE_NAMES.get(e['dtype'], e['dtype'])})" for s, _, e in uses)
+        if v is None:
+            what, at = f"at {bad_count} of {checked} entries", f"entry {k}"
+        else:
+            what = (f"through a ±1 probe matrix (cols × {v.shape[1]}, the check of a large parameter) at "
+                    f"{bad_count} of {checked} probed sums")
+            at = f"row {k // v.shape[1]}, probe {k % v.shape[1]}"
         raise TraceExportError(
             f"parameter `{name}` (module {mods}): the gradient rebuilt from its sites {site_list} differs "
-            f"from autograd's at {bad_count} of {p.numel()} entries; worst entry {k}: rebuilt "
+            f"from autograd's {what}; worst {at}: rebuilt "
             f"{rebuilt_k:.6e}, autograd {want_k:.6e}, |error| {err_k:.3e} > "
             f"tolerance {tol_k:.3e}. The module's forward is not what the exporter models "
             "(a subclass that changes forward, a scale or cast inside it, a class declared with "

@@ -68,7 +68,8 @@ def compute_dtype(model: torch.nn.Module, error: Callable[[str], Exception]) -> 
 
 
 def reduction_tolerance(absum: torch.Tensor, site_dtype: torch.dtype, store_dtype: torch.dtype, n: int,
-                        low_precision_rounds: torch.Tensor | float | None = None) -> torch.Tensor:
+                        low_precision_rounds: torch.Tensor | float | None = None,
+                        mass: torch.Tensor | float = 1.0) -> torch.Tensor:
     """How far autograd's batch gradient of one site may lie from the gradient rebuilt (in f64)
     from its stored factors, entry by entry; `absum` is Σ|terms|, n the number of terms per
     entry (B·rows).
@@ -85,14 +86,18 @@ def reduction_tolerance(absum: torch.Tensor, site_dtype: torch.dtype, store_dtyp
     - factors stored in a coarser dtype than the site computed in: each of the two factors of a
       term rounded once, 3·u_store·Σ|terms|.
     A site that is wrong by a structural factor (a missing scale, a skipped use, a wrong
-    position) is off by a fraction of Σ|terms| itself."""
+    position) is off by a fraction of Σ|terms| itself.
+
+    For a sketched check (`absum` is Σ|terms|·|v|, entries of the gradient times a probe matrix
+    v) the bound is the same sum of the entries' bounds: everything above is linear in Σ|terms|,
+    and the one constant (the underflow) is scaled by `mass`, the column sums of |v|."""
     import math
 
     u = unit_roundoff(site_dtype)
     if low_precision(site_dtype):
         k = 4.0 + math.log2(max(n, 2)) if low_precision_rounds is None else low_precision_rounds
         sub = torch.finfo(site_dtype).smallest_normal * torch.finfo(site_dtype).eps  # smallest subnormal
-        tol = k * u * absum + 2.0 * (n + 16) * unit_roundoff(torch.float32) * absum + (n + 4) * sub / 2
+        tol = k * u * absum + 2.0 * (n + 16) * unit_roundoff(torch.float32) * absum + (n + 4) * sub / 2 * mass
     else:
         tol = 2.0 * (n + 16) * u * absum
     us = unit_roundoff(store_dtype)

@@ -67,6 +67,36 @@ def rebuild(spec: Mapping[str, Any], ts: Mapping[str, torch.Tensor],
     return torch.einsum("bti,bto->io", a, g).reshape(-1), torch.einsum("bti,bto->io", a.abs(), g.abs()).reshape(-1)
 
 
+def sketch(spec: Mapping[str, Any], ts: Mapping[str, torch.Tensor], rows: tuple[int, int],
+           v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rebuild`'s two sums for rows (start, stop) of the layout, each multiplied on the right
+    by `v` (cols × k, f64), without forming them: (G·v, |terms|·|v|), each (stop - start) × k.
+    A linear site's G is Σ gᵀa, so G·v = gᵀ(a·v): B·T·(in + out)·k products where the rebuild
+    takes B·T·in·out. Only the kinds with a matrix layout (linear, conv1d, embedding)."""
+    kind = spec["kind"]
+    start, stop = rows
+    av = v.abs()
+    if kind == "embedding":
+        g = ts["backprops"]
+        ids = ts["ids"].reshape(-1)
+        keep = (ids >= start) & (ids < stop)
+        at = ids[keep] - start
+        g = g.reshape(-1, g.shape[-1])[keep].to(torch.float64)
+        k = v.shape[1]
+        full = torch.zeros(stop - start, k, dtype=torch.float64).index_add_(0, at, g @ v)
+        absum = torch.zeros(stop - start, k, dtype=torch.float64).index_add_(0, at, g.abs() @ av)
+        return full, absum
+    if kind == "linear":  # G = gᵀ a, rows of G are the output features
+        g = ts["backprops"][..., start:stop].to(torch.float64).flatten(0, -2)
+        a = ts["activations"].to(torch.float64).flatten(0, -2)
+    elif kind == "conv1d":  # G = aᵀ g, rows of G are the input features
+        g = ts["activations"][..., start:stop].to(torch.float64).flatten(0, -2)
+        a = ts["backprops"].to(torch.float64).flatten(0, -2)
+    else:
+        raise ValueError(f"site `{spec['name']}`: a {kind} site has one column; it is rebuilt, not sketched")
+    return g.T @ (a @ v), g.abs().T @ (a.abs() @ av)
+
+
 def low_precision_rounds(spec: Mapping[str, Any], ts: Mapping[str, torch.Tensor], site_dtype: torch.dtype,
                          rows: tuple[int, int] | None = None) -> torch.Tensor | None:
     """The roundings per entry a low-precision backward of this kind adds, where the kind has its
