@@ -73,6 +73,28 @@ def per_example_loss(model, ids):
     return loss.view(ids.shape[0], -1).mean(1)
 
 
+def timed_stages():
+    """Wraps the exporter's stages in timers (seconds each, in the dict returned)."""
+    import ghost_oracle.export.trace as trace
+
+    stages = {}
+
+    def timed(module, name):
+        inner = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                stages[f"{name}_s"] = stages.get(f"{name}_s", 0.0) + time.perf_counter() - t0
+        setattr(module, name, wrapper)
+
+    for name in ("_record_batch", "_find_layouts", "self_check", "save_file"):
+        timed(trace, name)
+    return stages
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("phase", choices=["train", "export"])
@@ -115,9 +137,14 @@ def main():
 
         with open(stem + ".norms.json") as f:
             norms = json.load(f)
+        stages = timed_stages()
         t0 = time.perf_counter()
         export_trace(model, per_example_loss, ids, stem + ".safetensors", claimed_norms=norms, max_grad_norm=1.0)
         out["export_s"] = round(time.perf_counter() - t0, 2)
+        # where the time went: the probes and the self-check, each timed by a wrapper; the
+        # forward and the batch's backward are the recording's time less the probes'
+        stages["forward+backward_s"] = stages.pop("_record_batch_s") - stages["_find_layouts_s"]
+        out["stages"] = {k.strip("_"): round(v, 2) for k, v in stages.items()}
         out["trace_bytes"] = os.path.getsize(stem + ".safetensors")
     print(json.dumps(out))
 
