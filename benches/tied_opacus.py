@@ -9,6 +9,8 @@ the steps) and peak resident memory (the child's ru_maxrss).
     PYTHONPATH=python python3 benches/tied_opacus.py --shape gpt2 --batch 8 16 --seq 256
     PYTHONPATH=python python3 benches/tied_opacus.py --shape llama-1b --batch 2 --seq 128
     PYTHONPATH=python python3 benches/tied_opacus.py --device cuda      # adds torch.cuda.max_memory_allocated
+    PYTHONPATH=python python3 benches/tied_opacus.py --batch 8 --variants untied+ghost tied+plugin --rounds 3
+                                                   # alternated A B A B A B, on a machine whose speed drifts
 
 Random weights (the cost does not depend on them); the batch is random token ids; the loss is each
 example's mean next-token cross entropy. Prints a Markdown table.
@@ -126,6 +128,7 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the variants' processes this many times")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
@@ -134,7 +137,8 @@ def main():
         child(args)
         return
     cuda = args.device.startswith("cuda")
-    print(f"shape {args.shape}, T = {args.seq}, {args.steps} steps per variant (median), device {args.device}, "
+    print(f"shape {args.shape}, T = {args.seq}, {args.steps} steps per variant and round, {args.rounds} round(s), "
+          f"median of all, device {args.device}, "
           f"{os.cpu_count()} CPU cores, torch threads = cores", flush=True)
     memory = "peak GPU memory allocated (GiB)" if cuda else "peak RSS (GiB)"
     print(f"| B | variant | parameters | step (s, median) | steps (s) | {memory} | time vs untied+ghost | "
@@ -143,22 +147,36 @@ def main():
     key = "gpu_gib" if cuda else "peak_rss_gib"
     for batch in args.batch:
         rows = {}
+        # --rounds N: the variants' processes alternate N times (A B A B ...), each round's steps
+        # pooled, so that a machine that gets slower or faster during the run moves every variant
+        # alike instead of whichever ran then
+        for _ in range(args.rounds):
+            for variant in args.variants:
+                cmd = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--batch", str(batch),
+                       "--seq", str(args.seq), "--steps", str(args.steps), "--variant", variant,
+                       "--device", args.device]
+                done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    rows[variant] = {"failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+                    continue
+                r = json.loads(done.stdout.strip().splitlines()[-1])
+                if variant in rows and "failed" not in rows[variant]:
+                    r["times"] = rows[variant]["times"] + r["times"]
+                    r[key] = max(r[key], rows[variant][key])
+                rows[variant] = r
         for variant in args.variants:
-            cmd = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--batch", str(batch),
-                   "--seq", str(args.seq), "--steps", str(args.steps), "--variant", variant, "--device", args.device]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                print(f"| {batch} | {variant} | failed: {done.stderr.strip().splitlines()[-1:]} |||||||", flush=True)
-                continue
-            rows[variant] = json.loads(done.stdout.strip().splitlines()[-1])
             r = rows[variant]
+            if "failed" in r:
+                print(f"| {batch} | {variant} | failed: {r['failed']} |||||||", flush=True)
+                continue
+            r["median_s"] = statistics.median(r["times"])
             base = rows.get("untied+ghost")
-            ratio_t = f"{r['median_s'] / base['median_s']:.3f}×" if base else "–"
-            ratio_m = f"{r[key] / base[key]:.3f}×" if base else "–"
+            ok = base is not None and "failed" not in base
+            ratio_t = f"{r['median_s'] / base['median_s']:.3f}×" if ok else "–"
+            ratio_m = f"{r[key] / base[key]:.3f}×" if ok else "–"
             steps = ", ".join(f"{s:.1f}" for s in r["times"])
             print(f"| {batch} | {variant} | {r['params'] / 1e6:.1f} M | {r['median_s']:.2f} | {steps} | "
                   f"{r[key]:.2f} | {ratio_t} | {ratio_m} |", flush=True)
-
 
 if __name__ == "__main__":
     main()
