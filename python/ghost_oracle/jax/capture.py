@@ -1,45 +1,96 @@
 """Capture: every call of a modelled module method (`kinds/`) is seen by `nn.intercept_methods`,
-which records the arguments its kind reads and passes the output through `Module.perturb`, so
-that the gradient of the summed loss with respect to that output (each example's own output
-gradient, since examples do not mix) comes back from one `jax.grad`. Each call gets its own
-perturbation, named by the module's path, method and call count: a module called twice (a tied
-head, a layer reused) is two uses, not one summed gradient.
+which records the arguments its kind reads and adds to its output a perturbation of its own
+(zeros), so that the gradient of the summed loss with respect to that output (each example's own
+output gradient, since examples do not mix) comes back from one `jax.grad`. Each call gets its
+own perturbation, named by the module's path, method and call count: a module called twice (a
+tied head, a layer reused) is two uses, not one summed gradient.
 
 Two passes of `per_example_loss`: the first, without any transformation, records concrete
 inputs and creates the perturbations; the second differentiates the summed loss with respect to
-the parameters (the batch gradient the self-check compares with) and to the perturbations."""
+the parameters (the batch gradient the self-check compares with) and to the perturbations.
+
+`nn.scan` over layers: during the capture, Flax's scan primitive (`flax.core.axes_scan.scan`) is
+replaced by `LayerLoop`, which runs the scan's body once per layer in a Python loop, as
+`jax.lax.scan` itself does under `jax.disable_jit()`, with the same slices of the stacked
+variables and inputs. Each layer's calls are then ordinary calls with concrete inputs and a
+perturbation of their own, and each is tagged with its layer, so that the stacked parameter
+`layers.attn.q.kernel` (L×…) is written as the L parameters `layers.attn.q.kernel[l]`
+(`split_layers`). A scan the loop cannot replay exactly (its parameters broadcast or carried
+rather than stacked on axis 0, outputs broadcast out of the body) is refused by name, as is a
+modelled call under any other transformation inside the model (`nn.vmap`, `nn.remat`, a jit that
+`jax.disable_jit` does not reach)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import itertools
+import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import axes_scan
 
 from ..trace_file import TraceExportError
 from .kinds import handler_for
 from .sites import Call
 
-# The collection the output perturbations live in: its own name, so that a model's own
-# `perturbations` are left alone.
-COLLECTION = "ghost_oracle_outputs"
+_LAYER = re.compile(r"\[\d+\]$")
 
 PerExampleLoss = Callable[[Callable[..., Any], Any], Any]
 
+# what a tracer met in the first pass (which runs without any transformation) says about the
+# transformation inside the model that made it
+_TRANSFORMS = {"BatchTracer": "nn.vmap or jax.vmap", "JVPTracer": "a jvp or grad",
+               "DynamicJaxprTracer": "nn.remat, jax.checkpoint, a jit or a custom transformation",
+               "JaxprTracer": "a partial evaluation (jax.linearize, a custom transformation)"}
 
+
+@dataclass
+class _Layer:
+    """One iteration of a replayed nn.scan: its layer index, the scan's length, the path of the
+    scanned module (known at its first call) and, for a scan that cannot be replayed, why."""
+
+    index: int
+    length: int
+    refusal: str | None = None
+    prefix: tuple[str, ...] | None = None
+
+
+@dataclass
 class _Recorder:
-    def __init__(self, batch: int, recording: bool) -> None:
-        self.batch = batch
-        self.recording = recording
-        self.calls: list[Call] = []
-        self.counts: dict[tuple[tuple[str, ...], str], int] = {}
+    batch: int
+    recording: bool
+    perturbations: dict[str, Any] = field(default_factory=dict)
+    calls: list[Call] = field(default_factory=list)
+    counts: dict[tuple[tuple[str, ...], str], int] = field(default_factory=dict)
+    layers: list[_Layer] = field(default_factory=list)
+    scans: dict[tuple[str, ...], int] = field(default_factory=dict)  # scanned module path -> L
+
+    def _enter_layer(self, path: tuple[str, ...]) -> None:
+        """The first call inside a scan iteration is the scanned module's own: its path is the
+        prefix of the stacked parameters."""
+        layer = self.layers[-1]
+        layer.prefix = path
+        name = ".".join(path) or "<root>"
+        if layer.refusal is not None:
+            raise TraceExportError(f"module `{name}` is an nn.scan whose {layer.refusal}; the exporter replays a "
+                                   "scan whose parameters are stacked on axis 0 (variable_axes={'params': 0}), "
+                                   "one layer per index, and refuses this one rather than write a wrong trace")
+        if self.scans.setdefault(path, layer.length) != layer.length:
+            raise TraceExportError(f"module `{name}`: scanned with lengths {self.scans[path]} and {layer.length}")
+
+    def layer_of(self, path: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(f.index for f in self.layers if f.prefix is not None and path[:len(f.prefix)] == f.prefix)
 
     def intercept(self, next_fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                   context: Any) -> Any:
         module = context.module
+        if self.layers and self.layers[-1].prefix is None:
+            self._enter_layer(tuple(str(p) for p in module.scope.path))
         handler = handler_for(module, context.method_name)
         if handler is None:
             return next_fun(*args, **kwargs)
@@ -48,7 +99,9 @@ class _Recorder:
         key = (path, context.method_name)
         k = self.counts.get(key, 0)
         self.counts[key] = k + 1
-        where = f"module `{'.'.join(path) or '<root>'}` ({type(module).__name__}.{context.method_name})"
+        layer = self.layer_of(path)
+        where = (f"module `{'.'.join(path) or '<root>'}` ({type(module).__name__}.{context.method_name}"
+                 + "".join(f", layer {i}" for i in layer) + ")")
         if not isinstance(out, (jax.Array, np.ndarray)):
             raise TraceExportError(f"{where} returned a {type(out).__name__}, not an array")
         recorded = handler.record(args, kwargs)
@@ -59,22 +112,116 @@ class _Recorder:
             recorded = tuple(jnp.broadcast_to(a, (self.batch, *a.shape[1:]))
                              if isinstance(a, (jax.Array, np.ndarray)) and a.ndim >= 1 and a.shape[0] == 1 else a
                              for a in recorded)
-        out = module.perturb(f"{context.method_name}@{k}", out, collection=COLLECTION)
+        name = f"{'.'.join(path)}:{context.method_name}@{k}"
         if self.recording:
-            arrays = [a for a in recorded if isinstance(a, (jax.Array, np.ndarray))]
-            if any(isinstance(a, jax.core.Tracer) for a in arrays):
+            arrays = [a for a in (*recorded, out) if isinstance(a, (jax.Array, np.ndarray))]
+            traced = [a for a in arrays if isinstance(a, jax.core.Tracer)]
+            if traced:
+                by = _TRANSFORMS.get(type(traced[0]).__name__, f"a transformation ({type(traced[0]).__name__})")
                 raise TraceExportError(
-                    f"{where} was called under a JAX transformation (nn.scan, nn.vmap, jit or a custom one inside "
-                    "the model): its inputs are traced values, not one per example, and the exporter refuses to "
-                    "guess how the transformation maps them to examples. Unroll the layers for the trace")
-            own = {name: np.asarray(v) for name, v in module.variables.get("params", {}).items()
+                    f"{where} was called under {by} inside the model: its inputs are traced values, not one per "
+                    "example, and the exporter refuses to guess how the transformation maps them to examples "
+                    "(nn.scan over layers with variable_axes={'params': 0} is replayed layer by layer; unroll "
+                    "other transformations for the trace)")
+            self.perturbations[name] = jnp.zeros(out.shape, out.dtype)
+            own = {n: np.asarray(v) for n, v in module.variables.get("params", {}).items()
                    if isinstance(v, (jax.Array, np.ndarray))}
             self.calls.append(Call(path=path, cls=type(module).__name__, method=context.method_name, index=k,
                                    args=tuple(np.asarray(a) if isinstance(a, (jax.Array, np.ndarray)) else a
                                               for a in recorded),
                                    out_dtype=np.dtype(out.dtype), out_shape=tuple(out.shape),
-                                   module=module.clone(parent=None), params=own))
-        return out
+                                   module=module.clone(parent=None), params=own, layer=layer, key=name))
+        if name not in self.perturbations:
+            raise TraceExportError(f"{where}: called in the gradient pass but not in the recording pass; "
+                                   "per_example_loss must run the same forward each time")
+        return out + self.perturbations[name]
+
+
+def _scan_refusal(broadcast_in: Any, carry: Any, args: tuple[Any, ...], in_axes: Any, out_axes: Any) -> str | None:
+    """Why a Flax scan cannot be replayed layer by layer as stacked parameters, or None. The
+    arguments are those `flax.core.lift.scan` passes to `axes_scan.scan`: the broadcast
+    variables, (carried variables, carry), and (scanned variable groups, rngs, xs) with their
+    axes."""
+    def holds_params(group: Any) -> bool:  # a group: a tuple of {collection: variables}, one per scope
+        if isinstance(group, Mapping):
+            return bool(jax.tree_util.tree_leaves(group.get("params", {})))
+        return isinstance(group, (tuple, list)) and any(holds_params(g) for g in group)
+
+    if holds_params(broadcast_in):
+        return "parameters are broadcast to every layer (variable_broadcast holds 'params')"
+    if isinstance(carry, tuple) and carry and holds_params(carry[0]):
+        return "parameters are carried from layer to layer (variable_carry holds 'params')"
+    groups, _, _ = args
+    for group, axis in zip(groups, in_axes[0], strict=True):
+        if holds_params(group) and axis != 0:
+            return f"parameters are stacked on axis {axis} (variable_axes={{'params': {axis}}}), not 0"
+    if any(a is axes_scan.broadcast for a in jax.tree_util.tree_leaves(out_axes)):
+        return "outputs are broadcast out of the body (out_axes=nn.broadcast)"
+    return None
+
+
+def _layer_loop(recorder: _Recorder) -> Callable[..., Callable[..., Any]]:
+    """`axes_scan.scan`'s signature, running the body once per layer in a Python loop: the
+    iteration `jax.lax.scan` runs under `jax.disable_jit()` (the same `index_in_dim` slices,
+    stacked on the scan axis after), without the partial evaluation Flax runs first to find
+    broadcast outputs, which the loop refuses."""
+    def scan(fn: Callable[..., Any], in_axes: Any, out_axes: Any, length: int | None = None, reverse: bool = False,
+             unroll: int = 1, _split_transpose: bool = False, check_constancy_invariants: bool = True
+             ) -> Callable[..., Any]:
+        def loop(broadcast_in: Any, init: Any, *args: Any) -> Any:
+            refusal = _scan_refusal(broadcast_in, init, args, in_axes, out_axes)
+
+            def sizes(ax: Any, arg: Any) -> list[int]:
+                if ax is axes_scan.broadcast:
+                    return []
+                return [int(x.shape[ax]) for x in jax.tree_util.tree_leaves(arg)]
+
+            found = set(itertools.chain.from_iterable(
+                jax.tree_util.tree_leaves(jax.tree_util.tree_map(sizes, in_axes, args),
+                                          is_leaf=lambda x: isinstance(x, list))))
+            n = length if length is not None else (found.pop() if len(found) == 1 else None)
+            if n is None or n < 1:
+                raise TraceExportError(f"an nn.scan of length {n} (scanned axes of sizes {sorted(found)}): the "
+                                       "exporter replays scans of one known positive length")
+
+            def take(i: int) -> Any:
+                return jax.tree_util.tree_map(
+                    lambda ax, arg: arg if ax is axes_scan.broadcast else jax.tree_util.tree_map(
+                        lambda x: jax.lax.index_in_dim(x, i, ax, keepdims=False), arg), in_axes, args)
+
+            carry = init
+            ys = []
+            order = range(n - 1, -1, -1) if reverse else range(n)
+            for i in order:
+                recorder.layers.append(_Layer(index=i, length=n, refusal=refusal))
+                try:
+                    _, carry, y = fn(broadcast_in, carry, *take(i))
+                finally:
+                    layer = recorder.layers.pop()
+                if layer.prefix is None and refusal is not None:
+                    raise TraceExportError(f"an nn.scan whose {refusal}: refused")
+                ys.append(y)
+            if reverse:
+                ys.reverse()
+            stacked = jax.tree_util.tree_map(
+                lambda ax, *per_layer: jax.tree_util.tree_map(lambda *xs: jnp.stack(xs, axis=ax), *per_layer),
+                out_axes, *ys)
+            return broadcast_in, carry, stacked
+
+        return loop
+
+    return scan
+
+
+@contextmanager
+def _scans_as_loops(recorder: _Recorder) -> Iterator[None]:
+    """`flax.core.lift.scan` reads `axes_scan.scan` when the scan runs: replaced for the capture."""
+    original = axes_scan.scan
+    axes_scan.scan = _layer_loop(recorder)
+    try:
+        yield
+    finally:
+        axes_scan.scan = original
 
 
 @dataclass
@@ -82,20 +229,19 @@ class Captured:
     calls: list[Call]
     losses: np.ndarray
     param_grads: Any  # the params pytree's batch gradient of the summed (unpadded) loss
+    scans: dict[tuple[str, ...], int]  # the path of each module scanned over layers -> its length
 
 
-def _apply_fn(model: nn.Module, variables: dict[str, Any], recorder: _Recorder, mutated: dict[str, Any],
-              applied: list[int]) -> Callable[..., Any]:
+def _apply_fn(model: nn.Module, variables: dict[str, Any], recorder: _Recorder, applied: list[int]
+              ) -> Callable[..., Any]:
     def apply(*args: Any, **kwargs: Any) -> Any:
         if "mutable" in kwargs:
             raise ValueError("apply: `mutable` is set by the exporter; per_example_loss may not pass it")
         if applied:
             raise ValueError("per_example_loss called apply more than once; the exporter traces one forward")
         applied.append(1)
-        with nn.intercept_methods(recorder.intercept):
-            out, state = model.apply(variables, *args, mutable=[COLLECTION], **kwargs)
-        mutated.update(state)
-        return out
+        with nn.intercept_methods(recorder.intercept), _scans_as_loops(recorder):
+            return model.apply(variables, *args, **kwargs)
     return apply
 
 
@@ -111,27 +257,21 @@ def capture(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inp
             weights: np.ndarray) -> Captured:
     """Records every modelled call on `inputs` and the gradients of Σ_i weights_i·loss_i."""
     first = _Recorder(batch, recording=True)
-    mutated: dict[str, Any] = {}
     # jit inside the model (the gemma package jits its Transformer's __call__) would hand the
     # interceptor traced values; the passes run eagerly, with the model's own arithmetic
     with jax.disable_jit():
-        _losses(per_example_loss(_apply_fn(model, {"params": params}, first, mutated, []), inputs), batch)
-    perturbations = mutated.get(COLLECTION, {})
+        _losses(per_example_loss(_apply_fn(model, {"params": params}, first, []), inputs), batch)
 
-    def total(p: Any, perts: Any) -> tuple[jax.Array, jax.Array]:
-        rec = _Recorder(batch, recording=False)
-        losses = _losses(per_example_loss(_apply_fn(model, {"params": p, COLLECTION: perts}, rec, {}, []), inputs),
-                         batch)
+    def total(p: Any, perts: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+        rec = _Recorder(batch, recording=False, perturbations=perts)
+        losses = _losses(per_example_loss(_apply_fn(model, {"params": p}, rec, []), inputs), batch)
         return jnp.sum(losses * jnp.asarray(weights, dtype=losses.dtype)), losses
 
     with jax.disable_jit():
-        (g_params, g_perts), losses = jax.grad(total, argnums=(0, 1), has_aux=True)(params, perturbations)
+        (g_params, g_perts), losses = jax.grad(total, argnums=(0, 1), has_aux=True)(params, first.perturbations)
     for call in first.calls:
-        node: Any = g_perts
-        for part in call.path:
-            node = node[part]
-        call.grad = np.asarray(node[f"{call.method}@{call.index}"])
-    return Captured(first.calls, np.asarray(losses), g_params)
+        call.grad = np.asarray(g_perts[call.key])
+    return Captured(first.calls, np.asarray(losses), g_params, dict(first.scans))
 
 
 def flat_params(tree: Any, what: str) -> dict[str, Any]:
@@ -148,4 +288,28 @@ def flat_params(tree: Any, what: str) -> dict[str, Any]:
             out[".".join(prefix)] = node
 
     walk(tree, ())
+    return out
+
+
+def layer_name(name: str, layer: tuple[int, ...]) -> str:
+    """Layer l of the stacked parameter `name`: `name[l]` (`name[l][m]` for a scan in a scan)."""
+    return name + "".join(f"[{i}]" for i in layer)
+
+
+def split_layers(flat: Mapping[str, Any], scans: Mapping[tuple[str, ...], int], what: str) -> dict[str, Any]:
+    """`flat` ({name: array}) with each parameter stacked by nn.scan split into its layers
+    (`name[l]` for each l, the slice on the leading axis); the others as they are."""
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        outer = sorted((p for p in scans if name.startswith(".".join(p) + ".")), key=len)
+        if not outer or _LAYER.search(name):  # none stacked, or one layer given already
+            out[name] = value
+            continue
+        lengths = tuple(scans[p] for p in outer)
+        arr = value if hasattr(value, "shape") else np.asarray(value)
+        if tuple(arr.shape[:len(lengths)]) != lengths:
+            raise ValueError(f"{what}: the array for `{name}` has shape {list(arr.shape)}; the parameter is stacked "
+                             f"by nn.scan over {' × '.join(map(str, lengths))} layers, on its leading axes")
+        for index in itertools.product(*(range(n) for n in lengths)):
+            out[layer_name(name, index)] = arr[index]
     return out
