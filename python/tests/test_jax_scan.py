@@ -209,3 +209,44 @@ def test_nn_vmap_over_the_batch_is_refused_by_name(tmp_path):
     with pytest.raises(TraceExportError, match=r"module `dense` \(Dense.__call__\) was called under nn.vmap"):
         export_trace(model, params, lambda apply, x: apply(x) ** 2, x, tmp_path / "t.safetensors",
                      claimed_norms=np.ones(3), max_grad_norm=1.0)
+
+
+class _Inner(nn.Module):
+    @nn.compact
+    def __call__(self, c, _):
+        return jnp.tanh(nn.Dense(4, name="dense")(c)), None
+
+
+class _Outer(nn.Module):
+    @nn.compact
+    def __call__(self, c, _):
+        inner = nn.scan(_Inner, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        c, _ = inner(name="inner")(c, None)
+        return nn.LayerNorm(name="ln")(c), None
+
+
+class ScanInScan(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        outer = nn.scan(_Outer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+        return outer(name="outer")(x, None)[0].sum(-1)
+
+
+def test_a_scan_in_a_scan_is_split_on_both_axes(tmp_path):
+    model = ScanInScan()
+    x = INPUTS[0]
+    params = model.init(jax.random.key(1), x)["params"]
+    assert params["outer"]["inner"]["dense"]["kernel"].shape == (2, 3, 4, 4)
+
+    def loss(apply, x):
+        return apply(x) ** 2
+
+    norms = norms_of(per_example_grads(model, params, loss, x))
+    path = tmp_path / "nested.safetensors"
+    specs = export_trace(model, params, loss, x, path, claimed_norms=norms, max_grad_norm=float(np.median(norms)))
+    names = {s["name"] for s in specs}
+    assert {f"outer.inner.dense.kernel[{i}][{j}]" for i in range(2) for j in range(3)} <= names
+    assert {"outer.ln.scale[0]", "outer.ln.scale[1]"} <= names
+    report = ghost_oracle.check(str(path))
+    assert report.passed, report.explain()
+    np.testing.assert_allclose(report.true_norms, norms, rtol=1e-5)
