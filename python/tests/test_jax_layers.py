@@ -1,6 +1,7 @@
 """The JAX exporter's linear kinds: nn.Einsum with an N-D kernel and a bias (one linear site,
 the claimed step permuted to match), nn.Conv (a linear site over unfolded patches), and bf16
-and f16 models judged at their own precision, each against per-example gradients from jax.vmap(jax.grad(...))."""
+and f16 models judged at their own precision, each against per-example gradients from
+jax.vmap(jax.grad(...))."""
 import pytest
 
 jax = pytest.importorskip("jax")
