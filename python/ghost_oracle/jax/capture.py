@@ -9,22 +9,14 @@ Two passes of `per_example_loss`: the first, without any transformation, records
 inputs and creates the perturbations; the second differentiates the summed loss with respect to
 the parameters (the batch gradient the self-check compares with) and to the perturbations.
 
-`nn.scan` over layers: during the capture, Flax's scan primitive (`flax.core.axes_scan.scan`) is
-replaced by `LayerLoop`, which runs the scan's body once per layer in a Python loop, as
-`jax.lax.scan` itself does under `jax.disable_jit()`, with the same slices of the stacked
-variables and inputs. Each layer's calls are then ordinary calls with concrete inputs and a
-perturbation of their own, and each is tagged with its layer, so that the stacked parameter
-`layers.attn.q.kernel` (L×…) is written as the L parameters `layers.attn.q.kernel[l]`
-(`split_layers`). A scan the loop cannot replay exactly (its parameters broadcast or carried
-rather than stacked on axis 0, outputs broadcast out of the body) is refused by name, as is a
-modelled call under any other transformation inside the model (`nn.vmap`, `nn.remat`, a jit that
-`jax.disable_jit` does not reach)."""
+`nn.scan` over layers (`scan.py`): during the capture, Flax's scan runs as a Python loop over
+the layers, each layer's calls tagged with their layer, so that the stacked parameter
+`layers.attn.q.kernel` (L×…) is written as the L parameters `layers.attn.q.kernel[l]`. A scan
+the loop cannot replay exactly is refused by name, as is a modelled call under any other
+transformation inside the model (`nn.vmap`, `nn.remat`, a jit that `jax.disable_jit` does not reach)."""
 from __future__ import annotations
 
-import itertools
-import re
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +24,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.core import axes_scan
 
 from ..trace_file import TraceExportError
 from .kinds import handler_for
+from .scan import Layer, scans_as_loops
 from .sites import Call
-
-_LAYER = re.compile(r"\[\d+\]$")
 
 PerExampleLoss = Callable[[Callable[..., Any], Any], Any]
 
@@ -50,24 +40,13 @@ _TRANSFORMS = {"BatchTracer": "nn.vmap or jax.vmap", "JVPTracer": "a jvp or grad
 
 
 @dataclass
-class _Layer:
-    """One iteration of a replayed nn.scan: its layer index, the scan's length, the path of the
-    scanned module (known at its first call) and, for a scan that cannot be replayed, why."""
-
-    index: int
-    length: int
-    refusal: str | None = None
-    prefix: tuple[str, ...] | None = None
-
-
-@dataclass
 class _Recorder:
     batch: int
     recording: bool
     perturbations: dict[str, Any] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
     counts: dict[tuple[tuple[str, ...], str], int] = field(default_factory=dict)
-    layers: list[_Layer] = field(default_factory=list)
+    layers: list[Layer] = field(default_factory=list)
     scans: dict[tuple[str, ...], int] = field(default_factory=dict)  # scanned module path -> L
 
     def _enter_layer(self, path: tuple[str, ...]) -> None:
@@ -137,96 +116,6 @@ class _Recorder:
         return out + self.perturbations[name]
 
 
-def _scan_refusal(broadcast_in: Any, carry: Any, args: tuple[Any, ...], in_axes: Any, out_axes: Any) -> str | None:
-    """Why a Flax scan cannot be replayed layer by layer as stacked parameters, or None. The
-    arguments are those `flax.core.lift.scan` passes to `axes_scan.scan`: the broadcast
-    variables, (carried variables, carry), and (scanned variable groups, rngs, xs) with their
-    axes."""
-    if len(args) != 3 or not isinstance(in_axes, tuple) or len(in_axes) != 3:
-        return "body is not the (variables, rngs, xs) one flax.core.lift.scan builds"
-
-    def holds_params(group: Any) -> bool:  # a group: a tuple of {collection: variables}, one per scope
-        if isinstance(group, Mapping):
-            return bool(jax.tree_util.tree_leaves(group.get("params", {})))
-        return isinstance(group, (tuple, list)) and any(holds_params(g) for g in group)
-
-    if holds_params(broadcast_in):
-        return "parameters are broadcast to every layer (variable_broadcast holds 'params')"
-    if isinstance(carry, tuple) and carry and holds_params(carry[0]):
-        return "parameters are carried from layer to layer (variable_carry holds 'params')"
-    groups, _, _ = args
-    for group, axis in zip(groups, in_axes[0], strict=True):
-        if holds_params(group) and axis != 0:
-            return f"parameters are stacked on axis {axis} (variable_axes={{'params': {axis}}}), not 0"
-    if any(a is axes_scan.broadcast for a in jax.tree_util.tree_leaves(out_axes)):
-        return "outputs are broadcast out of the body (out_axes=nn.broadcast)"
-    return None
-
-
-def _layer_loop(recorder: _Recorder) -> Callable[..., Callable[..., Any]]:
-    """`axes_scan.scan`'s signature, running the body once per layer in a Python loop: the
-    iteration `jax.lax.scan` runs under `jax.disable_jit()` (the same `index_in_dim` slices,
-    stacked on the scan axis after), without the partial evaluation Flax runs first to find
-    broadcast outputs, which the loop refuses."""
-    def scan(fn: Callable[..., Any], in_axes: Any, out_axes: Any, length: int | None = None, reverse: bool = False,
-             unroll: int = 1, _split_transpose: bool = False, check_constancy_invariants: bool = True
-             ) -> Callable[..., Any]:
-        def loop(broadcast_in: Any, init: Any, *args: Any) -> Any:
-            refusal = _scan_refusal(broadcast_in, init, args, in_axes, out_axes)
-
-            def sizes(ax: Any, arg: Any) -> list[int]:
-                if ax is axes_scan.broadcast:
-                    return []
-                return [int(x.shape[ax]) for x in jax.tree_util.tree_leaves(arg)]
-
-            found = set(itertools.chain.from_iterable(
-                jax.tree_util.tree_leaves(jax.tree_util.tree_map(sizes, in_axes, args),
-                                          is_leaf=lambda x: isinstance(x, list))))
-            n = length if length is not None else (found.pop() if len(found) == 1 else None)
-            if n is None or n < 1:
-                raise TraceExportError(f"an nn.scan of length {n} (scanned axes of sizes {sorted(found)}): the "
-                                       "exporter replays scans of one known positive length")
-
-            def take(i: int) -> Any:
-                return jax.tree_util.tree_map(
-                    lambda ax, arg: arg if ax is axes_scan.broadcast else jax.tree_util.tree_map(
-                        lambda x: jax.lax.index_in_dim(x, i, ax, keepdims=False), arg), in_axes, args)
-
-            carry = init
-            ys = []
-            order = range(n - 1, -1, -1) if reverse else range(n)
-            for i in order:
-                recorder.layers.append(_Layer(index=i, length=n, refusal=refusal))
-                try:
-                    _, carry, y = fn(broadcast_in, carry, *take(i))
-                finally:
-                    layer = recorder.layers.pop()
-                if layer.prefix is None and refusal is not None:
-                    raise TraceExportError(f"an nn.scan whose {refusal}: refused")
-                ys.append(y)
-            if reverse:
-                ys.reverse()
-            stacked = jax.tree_util.tree_map(
-                lambda ax, *per_layer: jax.tree_util.tree_map(lambda *xs: jnp.stack(xs, axis=ax), *per_layer),
-                out_axes, *ys)
-            return broadcast_in, carry, stacked
-
-        return loop
-
-    return scan
-
-
-@contextmanager
-def _scans_as_loops(recorder: _Recorder) -> Iterator[None]:
-    """`flax.core.lift.scan` reads `axes_scan.scan` when the scan runs: replaced for the capture."""
-    original = axes_scan.scan
-    axes_scan.scan = _layer_loop(recorder)
-    try:
-        yield
-    finally:
-        axes_scan.scan = original
-
-
 @dataclass
 class Captured:
     calls: list[Call]
@@ -243,7 +132,7 @@ def _apply_fn(model: nn.Module, variables: dict[str, Any], recorder: _Recorder, 
         if applied:
             raise ValueError("per_example_loss called apply more than once; the exporter traces one forward")
         applied.append(1)
-        with nn.intercept_methods(recorder.intercept), _scans_as_loops(recorder):
+        with nn.intercept_methods(recorder.intercept), scans_as_loops(recorder.layers):
             return model.apply(variables, *args, **kwargs)
     return apply
 
@@ -294,28 +183,4 @@ def flat_params(tree: Any, what: str) -> dict[str, Any]:
             out[".".join(prefix)] = node
 
     walk(tree, ())
-    return out
-
-
-def layer_name(name: str, layer: tuple[int, ...]) -> str:
-    """Layer l of the stacked parameter `name`: `name[l]` (`name[l][m]` for a scan in a scan)."""
-    return name + "".join(f"[{i}]" for i in layer)
-
-
-def split_layers(flat: Mapping[str, Any], scans: Mapping[tuple[str, ...], int], what: str) -> dict[str, Any]:
-    """`flat` ({name: array}) with each parameter stacked by nn.scan split into its layers
-    (`name[l]` for each l, the slice on the leading axis); the others as they are."""
-    out: dict[str, Any] = {}
-    for name, value in flat.items():
-        outer = sorted((p for p in scans if name.startswith(".".join(p) + ".")), key=len)
-        if not outer or _LAYER.search(name):  # none stacked, or one layer given already
-            out[name] = value
-            continue
-        lengths = tuple(scans[p] for p in outer)
-        arr = value if hasattr(value, "shape") else np.asarray(value)
-        if tuple(arr.shape[:len(lengths)]) != lengths:
-            raise ValueError(f"{what}: the array for `{name}` has shape {list(arr.shape)}; the parameter is stacked "
-                             f"by nn.scan over {' × '.join(map(str, lengths))} layers, on its leading axes")
-        for index in itertools.product(*(range(n) for n in lengths)):
-            out[layer_name(name, index)] = arr[index]
     return out

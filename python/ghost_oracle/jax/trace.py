@@ -15,9 +15,10 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ..trace_file import PRECISION_NAMES, TraceExportError, number, step_rule, trace_metadata
-from .capture import PerExampleLoss, capture, flat_params, split_layers
+from .capture import PerExampleLoss, capture, flat_params
 from .check import STORAGE, self_check, unit_roundoff
 from .kinds import handler_for
+from .scan import split_layers
 from .sites import Site
 
 # `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
