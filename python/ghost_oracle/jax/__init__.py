@@ -14,9 +14,13 @@ Modelled, by exact class: `nn.Dense`, `nn.DenseGeneral`, `nn.Einsum` (N-D kernel
 one linear site), `nn.Embed` and `Embed.attend` (a tied head: two sites of one parameter),
 `nn.LayerNorm`, `nn.RMSNorm` (also applied per head), `nn.Conv`, and the `gemma` package's
 `Einsum`, `RMSNorm` and `Embedder.encode` / `decode`. Every call is a use of its own. A
-parameter is named by its Flax path joined with '.' (`block_0.attn.q.kernel`). Anything else
-that receives a gradient, and a modelled module called under a transformation inside the model
-(`nn.scan`, `nn.vmap`), is refused by name, never written as a wrong trace."""
+parameter is named by its Flax path joined with '.' (`block_0.attn.q.kernel`). `nn.scan` over
+layers with `variable_axes={"params": 0}` is replayed layer by layer: a stacked parameter L×… is
+written as L parameters, `layers.attn.q.kernel[l]` for layer l (claimed step tensors are given
+stacked and split the same way). Anything else that receives a gradient, a scan whose
+parameters are broadcast, carried or stacked on another axis, and a modelled module called under
+another transformation inside the model (`nn.vmap`, `nn.remat`), is refused by name, never
+written as a wrong trace."""
 from ..trace_file import FORMAT, TraceExportError
 from .gate import assert_norms, assert_update
 from .trace import UNCLAIMED, export_trace

@@ -31,7 +31,7 @@ class Call:
     """One call of a modelled module method: its path in the model, the arguments the handler
     reads (concrete arrays, and static values such as an einsum equation), its output's shape
     and dtype, the gradient of the summed loss with respect to that output (per example, since
-    examples do not mix), and the module's own parameters."""
+    examples do not mix), and the module's own parameters (under nn.scan, its layer's slice)."""
 
     path: tuple[str, ...]
     cls: str
@@ -43,14 +43,20 @@ class Call:
     module: Any  # an unbound clone of the module, for a replay
     params: dict[str, np.ndarray] = field(default_factory=dict)
     grad: np.ndarray | None = None
+    # the layer of each nn.scan over layers the call is inside, outermost first: its parameters
+    # are those layers' slices of the stacked ones
+    layer: tuple[int, ...] = ()
+    key: str = ""  # the name of the call's output perturbation
 
     @property
     def where(self) -> str:
         name = ".".join(self.path) or "<root>"
-        return f"module `{name}` ({self.cls}.{self.method})"
+        return f"module `{name}` ({self.cls}.{self.method}{''.join(f', layer {i}' for i in self.layer)})"
 
     def param(self, name: str) -> str:
-        return ".".join((*self.path, name))
+        """The trace's name of the module's parameter `name`: the Flax path joined with '.', and
+        under nn.scan the layer's slice of the stacked parameter, `layers.attn.q.kernel[l]`."""
+        return ".".join((*self.path, name)) + "".join(f"[{i}]" for i in self.layer)
 
 
 @dataclass

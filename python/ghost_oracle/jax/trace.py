@@ -18,6 +18,7 @@ from ..trace_file import PRECISION_NAMES, TraceExportError, number, step_rule, t
 from .capture import PerExampleLoss, capture, flat_params
 from .check import STORAGE, self_check, unit_roundoff
 from .kinds import handler_for
+from .scan import split_layers
 from .sites import Site
 
 # `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
@@ -51,11 +52,13 @@ def _site_names(sites: list[Site]) -> None:
         s.name = s.param if k == 0 else f"{s.param}@{k}"
 
 
-def _step_tensors(what: str, given: Any, sites: list[Site], parameters: dict[str, int]) -> dict[str, np.ndarray]:
+def _step_tensors(what: str, given: Any, sites: list[Site], parameters: dict[str, int],
+                  scans: dict[tuple[str, ...], int]) -> dict[str, np.ndarray]:
     if not isinstance(given, Mapping):
         raise TypeError(f"{what} must be a dict from parameter names (the Flax path joined with '.') to arrays, or "
                         f"the params pytree, got {type(given).__name__}")
-    flat = flat_params(given, what)
+    # a parameter stacked by nn.scan is given as it is stored (L×…) and written per layer
+    flat = split_layers(flat_params(given, what), scans, what)
     layout = {s.param: s for s in sites}
     out = {}
     for key, value in flat.items():
@@ -95,7 +98,8 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
     `model.apply({"params": params}, *args, **kwargs)` under the capture (once).
     `claimed_norms`: the B norms (array or list), or a callable `claimed_norms(params, inputs)`.
     `clipped_sum`, `update`: dicts keyed by parameter name (the Flax path joined with '.') or the
-    params pytree itself. `is_padding_example`: a (B,) bool array; those examples are left out of
+    params pytree itself; a parameter stacked by `nn.scan` (L×…) is written as its L layers,
+    `name[l]`, and may also be given so. `is_padding_example`: a (B,) bool array; those examples are left out of
     the trace (and of `claimed_norms`, which has B entries). `dtype`: the precision the factors
     are stored in ("f64", "f32", "f16", "bf16"; default each site's own)."""
     c = number(max_grad_norm, "max_grad_norm", positive=True)
@@ -129,7 +133,8 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
             site.tensors = {k: np.ascontiguousarray(v[keep]) for k, v in site.tensors.items()}
             sites.append(site)
     _site_names(sites)
-    grads = {k: np.asarray(v) for k, v in flat_params(captured.param_grads, "params").items()}
+    grads = {k: np.asarray(v)
+             for k, v in split_layers(flat_params(captured.param_grads, "params"), captured.scans, "params").items()}
     store = dtype
     for s in sites:
         want = STORAGE[store or s.precision]
@@ -162,7 +167,7 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
     has_step = False
     for what, given in (("clipped_sum", clipped_sum), ("update", update)):
         if given is not None:
-            tensors.update(_step_tensors(what, given, sites, parameters))
+            tensors.update(_step_tensors(what, given, sites, parameters, captured.scans))
             has_step = True
     meta = trace_metadata(max_grad_norm=c, clipper=clipper, sites=specs, compute_dtype=coarsest,
                           parameters=parameters, noise_multiplier=noise_multiplier, batch_divisor=batch_divisor,
