@@ -95,10 +95,10 @@ _BLOCK_ENTRIES = 4 << 20
 
 
 #: A parameter is checked entry by entry while rebuilding it costs at most this many products
-#: (B·T·rows·cols over its linear and conv1d sites: a hundredth of a second to a second here).
+#: (B·T·rows·cols over its linear and conv1d sites; 2²⁶ is a few hundredths of a second here).
 #: Past it the check is sketched: at 1B-class sizes the entry-by-entry rebuild, two f64
 #: products of every weight's size, took longer than the training step itself.
-FULL_CHECK_PRODUCTS = 1 << 30
+FULL_CHECK_PRODUCTS = 1 << 26
 #: Columns of the sketch's ±1 probe matrix, and its seed.
 SKETCH_COLUMNS = 4
 _SKETCH_SEED = 0x5EED
