@@ -245,8 +245,8 @@ fn site_tensors(
 
 /// Each site's gradient against the manifest's count, and what judging the trace would hold
 /// against the budget: every site's factors widened to f64 (and the ids, and a LayerNorm site's
-/// elementwise product), and per parameter the blocks of its per-example gradients a judge holds
-/// while it streams it ([`GRADIENT_BLOCK_BYTES`] of rows for the whole batch, plus a few more).
+/// elementwise product), and the blocks of per-example gradients a judge holds while it streams
+/// the largest parameter ([`GRADIENT_BLOCK_BYTES`] of rows for the whole batch, plus a few more).
 fn check_sizes(
     shapes: &[SiteShape],
     manifest: Option<&BTreeMap<String, usize>>,
@@ -284,16 +284,24 @@ fn check_sizes(
         streamed.insert(param, (rows as u64, cols as u64));
     }
     let b = shapes.first().map_or(1, |s| s.backprops[0]).max(1) as u64;
-    for (param, (rows, cols)) in streamed {
-        let row_bytes = cols.saturating_mul(8).saturating_mul(b).max(1);
-        let block_rows = (GRADIENT_BLOCK_BYTES as u64 / row_bytes).clamp(1, rows.max(1));
-        // Every example's block, one site's apart, their sum and the step's two targets.
-        let bytes = block_rows
-            .saturating_mul(cols)
-            .saturating_mul(8)
-            .saturating_mul(b + 3);
+    // The judge streams one parameter at a time (`for_each_param_block`), so the largest
+    // parameter's blocks are what it holds, not every parameter's together.
+    let largest = streamed
+        .into_iter()
+        .map(|(param, (rows, cols))| {
+            let row_bytes = cols.saturating_mul(8).saturating_mul(b).max(1);
+            let block_rows = (GRADIENT_BLOCK_BYTES as u64 / row_bytes).clamp(1, rows.max(1));
+            // Every example's block, one site's apart, their sum and the step's two targets.
+            let bytes = block_rows
+                .saturating_mul(cols)
+                .saturating_mul(8)
+                .saturating_mul(b + 3);
+            (bytes, param, rows, cols)
+        })
+        .max_by_key(|&(bytes, ..)| bytes);
+    if let Some((bytes, param, rows, cols)) = largest {
         tally.add(bytes, || {
-            format!("parameter `{param}` ({rows}×{cols}): the blocks of its per-example gradients judged at a time")
+            format!("parameter `{param}` ({rows}×{cols}): the blocks of its per-example gradients judged at a time (the largest parameter's; one parameter is judged at a time)")
         })?;
     }
     Ok(())
