@@ -137,6 +137,8 @@ def _check_param(p: torch.nn.Parameter, name: str, mods: str, uses: Uses, store_
     v = _probe_matrix(uses, p.numel())
     cols = layout(*uses[0][:2])[1]
     mass = 1.0 if v is None else float(cols)  # Σ_i |v_ik|
+    # terms per entry of the sketch's second product, B·T (B·T·H for a per-head use)
+    terms = max(ts["backprops"].numel() // ts["backprops"].shape[-1] for _, ts, _ in uses)
     worst: tuple[float, int, float, float, float, float] | None = None  # (error / tolerance, entry, rebuilt,
     # autograd, error, tolerance)
     bad_count = 0
@@ -165,7 +167,7 @@ def _check_param(p: torch.nn.Parameter, name: str, mods: str, uses: Uses, store_
         # autograd adds the uses of a tied parameter into p.grad in the parameter's dtype
         tol = tol + 2.0 * (len(uses) - 1) * unit_roundoff(p.dtype) * absum + torch.finfo(p.dtype).tiny * mass
         if v is None:
-            offset = 0 if block is None else block[0] * (p.numel() // layout(*uses[0][:2])[0])
+            offset = 0 if block is None else block[0] * cols  # blocks come with one layout only
             want = grad[offset:offset + rebuilt.numel()].to(device="cpu", dtype=torch.float64)
         else:
             assert block is not None
@@ -173,8 +175,8 @@ def _check_param(p: torch.nn.Parameter, name: str, mods: str, uses: Uses, store_
             own = grad[block[0] * cols:block[1] * cols].to(device="cpu", dtype=torch.float64).view(-1, cols)
             want = (own @ v).reshape(-1)
             # the two f64 products of the sketch round too: ≤ (cols + B·T)·u64 of their terms
-            n = max(ts["backprops"].numel() // ts["backprops"].shape[-1] for _, ts, _ in uses)
-            tol = tol + 2.0 * (cols + n) * unit_roundoff(torch.float64) * (absum + (own.abs() @ v.abs()).reshape(-1))
+            own_terms = (own.abs() @ v.abs()).reshape(-1)
+            tol = tol + 2.0 * (cols + terms) * unit_roundoff(torch.float64) * (absum + own_terms)
         checked += rebuilt.numel()
         err = (rebuilt - want).abs()
         bad = err > tol
