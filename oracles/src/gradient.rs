@@ -9,8 +9,9 @@ use crate::error::Result;
 use crate::layers::NormCache;
 use crate::matmul::{product, product_into, Accumulate};
 use crate::site::SiteKind;
+use crate::sweep;
 use crate::trace::SiteRecord;
-use ndarray::{s, Array1, Array2, ArrayView1, ArrayView2, ArrayViewD};
+use ndarray::{s, Array1, Array2, ArrayView1, ArrayView2, ArrayViewD, ArrayViewMutD};
 use std::collections::BTreeMap;
 
 /// How an example's token losses combine into its loss.
@@ -304,9 +305,9 @@ pub fn example_gradient_into<M: DecoderModel + ?Sized>(
     } = forward(model, &ids, &mut weights, &mut || {});
     let (loss, dlogits) = loss_and_dlogits(model, logits, &targets, reduction);
 
-    for (name, mut t) in g.tensors_mut() {
+    for (name, t) in g.tensors_mut() {
         if name != LM_HEAD {
-            t.fill(0.0);
+            clear(t);
         }
     }
     if folded {
@@ -408,7 +409,18 @@ fn head_square(dlogits: &Array2<f64>, af: &Array2<f64>) -> f64 {
 
 /// The squared Frobenius norm of a tensor.
 pub(crate) fn square(t: ArrayViewD<f64>) -> f64 {
-    t.iter().map(|v| v * v).sum()
+    match t.as_slice_memory_order() {
+        Some(values) => sweep::sum_of_squares(values),
+        None => t.iter().map(|v| v * v).sum(),
+    }
+}
+
+/// Sets a gradient tensor to zero (on every core when it is one contiguous buffer).
+fn clear(mut t: ArrayViewMutD<f64>) {
+    match t.as_slice_memory_order_mut() {
+        Some(values) => sweep::clear(values),
+        None => t.fill(0.0),
+    }
 }
 
 /// Example `example`'s loss, squared norms and split, streamed: each block's weights are
@@ -454,8 +466,8 @@ pub fn example_norms<M: DecoderModel + ?Sized>(
     let mut block_squares = Vec::with_capacity(blocks.len());
     while let Some(cache) = blocks.pop() {
         let l = blocks.len();
-        for (_, mut t) in g.tensors_mut() {
-            t.fill(0.0);
+        for (_, t) in g.tensors_mut() {
+            clear(t);
         }
         let mut rec = Vec::new();
         let w = model.block_weights(l, weights);

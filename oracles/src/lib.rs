@@ -20,7 +20,8 @@
 //! │              rope_config.rs (rope_theta / rope_scaling / rope_parameters)
 //! ├─ any family  model.rs        the family `model_type` names (Model)
 //! ├─ layers      layers.rs       norms, projections, attention, each with its backward;
-//! │              matmul.rs (the large f64 products, in faer)
+//! │              matmul.rs (the large f64 products, in faer); sweep.rs (element-wise passes
+//! │              over model-sized buffers, on every core)
 //! └─ checkpoint  checkpoint.rs   config.json + model.safetensors (load); keys.rs reads the config;
 //!                stored.rs (blocks kept in the checkpoint's dtype)
 //! batch          batch.rs        ids and labels, checked, and the causal-LM targets
@@ -73,6 +74,7 @@ mod rng;
 mod rope_config;
 mod site;
 mod stored;
+mod sweep;
 mod tensors;
 mod trace;
 mod trace_file;

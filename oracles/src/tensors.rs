@@ -4,6 +4,7 @@
 //! the same checks on its header ([`TensorFile`]).
 
 use crate::error::{bail, Error, Result};
+use crate::sweep;
 use ndarray::{ArrayD, IxDyn};
 use safetensors::{Dtype, SafeTensors};
 use std::borrow::Cow;
@@ -187,10 +188,12 @@ impl Floats {
 
     /// Writes the values, widened to f64 (exactly), into `out` (of the same length).
     pub(crate) fn widen_into(&self, out: &mut [f64]) {
-        fn copy<T: Copy>(v: &[T], out: &mut [f64], w: impl Fn(T) -> f64) {
-            for (o, &x) in out.iter_mut().zip(v) {
-                *o = w(x);
-            }
+        fn copy<T: Copy + Sync>(v: &[T], out: &mut [f64], w: impl Fn(T) -> f64 + Sync) {
+            sweep::fill_chunks(out, |start, chunk| {
+                for (o, &x) in chunk.iter_mut().zip(&v[start..]) {
+                    *o = w(x);
+                }
+            })
         }
         match self {
             Floats::F64(v) => copy(v, out, |x| x),
@@ -310,7 +313,11 @@ impl StoredTensor {
         match self {
             StoredTensor::Decoded(v) => v.widen_into(out),
             StoredTensor::Mapped { map, dtype, range } => {
-                widen_le_into(*dtype, &map[range.clone()], out)
+                let (bytes, width) = (&map[range.clone()], dtype.bitsize() / 8);
+                sweep::fill_chunks(out, |start, chunk| {
+                    let from = start * width;
+                    widen_le_into(*dtype, &bytes[from..from + chunk.len() * width], chunk)
+                })
             }
         }
     }
