@@ -94,6 +94,7 @@ pub use gradient::{
 pub use io::{write_f64_tensors, write_raw, RawTensor};
 pub use llama::{Llama, LlamaLayer, LlamaParams, EMBED_TOKENS};
 pub use llama_config::{LayerType, LlamaConfig, LlamaFlavor, NormLayout, RopeScaling};
+pub use matmul::{product, product_into, Accumulate};
 pub use model::{Model, ModelConfig};
 pub use precision::Precision;
 pub use reference::{compute, ExampleReport, Options, Progress, Reference};

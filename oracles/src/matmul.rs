@@ -2,20 +2,23 @@
 //! AVX-512 and AVX2 code (not the `gemm` crate that the clippers' candle uses for f32). At the
 //! Llama-3.2-1B shapes on the 2-core build machine that is 2–3× the rate of ndarray's
 //! matrixmultiply (benches/faer_rate, docs/results.md). An example's cost there is its
-//! matmuls. Small products (attention's per-head T×T) stay in ndarray.
+//! matmuls. Small products (attention's per-head T×T) stay in ndarray. The judge's products on
+//! the reference's factors (its Grams) run here too: they are the reference side.
 
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 
 /// Whether a product replaces what `c` holds or is added to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Accumulate {
+pub enum Accumulate {
+    /// c = α·a·b.
     Replace,
+    /// c += α·a·b.
     Add,
 }
 
 /// c = α·a·b, or c += α·a·b. Panics on shapes that do not chain, as ndarray's
 /// `general_mat_mul` does: every caller forms them from one model's dimensions.
-pub(crate) fn product_into(
+pub fn product_into(
     alpha: f64,
     a: ArrayView2<'_, f64>,
     b: ArrayView2<'_, f64>,
@@ -48,7 +51,7 @@ pub(crate) fn product_into(
 }
 
 /// a·b as a new array.
-pub(crate) fn product(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) -> Array2<f64> {
+pub fn product(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) -> Array2<f64> {
     let mut c = Array2::zeros((a.nrows(), b.ncols()));
     product_into(1.0, a, b, Accumulate::Replace, c.view_mut());
     c

@@ -7,8 +7,8 @@
 //! the judge's own arithmetic on the f64 trace (ndarray), written apart from any clipper: a bug
 //! shared by a clipper's kernel and the judge would be invisible to the audit.
 
+use ghost_oracle_reference::{product_into, Accumulate};
 use ghost_oracle_reference::{SiteKind, Trace as RefTrace};
-use ndarray::linalg::general_mat_mul;
 use ndarray::{s, Array2, Array3, ArrayView2, ArrayView3, CowArray, Ix3, Zip};
 
 /// The factor along the layout's rows (u_t), for every example.
@@ -105,7 +105,7 @@ pub(super) fn site_inner(a: &SiteSides<'_>, i: usize, b: &SiteSides<'_>, k: usiz
     match (&a.rows, &b.rows) {
         (RowSide::Dense(x), RowSide::Dense(y)) => {
             let (x, y) = (x.slice(s![i, .., ..]), y.slice(s![k, .., ..]));
-            general_mat_mul(1.0, &x, &y.t(), 0.0, &mut u);
+            product_into(1.0, x, y.t(), Accumulate::Replace, u.view_mut());
         }
         (RowSide::OneHot(ix), RowSide::Dense(y)) => {
             let y = y.slice(s![k, .., ..]);
@@ -126,7 +126,7 @@ pub(super) fn site_inner(a: &SiteSides<'_>, i: usize, b: &SiteSides<'_>, k: usiz
         (ColSide::Dense(x), ColSide::Dense(y)) => {
             let mut v = Array2::<f64>::zeros((t, s));
             let (x, y) = (x.slice(s![i, .., ..]), y.slice(s![k, .., ..]));
-            general_mat_mul(1.0, &x, &y.t(), 0.0, &mut v);
+            product_into(1.0, x, y.t(), Accumulate::Replace, v.view_mut());
             Zip::from(&u).and(&v).fold(0.0, |acc, p, q| acc + p * q)
         }
         // Only a one-column layout mixes a ones side with a dense one (a linear site with one

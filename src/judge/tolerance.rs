@@ -6,7 +6,7 @@
 
 use crate::error::{Error, Result};
 pub use ghost_oracle_reference::Precision;
-use ghost_oracle_reference::{Site, SiteKind, Trace as RefTrace};
+use ghost_oracle_reference::{product, Site, SiteKind, Trace as RefTrace};
 use ndarray::{s, Array2, ArrayView2};
 
 /// Safety factor on the probabilistic √L growth of accumulated rounding error (Higham & Mary).
@@ -187,7 +187,7 @@ fn side_gram(a: &Side, b: &Side) -> Array2<f64> {
     let (t, s) = (rows(a), rows(b));
     let column = |x: &ArrayView2<f64>, r: usize| x[(r, 0)];
     match (a, b) {
-        (Side::Dense(x), Side::Dense(y)) => x.dot(&y.t()),
+        (Side::Dense(x), Side::Dense(y)) => product(x.view(), y.t()),
         (Side::OneHot(ix), Side::Dense(y)) => Array2::from_shape_fn((t, s), |(p, q)| y[(q, ix[p])]),
         (Side::Dense(x), Side::OneHot(iy)) => Array2::from_shape_fn((t, s), |(p, q)| x[(p, iy[q])]),
         (Side::OneHot(ix), Side::OneHot(iy)) => {

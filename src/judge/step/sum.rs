@@ -10,6 +10,7 @@ use crate::judge::truth::{for_each_param_block, Block, Truth};
 use crate::judge::verdict::Verdict;
 use ghost_oracle_reference::Floats;
 use ndarray::Array2;
+use rayon::prelude::*;
 use serde::Serialize;
 
 /// Which sum of the step a check judges.
@@ -181,51 +182,153 @@ pub(super) fn sums(
             x.to_mut().iter_mut().for_each(|v| *v *= scale);
         }
         let x = &x[..];
-        let mut want = Array2::<f64>::zeros((rows.len(), cols));
-        let mut want_other = other.map(|_| Array2::<f64>::zeros((rows.len(), cols)));
+        let mut want = vec![0.0; x.len()];
+        let mut want_other = other.map(|_| vec![0.0; x.len()]);
+        // One example's rows at a time, into one reused buffer, folded into everything that
+        // needs them in a single pass.
+        let mut g = Array2::<f64>::zeros((rows.len(), cols));
+        let mut unit = vec![0.0; n];
         for i in 0..n {
-            let mut unit = vec![0.0; n];
+            if i > 0 {
+                unit[i - 1] = 0.0;
+                g.as_slice_mut()
+                    .expect("a fresh array is contiguous")
+                    .par_chunks_mut(CHUNK)
+                    .for_each(|c| c.fill(0.0));
+            }
             unit[i] = 1.0;
-            let mut g = Array2::<f64>::zeros((rows.len(), cols));
             for &j in sites {
                 factors.add_site_gradient_rows(j, &unit, rows.clone(), &mut g)?;
             }
-            s.b[i] += g.iter().zip(x).map(|(a, v)| a * v).sum::<f64>();
-            want.scaled_add(coefs[i], &g);
-            if let (Some(w), Some(a)) = (want_other.as_mut(), other) {
-                w.scaled_add(a[i], &g);
-            }
+            let g = g.as_slice().expect("a fresh array is contiguous");
+            let other_coef = other.map_or(0.0, |a| a[i]);
+            s.b[i] += fold_example(
+                g,
+                x,
+                (&mut want, coefs[i]),
+                want_other.as_deref_mut().map(|w| (w, other_coef)),
+            );
         }
-        if let (Some(w), Some((e2, r2))) = (&want_other, s.other.as_mut()) {
-            for (w, v) in w.iter().zip(x) {
-                *e2 += (v - w) * (v - w);
-                *r2 += w * w;
-            }
+        let totals = block_totals(&want, x, want_other.as_deref());
+        if let Some((e2, r2)) = s.other.as_mut() {
+            *e2 += totals.other_err2;
+            *r2 += totals.other_ref2;
         }
-        s.add_block(param, &want, x);
+        s.add_block(param, &totals);
         Ok(())
     })?;
     Ok(s)
 }
 
+/// Elements per task of the passes below: large enough that a task's overhead is nothing next
+/// to its memory traffic.
+const CHUNK: usize = 1 << 16;
+
+/// One example's rebuilt rows `g` folded in: `want += c·g`, `other += a·g`, and ⟨g, x⟩
+/// returned. Chunks run on every core; their partial sums are added in chunk order, so the
+/// result does not depend on how the pool split the work.
+fn fold_example(
+    g: &[f64],
+    x: &[f64],
+    (want, c): (&mut [f64], f64),
+    other: Option<(&mut [f64], f64)>,
+) -> f64 {
+    let partial: Vec<f64> = match other {
+        Some((other, a)) => want
+            .par_chunks_mut(CHUNK)
+            .zip(other.par_chunks_mut(CHUNK))
+            .zip(g.par_chunks(CHUNK).zip(x.par_chunks(CHUNK)))
+            .map(|((w, o), (g, x))| {
+                let mut dot = 0.0;
+                for (((w, o), g), x) in w.iter_mut().zip(o).zip(g).zip(x) {
+                    *w += c * g;
+                    *o += a * g;
+                    dot += g * x;
+                }
+                dot
+            })
+            .collect(),
+        None => want
+            .par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK).zip(x.par_chunks(CHUNK)))
+            .map(|(w, (g, x))| {
+                let mut dot = 0.0;
+                for ((w, g), x) in w.iter_mut().zip(g).zip(x) {
+                    *w += c * g;
+                    dot += g * x;
+                }
+                dot
+            })
+            .collect(),
+    };
+    partial.iter().sum()
+}
+
+/// A block's S* (`want`) against X, and the other coefficients' sum against X.
+#[derive(Clone, Copy, Debug, Default)]
+struct BlockTotals {
+    err2: f64,
+    ref2: f64,
+    cross: f64,
+    x2: f64,
+    other_err2: f64,
+    other_ref2: f64,
+}
+
+impl BlockTotals {
+    fn add(mut self, o: BlockTotals) -> Self {
+        self.err2 += o.err2;
+        self.ref2 += o.ref2;
+        self.cross += o.cross;
+        self.x2 += o.x2;
+        self.other_err2 += o.other_err2;
+        self.other_ref2 += o.other_ref2;
+        self
+    }
+}
+
+/// ‖X − S*‖², ‖S*‖², ⟨X, S*⟩, ‖X‖² of a block, and ‖X − Σ a_i g_i*‖², ‖Σ a_i g_i*‖² when the
+/// other coefficients' sum is given: one pass, chunks on every core, added in chunk order.
+fn block_totals(want: &[f64], x: &[f64], other: Option<&[f64]>) -> BlockTotals {
+    let partial: Vec<BlockTotals> = want
+        .par_chunks(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .enumerate()
+        .map(|(k, (w, x))| {
+            let mut t = BlockTotals::default();
+            for (w, v) in w.iter().zip(x) {
+                t.err2 += (v - w) * (v - w);
+                t.ref2 += w * w;
+                t.cross += v * w;
+                t.x2 += v * v;
+            }
+            if let Some(other) = other {
+                for (w, v) in other[k * CHUNK..].iter().zip(x) {
+                    t.other_err2 += (v - w) * (v - w);
+                    t.other_ref2 += w * w;
+                }
+            }
+            t
+        })
+        .collect();
+    partial
+        .into_iter()
+        .fold(BlockTotals::default(), BlockTotals::add)
+}
+
 impl Sums {
-    /// One block of S* (`want`) against the same block of X.
-    fn add_block(&mut self, param: &str, want: &Array2<f64>, x: &[f64]) {
-        let (mut e2, mut r2) = (0.0, 0.0);
-        for (w, v) in want.iter().zip(x) {
-            e2 += (v - w) * (v - w);
-            r2 += w * w;
-            self.cross += v * w;
-            self.x2 += v * v;
-        }
-        self.err2 += e2;
-        self.ref2 += r2;
+    /// One block's totals, added to the whole and to its parameter's.
+    fn add_block(&mut self, param: &str, t: &BlockTotals) {
+        self.err2 += t.err2;
+        self.ref2 += t.ref2;
+        self.cross += t.cross;
+        self.x2 += t.x2;
         match self.per_param.last_mut() {
             Some((p, pe, pr)) if p == param => {
-                *pe += e2;
-                *pr += r2;
+                *pe += t.err2;
+                *pr += t.ref2;
             }
-            Some(_) | None => self.per_param.push((param.to_string(), e2, r2)),
+            Some(_) | None => self.per_param.push((param.to_string(), t.err2, t.ref2)),
         }
     }
 }
