@@ -8,10 +8,11 @@ use crate::judge::numeric::{bilinear, ratio, GramSolver};
 use crate::judge::tolerance::{Arithmetic, Tolerance};
 use crate::judge::truth::{for_each_param_block, Block, Truth};
 use crate::judge::verdict::Verdict;
-use ghost_oracle_reference::Floats;
+use ghost_oracle_reference::{Floats, Trace as RefTrace};
 use ndarray::Array2;
 use rayon::prelude::*;
 use serde::Serialize;
+use std::ops::Range;
 
 /// Which sum of the step a check judges.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -144,6 +145,18 @@ pub(super) fn sums(
     scale: f64,
     other: Option<&[f64]>,
 ) -> Result<Sums> {
+    sums_in_tiles(truth, coefs, claimed, scale, other, TILE_BYTES)
+}
+
+/// [`sums`] with tiles of about `tile_bytes` of one example's rows (at least one row).
+fn sums_in_tiles(
+    truth: &Truth,
+    coefs: &[f64],
+    claimed: &[(String, Floats)],
+    scale: f64,
+    other: Option<&[f64]>,
+    tile_bytes: usize,
+) -> Result<Sums> {
     let factors = truth
         .factors
         .as_ref()
@@ -177,39 +190,33 @@ pub(super) fn sums(
                 x.len()
             )));
         }
-        let mut x = x.widened(rows.start * cols..rows.end * cols);
-        if scale != 1.0 {
-            x.to_mut().iter_mut().for_each(|v| *v *= scale);
-        }
-        let x = &x[..];
-        let mut want = vec![0.0; x.len()];
-        let mut want_other = other.map(|_| vec![0.0; x.len()]);
-        // One example's rows at a time, into one reused buffer, folded into everything that
-        // needs them in a single pass.
-        let mut g = Array2::<f64>::zeros((rows.len(), cols));
-        let mut unit = vec![0.0; n];
-        for i in 0..n {
-            if i > 0 {
-                unit[i - 1] = 0.0;
-                g.as_slice_mut()
-                    .expect("a fresh array is contiguous")
-                    .par_chunks_mut(CHUNK)
-                    .for_each(|c| c.fill(0.0));
+        // Tiles of rows small enough that an example's rows, S*'s and the other sum's stay in
+        // a core's cache while every example is folded in: the rebuilt gradients never go to
+        // memory. The tiles run on every core; their sums are added in tile order, so the
+        // result does not depend on how the pool split the work.
+        let tile = (tile_bytes / (cols * 8).max(1)).max(1);
+        let tiles: Vec<Range<usize>> = (rows.start..rows.end)
+            .step_by(tile)
+            .map(|r| r..(r + tile).min(rows.end))
+            .collect();
+        let folded: Vec<Result<TileSums>> = tiles
+            .into_par_iter()
+            .map(|r| {
+                let mut x = x.widened(r.start * cols..r.end * cols);
+                if scale != 1.0 {
+                    x.to_mut().iter_mut().for_each(|v| *v *= scale);
+                }
+                tile_sums(factors, sites, r, cols, &x, coefs, other)
+            })
+            .collect();
+        let mut totals = BlockTotals::default();
+        for t in folded {
+            let t = t?;
+            for (b, tb) in s.b.iter_mut().zip(&t.b) {
+                *b += tb;
             }
-            unit[i] = 1.0;
-            for &j in sites {
-                factors.add_site_gradient_rows(j, &unit, rows.clone(), &mut g)?;
-            }
-            let g = g.as_slice().expect("a fresh array is contiguous");
-            let other_coef = other.map_or(0.0, |a| a[i]);
-            s.b[i] += fold_example(
-                g,
-                x,
-                (&mut want, coefs[i]),
-                want_other.as_deref_mut().map(|w| (w, other_coef)),
-            );
+            totals = totals.add(t.totals);
         }
-        let totals = block_totals(&want, x, want_other.as_deref());
         if let Some((e2, r2)) = s.other.as_mut() {
             *e2 += totals.other_err2;
             *r2 += totals.other_ref2;
@@ -220,48 +227,72 @@ pub(super) fn sums(
     Ok(s)
 }
 
-/// Elements per task of the passes below: large enough that a task's overhead is nothing next
-/// to its memory traffic.
-const CHUNK: usize = 1 << 16;
+/// Bytes of one example's rebuilt rows in a tile: with S*'s and the other sum's, three such
+/// buffers stay within this machine's 4 MiB of cache a core, and the products stay tall enough
+/// for the kernels (tiles of 512 KiB to 8 MiB took the same time at 1B width).
+const TILE_BYTES: usize = 2 << 20;
 
-/// One example's rebuilt rows `g` folded in: `want += c·g`, `other += a·g`, and ⟨g, x⟩
-/// returned. Chunks run on every core; their partial sums are added in chunk order, so the
-/// result does not depend on how the pool split the work.
-fn fold_example(
-    g: &[f64],
+/// What a tile of rows adds to the sums: b_i over its rows, and its [`BlockTotals`].
+struct TileSums {
+    b: Vec<f64>,
+    totals: BlockTotals,
+}
+
+/// Rows `rows` (`cols` wide) of every example's gradient rebuilt from the factors, one example
+/// at a time, against X's same rows `x`: S* = Σ c_i g_i*, the other coefficients' Σ a_i g_i*,
+/// and b_i = ⟨g_i*, X⟩.
+fn tile_sums(
+    factors: &RefTrace,
+    sites: &[usize],
+    rows: Range<usize>,
+    cols: usize,
     x: &[f64],
-    (want, c): (&mut [f64], f64),
-    other: Option<(&mut [f64], f64)>,
-) -> f64 {
-    let partial: Vec<f64> = match other {
-        Some((other, a)) => want
-            .par_chunks_mut(CHUNK)
-            .zip(other.par_chunks_mut(CHUNK))
-            .zip(g.par_chunks(CHUNK).zip(x.par_chunks(CHUNK)))
-            .map(|((w, o), (g, x))| {
-                let mut dot = 0.0;
-                for (((w, o), g), x) in w.iter_mut().zip(o).zip(g).zip(x) {
-                    *w += c * g;
-                    *o += a * g;
-                    dot += g * x;
-                }
-                dot
-            })
-            .collect(),
-        None => want
-            .par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK).zip(x.par_chunks(CHUNK)))
-            .map(|(w, (g, x))| {
-                let mut dot = 0.0;
-                for ((w, g), x) in w.iter_mut().zip(g).zip(x) {
-                    *w += c * g;
-                    dot += g * x;
-                }
-                dot
-            })
-            .collect(),
-    };
-    partial.iter().sum()
+    coefs: &[f64],
+    other: Option<&[f64]>,
+) -> Result<TileSums> {
+    let n = coefs.len();
+    let mut want = vec![0.0; x.len()];
+    let mut want_other = other.map(|_| vec![0.0; x.len()]);
+    let mut g = Array2::<f64>::zeros((rows.len(), cols));
+    let mut b = vec![0.0; n];
+    let mut unit = vec![0.0; n];
+    for i in 0..n {
+        if i > 0 {
+            unit[i - 1] = 0.0;
+            g.fill(0.0);
+        }
+        unit[i] = 1.0;
+        for &j in sites {
+            factors.add_site_gradient_rows(j, &unit, rows.clone(), &mut g)?;
+        }
+        let g = g.as_slice().expect("a fresh array is contiguous");
+        let c = coefs[i];
+        let mut dot = 0.0;
+        for ((w, g), v) in want.iter_mut().zip(g).zip(x) {
+            *w += c * g;
+            dot += g * v;
+        }
+        b[i] = dot;
+        if let (Some(o), Some(a)) = (want_other.as_mut(), other) {
+            for (o, g) in o.iter_mut().zip(g) {
+                *o += a[i] * g;
+            }
+        }
+    }
+    let mut t = BlockTotals::default();
+    for (w, v) in want.iter().zip(x) {
+        t.err2 += (v - w) * (v - w);
+        t.ref2 += w * w;
+        t.cross += v * w;
+        t.x2 += v * v;
+    }
+    if let Some(o) = &want_other {
+        for (w, v) in o.iter().zip(x) {
+            t.other_err2 += (v - w) * (v - w);
+            t.other_ref2 += w * w;
+        }
+    }
+    Ok(TileSums { b, totals: t })
 }
 
 /// A block's S* (`want`) against X, and the other coefficients' sum against X.
@@ -285,35 +316,6 @@ impl BlockTotals {
         self.other_ref2 += o.other_ref2;
         self
     }
-}
-
-/// ‖X − S*‖², ‖S*‖², ⟨X, S*⟩, ‖X‖² of a block, and ‖X − Σ a_i g_i*‖², ‖Σ a_i g_i*‖² when the
-/// other coefficients' sum is given: one pass, chunks on every core, added in chunk order.
-fn block_totals(want: &[f64], x: &[f64], other: Option<&[f64]>) -> BlockTotals {
-    let partial: Vec<BlockTotals> = want
-        .par_chunks(CHUNK)
-        .zip(x.par_chunks(CHUNK))
-        .enumerate()
-        .map(|(k, (w, x))| {
-            let mut t = BlockTotals::default();
-            for (w, v) in w.iter().zip(x) {
-                t.err2 += (v - w) * (v - w);
-                t.ref2 += w * w;
-                t.cross += v * w;
-                t.x2 += v * v;
-            }
-            if let Some(other) = other {
-                for (w, v) in other[k * CHUNK..].iter().zip(x) {
-                    t.other_err2 += (v - w) * (v - w);
-                    t.other_ref2 += w * w;
-                }
-            }
-            t
-        })
-        .collect();
-    partial
-        .into_iter()
-        .fold(BlockTotals::default(), BlockTotals::add)
 }
 
 impl Sums {
@@ -602,15 +604,20 @@ mod tests {
             }
             claimed.push((param, Floats::F64(x.iter().copied().collect())));
         }
-        // One row of the V×D table per block, a few rows, and the whole table at once.
-        for bytes in [1, 2 * D * 8 * B + 1, GRADIENT_BLOCK_BYTES] {
+        // One row of the V×D table per block, a few rows, and the whole table at once; within
+        // a block, tiles of one row and of two rows, run on the pool.
+        let blocks = [1, 2 * D * 8 * B + 1, GRADIENT_BLOCK_BYTES];
+        for (bytes, tile) in blocks
+            .into_iter()
+            .flat_map(|b| [(b, 1), (b, 2 * D * 8), (b, TILE_BYTES)])
+        {
             let s = with_block_bytes(bytes, || {
-                sums(&truth, &coefs, &claimed, 1.0, Some(&other)).unwrap()
+                sums_in_tiles(&truth, &coefs, &claimed, 1.0, Some(&other), tile).unwrap()
             });
             let close = |got: f64, want: f64, what: &str| {
                 assert!(
                     (got - want).abs() <= 1e-12 * want.abs().max(1.0),
-                    "{bytes}-byte blocks, {what}: {got:e} vs {want:e}"
+                    "{bytes}-byte blocks, {tile}-byte tiles, {what}: {got:e} vs {want:e}"
                 );
             };
             close(s.err2, err2, "‖X − S*‖²");
