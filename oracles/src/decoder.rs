@@ -188,6 +188,10 @@ pub trait DecoderModel: HasDims {
         _sites: Option<&mut Vec<SiteRecord>>,
     ) {
     }
+    /// f64 entries one block's forward keeps for its backward at `seq_len` positions (an upper
+    /// estimate from the config): what running one more example through the blocks together
+    /// with others holds.
+    fn block_cache_entries(&self, seq_len: usize) -> usize;
     /// Block `layer` with weights `w` (from [`DecoderModel::block_weights`]).
     fn block_forward(
         &self,

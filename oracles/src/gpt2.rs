@@ -491,6 +491,12 @@ impl DecoderModel for Gpt2 {
         });
     }
 
+    fn block_cache_entries(&self, seq_len: usize) -> usize {
+        let c = &self.config;
+        // ln1's and ln2's x̂ and rstd, a1, qkv (3d), y, a2, f_pre and f; the probabilities.
+        seq_len * (8 * c.n_embd + 2 * c.n_inner + 2) + c.n_head * seq_len * seq_len
+    }
+
     fn block_forward(
         &self,
         layer: usize,

@@ -11,8 +11,10 @@ use crate::matmul::{product, product_into, Accumulate};
 use crate::site::SiteKind;
 use crate::sweep;
 use crate::trace::SiteRecord;
+use crate::trace_file::MemoryBudget;
 use ndarray::{s, Array1, Array2, ArrayView1, ArrayView2, ArrayViewD, ArrayViewMutD};
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 /// How an example's token losses combine into its loss.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,17 +121,43 @@ fn forward<M: DecoderModel + ?Sized>(
         h = out;
         tick();
     }
-    let (norm, af) = model.final_norm(h.view());
-    let mut logits = product(af.view(), model.head().t());
-    if let Some(cap) = model.final_logit_softcap() {
-        logits.mapv_inplace(|z| cap * (z / cap).tanh());
-    }
+    let Head { norm, af, logits } = head_forward(model, h);
     Forward {
         blocks,
         norm,
         af,
         logits,
     }
+}
+
+/// The final norm and the head over the last block's output.
+struct Head {
+    norm: NormCache,
+    af: Array2<f64>,
+    logits: Array2<f64>,
+}
+
+fn head_forward<M: DecoderModel + ?Sized>(model: &M, h: Array2<f64>) -> Head {
+    let (norm, af) = model.final_norm(h.view());
+    let mut logits = product(af.view(), model.head().t());
+    if let Some(cap) = model.final_logit_softcap() {
+        logits.mapv_inplace(|z| cap * (z / cap).tanh());
+    }
+    Head { norm, af, logits }
+}
+
+/// One example of a group from its head to the end of the blocks' backward.
+struct InFlight<P> {
+    loss: f64,
+    af: Array2<f64>,
+    dlogits: Array2<f64>,
+    output_sq: f64,
+    /// The gradient of the current block's output.
+    dh: Array2<f64>,
+    stem: P,
+    sites: SiteParts,
+    /// Each block's squared norms, last block first.
+    block_squares: Vec<Vec<(String, f64)>>,
 }
 
 fn log_sum_exp(row: ArrayView1<f64>) -> f64 {
@@ -423,110 +451,180 @@ fn clear(mut t: ArrayViewMutD<f64>) {
     }
 }
 
-/// Example `example`'s loss, squared norms and split, streamed: each block's weights are
-/// widened (when stored) and its gradient formed into one reused buffer, reduced to squared
-/// norms and dropped; the head's gradient is formed a vocabulary chunk at a time and the tied
-/// table's input path is kept as the few rows the example's ids touch. Nothing model-sized is
-/// allocated. `tick` is called after every block forward and backward and after the head.
-/// A batch that does not fit the model is an error.
-pub fn example_norms<M: DecoderModel + ?Sized>(
+/// Examples run through each block together at most, when the caller does not say: four share
+/// one widening of a stored block's weights (three quarters of it saved) for at most four
+/// examples' activations held at once.
+pub const MAX_TOGETHER: usize = 4;
+
+/// How many examples [`group_norms`] should run together on `model` for `batch`: one for a
+/// resident model (no widening to share); for a stored one, as many as a sixth of the machine's
+/// memory holds of their activations (estimated from the config), at most [`MAX_TOGETHER`].
+/// Only speed depends on it: every example's results are the same bits either way.
+pub fn examples_together<M: DecoderModel + ?Sized>(model: &M, batch: &Batch) -> usize {
+    if model.stored_blocks().is_none() {
+        return 1;
+    }
+    let t = batch.seq_len();
+    let dims = model.dims();
+    // Every block's cache, and the logits and their gradient.
+    let entries = dims.layers * model.block_cache_entries(t) + 2 * t * dims.vocab_size;
+    let per_example = entries.saturating_mul(8).max(1);
+    let budget = usize::try_from(MemoryBudget::machine().get() / 6).unwrap_or(usize::MAX);
+    (budget / per_example).clamp(1, MAX_TOGETHER)
+}
+
+/// Examples `examples` of a batch: each one's loss, squared norms and split, streamed. The
+/// group goes through the blocks together: each block's weights are widened (when stored) once
+/// for all of them, then each example's pass runs on its own, exactly as it would alone. Each
+/// block's gradient is formed into one reused buffer, reduced to squared norms and dropped; the
+/// head's gradient is formed a vocabulary chunk at a time and the tied table's input path is
+/// kept as the few rows the example's ids touch. Nothing model-sized is allocated; the group
+/// holds its examples' activations. `tick` is called after every block's forward and backward
+/// over the group and after the group's heads. A batch that does not fit the model is an error.
+pub fn group_norms<M: DecoderModel + ?Sized>(
     model: &M,
     batch: &Batch,
-    example: usize,
+    examples: Range<usize>,
     reduction: Reduction,
     record_sites: bool,
     workspace: &mut Workspace<BlockOf<M>>,
     tick: &mut dyn FnMut(),
-) -> Result<ExampleNorms> {
-    batch.check_example(&model.dims(), example)?;
+) -> Result<Vec<ExampleNorms>> {
+    for i in examples.clone() {
+        batch.check_example(&model.dims(), i)?;
+    }
     let tied = model.dims().tie_word_embeddings;
-    let ids = batch.ids(example);
-    let targets = batch.targets(example);
+    let layers = model.dims().layers;
     let Workspace { weights, gradient } = workspace;
-    let Forward {
-        mut blocks,
-        norm,
-        af,
-        logits,
-    } = forward(model, &ids, weights, tick);
-    let (loss, dlogits) = loss_and_dlogits(model, logits, &targets, reduction);
-    let output_sq = head_square(&dlogits, &af);
-    let d_af = product(dlogits.view(), model.head().view());
-    tick();
+    let ids: Vec<Vec<usize>> = examples.clone().map(|i| batch.ids(i)).collect();
 
-    let mut stem = model.zero_stem_gradient();
-    let mut sites = SiteParts::new(record_sites);
-    let mut dh = model.final_norm_backward(
-        d_af.view(),
-        &norm,
-        &mut stem,
-        record_sites.then_some(&mut sites.final_norm),
-    );
-    let g = gradient.get_or_insert_with(|| model.zero_block());
-    let mut block_squares = Vec::with_capacity(blocks.len());
-    while let Some(cache) = blocks.pop() {
-        let l = blocks.len();
-        for (_, t) in g.tensors_mut() {
-            clear(t);
-        }
-        let mut rec = Vec::new();
+    let mut hidden: Vec<Array2<f64>> = ids.iter().map(|ids| model.embed(ids)).collect();
+    let mut caches: Vec<Vec<M::BlockCache>> =
+        ids.iter().map(|_| Vec::with_capacity(layers)).collect();
+    for l in 0..layers {
         let w = model.block_weights(l, weights);
-        dh = model.block_backward(l, w, &cache, dh, g, record_sites.then_some(&mut rec));
-        drop(cache);
-        sites.blocks.push(rec);
-        let squares: Vec<(String, f64)> = g
-            .tensors()
-            .into_iter()
-            .map(|(n, t)| (model.block_param_name(l, &n), square(t)))
-            .collect();
-        block_squares.push(squares);
+        for (h, cache) in hidden.iter_mut().zip(&mut caches) {
+            let (c, out) = model.block_forward(l, w, std::mem::take(h));
+            cache.push(c);
+            *h = out;
+        }
         tick();
     }
 
-    let de = model.embedding_backprops(&ids, dh.view());
-    let rows = table_rows(&ids, de.view());
-    // Row x of the head path dlogitsᵀ·af is Σ_t dlogits[t, x] af_t.
-    let split = table_split(&rows, output_sq, |x| af.t().dot(&dlogits.column(x)));
-    let input_sq = split.input_sq;
-    let split = tied.then_some(split);
-    if record_sites {
-        sites.embedding.push(table_site(model, &ids, de));
+    let mut heads = Vec::with_capacity(ids.len());
+    for (i, h) in examples.clone().zip(hidden) {
+        let Head { norm, af, logits } = head_forward(model, h);
+        let (loss, dlogits) = loss_and_dlogits(model, logits, &batch.targets(i), reduction);
+        let output_sq = head_square(&dlogits, &af);
+        let d_af = product(dlogits.view(), model.head().view());
+        let mut stem = model.zero_stem_gradient();
+        let mut sites = SiteParts::new(record_sites);
+        let dh = model.final_norm_backward(
+            d_af.view(),
+            &norm,
+            &mut stem,
+            record_sites.then_some(&mut sites.final_norm),
+        );
+        heads.push(InFlight {
+            loss,
+            af,
+            dlogits,
+            output_sq,
+            dh,
+            stem,
+            sites,
+            block_squares: Vec::with_capacity(layers),
+        });
     }
-    model.embed_backward(
-        &ids,
-        dh.view(),
-        &mut stem,
-        record_sites.then_some(&mut sites.embedding),
-    );
+    tick();
 
-    // Checkpoint order: the stem's tensors before the blocks (the token table first), the
-    // blocks, the rest of the stem, an untied head.
-    let table_sq = match split {
-        Some(s) => s.input_sq + s.output_sq + 2.0 * s.cross,
-        None => input_sq,
-    };
-    let stem_squares: Vec<(String, f64)> = stem
-        .tensors()
-        .into_iter()
-        .enumerate()
-        .map(|(i, (local, t))| {
-            let sq = if i == 0 { table_sq } else { square(t) };
-            (model.param_name(&local), sq)
-        })
-        .collect();
-    let (before, after) = stem_squares.split_at(<M::Params as ParamSet>::STEM_TENSORS);
-    let mut squares = before.to_vec();
-    squares.extend(block_squares.into_iter().rev().flatten());
-    squares.extend_from_slice(after);
-    if !tied {
-        squares.push((LM_HEAD.to_string(), output_sq));
+    let g = gradient.get_or_insert_with(|| model.zero_block());
+    for l in (0..layers).rev() {
+        let w = model.block_weights(l, weights);
+        for (cache, e) in caches.iter_mut().zip(&mut heads) {
+            for (_, t) in g.tensors_mut() {
+                clear(t);
+            }
+            let c = cache.pop().expect("one cache per block");
+            let mut rec = Vec::new();
+            e.dh = model.block_backward(
+                l,
+                w,
+                &c,
+                std::mem::take(&mut e.dh),
+                g,
+                record_sites.then_some(&mut rec),
+            );
+            drop(c);
+            e.sites.blocks.push(rec);
+            e.block_squares.push(
+                g.tensors()
+                    .into_iter()
+                    .map(|(n, t)| (model.block_param_name(l, &n), square(t)))
+                    .collect(),
+            );
+        }
+        tick();
     }
-    Ok(ExampleNorms {
-        loss,
-        squares,
-        split,
-        sites: sites.finish(model, af, dlogits),
-    })
+
+    let mut out = Vec::with_capacity(ids.len());
+    for (ids, e) in ids.iter().zip(heads) {
+        let InFlight {
+            loss,
+            af,
+            dlogits,
+            output_sq,
+            dh,
+            mut stem,
+            mut sites,
+            block_squares,
+        } = e;
+        let de = model.embedding_backprops(ids, dh.view());
+        let rows = table_rows(ids, de.view());
+        // Row x of the head path dlogitsᵀ·af is Σ_t dlogits[t, x] af_t.
+        let split = table_split(&rows, output_sq, |x| af.t().dot(&dlogits.column(x)));
+        let input_sq = split.input_sq;
+        let split = tied.then_some(split);
+        if record_sites {
+            sites.embedding.push(table_site(model, ids, de));
+        }
+        model.embed_backward(
+            ids,
+            dh.view(),
+            &mut stem,
+            record_sites.then_some(&mut sites.embedding),
+        );
+
+        // Checkpoint order: the stem's tensors before the blocks (the token table first), the
+        // blocks, the rest of the stem, an untied head.
+        let table_sq = match split {
+            Some(s) => s.input_sq + s.output_sq + 2.0 * s.cross,
+            None => input_sq,
+        };
+        let stem_squares: Vec<(String, f64)> = stem
+            .tensors()
+            .into_iter()
+            .enumerate()
+            .map(|(i, (local, t))| {
+                let sq = if i == 0 { table_sq } else { square(t) };
+                (model.param_name(&local), sq)
+            })
+            .collect();
+        let (before, after) = stem_squares.split_at(<M::Params as ParamSet>::STEM_TENSORS);
+        let mut squares = before.to_vec();
+        squares.extend(block_squares.into_iter().rev().flatten());
+        squares.extend_from_slice(after);
+        if !tied {
+            squares.push((LM_HEAD.to_string(), output_sq));
+        }
+        out.push(ExampleNorms {
+            loss,
+            squares,
+            split,
+            sites: sites.finish(model, af, dlogits),
+        });
+    }
+    Ok(out)
 }
 
 /// The input path of a token table, Σ_t e_{x_t} ⊗ de_t (`de` the gradient of the lookup's

@@ -88,8 +88,8 @@ pub use error::{Error, Result};
 pub use gpt2::Gpt2;
 pub use gpt2_config::Gpt2Config;
 pub use gradient::{
-    example_gradient, example_gradient_into, example_loss, example_norms, ExampleNorms, HeadPath,
-    Reduction, Workspace,
+    example_gradient, example_gradient_into, example_loss, examples_together, group_norms,
+    ExampleNorms, HeadPath, Reduction, Workspace, MAX_TOGETHER,
 };
 pub use io::{write_f64_tensors, write_raw, RawTensor};
 pub use llama::{Llama, LlamaLayer, LlamaParams, EMBED_TOKENS};

@@ -5,7 +5,8 @@ use crate::batch::Batch;
 use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet};
 use crate::error::Result;
 use crate::gradient::{
-    example_gradient_into, example_norms, square, HeadPath, Reduction, SharedSplit, Workspace,
+    example_gradient_into, examples_together, group_norms, square, HeadPath, Reduction,
+    SharedSplit, Workspace,
 };
 use crate::model::Model;
 use crate::trace::{SiteRecord, Trace, TraceBuilder};
@@ -21,6 +22,10 @@ pub struct Options {
     /// Keep every example's flattened gradient (B × parameters f64): for tests and callers that
     /// want the gradients themselves (the judge rebuilds what it needs from the trace).
     pub keep_gradients: bool,
+    /// Examples run through each block together (sharing one widening of a stored block's
+    /// weights); `None` picks by memory ([`examples_together`]). Results are the same bits
+    /// either way.
+    pub together: Option<usize>,
 }
 
 impl Default for Options {
@@ -29,6 +34,7 @@ impl Default for Options {
             reduction: Reduction::Mean,
             record_trace: false,
             keep_gradients: false,
+            together: None,
         }
     }
 }
@@ -61,8 +67,9 @@ pub struct Reference {
     pub gradients: Option<Vec<Vec<f64>>>,
 }
 
-/// Where a reference run is: examples finished, and within the current example the passes
-/// done (every block forward, the head, every block backward: `2 · layers + 1`).
+/// Where a reference run is: examples finished, and within the current group of examples (run
+/// through the blocks together) the passes done (every block forward, the heads, every block
+/// backward: `2 · layers + 1`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Progress {
     /// Examples finished.
@@ -73,6 +80,8 @@ pub struct Progress {
     pub pass: usize,
     /// Passes per example.
     pub passes: usize,
+    /// Examples in the current group: each of its passes is that many examples' pass.
+    pub group: usize,
 }
 
 impl Progress {
@@ -84,6 +93,7 @@ impl Progress {
             examples: batch.len(),
             pass: 0,
             passes: 2 * model.dims().layers + 1,
+            group: 1,
         }
     }
 
@@ -91,22 +101,32 @@ impl Progress {
     /// alike, so the mean so far predicts the rest.
     pub fn steps(&self) -> (usize, usize) {
         (
-            self.examples_done * self.passes + self.pass,
+            self.examples_done * self.passes + self.pass * self.group,
             self.examples * self.passes,
         )
     }
 
-    /// The pass just finished: `example 2/4, block 7/16 backward`, or `2/4 examples` at an
-    /// example's end.
+    /// The pass just finished: `example 2/4, block 7/16 backward` (`examples 1–4/8, …` for a
+    /// group), or `2/4 examples` at a group's end.
     pub fn describe(&self) -> String {
         let layers = (self.passes - 1) / 2;
         if self.pass == 0 {
             return format!("{}/{} examples", self.examples_done, self.examples);
         }
-        let example = format!("example {}/{}", self.examples_done + 1, self.examples);
+        let example = match self.group {
+            0 | 1 => format!("example {}/{}", self.examples_done + 1, self.examples),
+            g => format!(
+                "examples {}–{}/{}",
+                self.examples_done + 1,
+                self.examples_done + g,
+                self.examples
+            ),
+        };
         let k = self.pass;
         let pass = if k <= layers {
             format!("block {k}/{layers} forward")
+        } else if k == layers + 1 && self.group > 1 {
+            "heads".to_string()
         } else if k == layers + 1 {
             "head".to_string()
         } else {
@@ -134,15 +154,14 @@ pub trait ReferenceModel: HasDims {
     fn layout(&self) -> Vec<(String, Vec<usize>)>;
 
     /// Runs the examples of a batch in order and hands each one's norms to `visit(index,
-    /// view)`; `progress` hears of every pass. Without `keep_gradients` nothing model-sized is
-    /// allocated (the norms are streamed block by block); with it, one gradient buffer serves
-    /// the whole batch. A batch that does not fit the model is an error.
+    /// view)`; `progress` hears of every pass. Without [`Options::keep_gradients`] nothing
+    /// model-sized is allocated (the norms are streamed block by block, a group of examples at a
+    /// time); with it, one gradient buffer serves the whole batch, an example at a time. A batch
+    /// that does not fit the model is an error.
     fn for_each_example(
         &self,
         batch: &Batch,
-        reduction: Reduction,
-        record_sites: bool,
-        keep_gradients: bool,
+        opts: &Options,
         progress: &mut dyn FnMut(Progress),
         visit: &mut dyn FnMut(usize, ExampleView),
     ) -> Result<()>;
@@ -156,17 +175,16 @@ impl<M: DecoderModel> ReferenceModel for M {
     fn for_each_example(
         &self,
         batch: &Batch,
-        reduction: Reduction,
-        record_sites: bool,
-        keep_gradients: bool,
+        opts: &Options,
         progress: &mut dyn FnMut(Progress),
         visit: &mut dyn FnMut(usize, ExampleView),
     ) -> Result<()> {
+        let (reduction, record_sites) = (opts.reduction, opts.record_trace);
         let mut at = Progress::start(self, batch);
         let name = self.param_name(self.embedding_local_name());
         let shared_of =
             |split: Option<SharedSplit>| split.map(|s| vec![(name.clone(), s)]).unwrap_or_default();
-        if keep_gradients {
+        if opts.keep_gradients {
             let mut grad = self.zero_gradient();
             for i in 0..batch.len() {
                 // A tied head's path is added into the embedding's buffer as it is formed, its
@@ -201,13 +219,20 @@ impl<M: DecoderModel> ReferenceModel for M {
             }
             return Ok(());
         }
+        let together = opts
+            .together
+            .unwrap_or_else(|| examples_together(self, batch))
+            .max(1);
         let mut workspace = Workspace::default();
-        for i in 0..batch.len() {
+        let mut start = 0;
+        while start < batch.len() {
+            let group = start..(start + together).min(batch.len());
             at.pass = 0;
-            let norms = example_norms(
+            at.group = group.len();
+            let norms = group_norms(
                 self,
                 batch,
-                i,
+                group.clone(),
                 reduction,
                 record_sites,
                 &mut workspace,
@@ -218,19 +243,23 @@ impl<M: DecoderModel> ReferenceModel for M {
                     }
                 },
             )?;
-            at.examples_done = i + 1;
+            at.examples_done = group.end;
             at.pass = 0;
+            at.group = 1;
             progress(at);
-            visit(
-                i,
-                ExampleView {
-                    loss: norms.loss,
-                    squares: norms.squares,
-                    shared: shared_of(norms.split),
-                    sites: norms.sites,
-                    gradient: None,
-                },
-            );
+            for (i, norms) in group.clone().zip(norms) {
+                visit(
+                    i,
+                    ExampleView {
+                        loss: norms.loss,
+                        squares: norms.squares,
+                        shared: shared_of(norms.split),
+                        sites: norms.sites,
+                        gradient: None,
+                    },
+                );
+            }
+            start = group.end;
         }
         Ok(())
     }
@@ -244,29 +273,13 @@ impl ReferenceModel for Model {
     fn for_each_example(
         &self,
         batch: &Batch,
-        reduction: Reduction,
-        record_sites: bool,
-        keep_gradients: bool,
+        opts: &Options,
         progress: &mut dyn FnMut(Progress),
         visit: &mut dyn FnMut(usize, ExampleView),
     ) -> Result<()> {
         match self {
-            Model::Gpt2(m) => m.for_each_example(
-                batch,
-                reduction,
-                record_sites,
-                keep_gradients,
-                progress,
-                visit,
-            ),
-            Model::Llama(m) => m.for_each_example(
-                batch,
-                reduction,
-                record_sites,
-                keep_gradients,
-                progress,
-                visit,
-            ),
+            Model::Gpt2(m) => m.for_each_example(batch, opts, progress, visit),
+            Model::Llama(m) => m.for_each_example(batch, opts, progress, visit),
         }
     }
 }
@@ -283,32 +296,25 @@ pub fn compute<M: ReferenceModel + ?Sized>(
     let mut examples = Vec::with_capacity(batch.len());
     let mut records = TraceBuilder::new(batch.len());
     let mut gradients = Vec::new();
-    model.for_each_example(
-        batch,
-        opts.reduction,
-        opts.record_trace,
-        opts.keep_gradients,
-        progress,
-        &mut |i, eg| {
-            let total: f64 = eg.squares.iter().map(|(_, sq)| sq).sum();
-            if let Some(flat) = eg.gradient {
-                gradients.push(flat);
-            }
-            if let Some(s) = eg.sites {
-                records.push(i, s);
-            }
-            examples.push(ExampleReport {
-                loss: eg.loss,
-                norm: total.sqrt(),
-                params: eg
-                    .squares
-                    .into_iter()
-                    .map(|(name, sq)| (name, sq.sqrt()))
-                    .collect(),
-                shared: eg.shared,
-            });
-        },
-    )?;
+    model.for_each_example(batch, opts, progress, &mut |i, eg| {
+        let total: f64 = eg.squares.iter().map(|(_, sq)| sq).sum();
+        if let Some(flat) = eg.gradient {
+            gradients.push(flat);
+        }
+        if let Some(s) = eg.sites {
+            records.push(i, s);
+        }
+        examples.push(ExampleReport {
+            loss: eg.loss,
+            norm: total.sqrt(),
+            params: eg
+                .squares
+                .into_iter()
+                .map(|(name, sq)| (name, sq.sqrt()))
+                .collect(),
+            shared: eg.shared,
+        });
+    })?;
     Ok(Reference {
         reduction: opts.reduction,
         examples,

@@ -119,6 +119,7 @@ fn run(model: &Gpt2, ids: Array2<i64>, reduction: Reduction) -> Reference {
         reduction,
         record_trace: false,
         keep_gradients: true,
+        together: None,
     };
     compute(model, &Batch::new(ids, None).unwrap(), &opts, &mut |_| {}).unwrap()
 }

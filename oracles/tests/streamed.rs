@@ -170,6 +170,56 @@ fn stored_blocks_give_the_resident_models_results_bit_for_bit() {
 }
 
 #[test]
+fn examples_run_through_the_blocks_together_give_each_examples_results_bit_for_bit() {
+    let mut cfg = LlamaConfig::tiny(LlamaFlavor::Llama, 11, 12, 3, 4, 2);
+    cfg.head_dim = 6;
+    let model = Llama::random(cfg, 11, 0.4);
+    let dir = temp_dir("together");
+    write(&model, &dir, Precision::F32);
+    let stored: Llama = load(&dir).unwrap();
+    let ids = array![
+        [3_i64, 5, 7, 3, 5, 1],
+        [4, 4, 0, 10, 2, 6],
+        [9, 8, 7, 6, 5, 4]
+    ];
+    let batch = Batch::new(ids, None).unwrap();
+    let run = |together| {
+        let opts = Options {
+            record_trace: true,
+            together: Some(together),
+            ..Options::default()
+        };
+        let mut seen = Vec::new();
+        let r = compute(&stored, &batch, &opts, &mut |p| seen.push(p)).unwrap();
+        (r, seen)
+    };
+    let (alone, _) = run(1);
+    for together in [2, 3, 5] {
+        let (r, seen) = run(together);
+        for (x, y) in r.examples.iter().zip(&alone.examples) {
+            assert_eq!((x.loss, x.norm), (y.loss, y.norm), "{together} together");
+            assert_eq!(x.params, y.params, "{together} together");
+            assert_eq!(format!("{:?}", x.shared), format!("{:?}", y.shared));
+        }
+        assert_eq!(format!("{:?}", r.trace), format!("{:?}", alone.trace));
+        // Progress counts every example's passes once, in order, to the end.
+        let steps: Vec<(usize, usize)> = seen.iter().map(|p| p.steps()).collect();
+        assert!(
+            steps.windows(2).all(|w| w[0].0 < w[1].0),
+            "{together} together: {steps:?}"
+        );
+        assert_eq!(steps.last(), Some(&(3 * 7, 3 * 7)), "{together} together");
+        let group = together.min(3);
+        assert_eq!(
+            seen[0].describe(),
+            format!("examples 1–{group}/3, block 1/3 forward")
+        );
+        assert_eq!(seen[3].describe(), format!("examples 1–{group}/3, heads"));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn a_stored_non_finite_weight_is_an_error_naming_the_tensor() {
     let mut cfg = LlamaConfig::tiny(LlamaFlavor::Llama, 11, 8, 2, 2, 1);
     cfg.head_dim = 4;

@@ -44,6 +44,7 @@ pub fn prepare(
         reduction: opts.reduction,
         record_trace: true,
         keep_gradients: false,
+        together: None,
     };
     let r = reference::compute(&case.model, &case.batch, &ropts, progress)
         .map_err(|e| Error::from(e).context(&case.name))?;

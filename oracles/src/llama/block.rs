@@ -216,6 +216,19 @@ impl DecoderModel for Llama {
         h
     }
 
+    fn block_cache_entries(&self, seq_len: usize) -> usize {
+        let c = &self.config;
+        let (d, q, kv) = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        // Two norms' x̂ and the optional output and per-head norms' (at most 4d + 2q more),
+        // a1, a2; q (twice with its norm), k, v, y; gate, up, m; the attention probabilities.
+        seq_len * (8 * d + 4 * q + 3 * kv + 3 * c.intermediate_size + 4)
+            + c.num_attention_heads * seq_len * seq_len
+    }
+
     fn block_forward(
         &self,
         layer: usize,
