@@ -3,6 +3,11 @@
 //! ndarray's `general_mat_mul` (matrixmultiply, 2 threads) and faer's `matmul` (2 rayon
 //! threads), on the same inputs, alternating, median of `RUNS`. Both results are compared so
 //! that a rate is never taken from a wrong product.
+//!
+//! A third column runs faer on the operands as the reference holds them: ndarray's row-major
+//! arrays, a weight read transposed where the product uses it so, the output row-major, and a
+//! weight gradient added into a cleared buffer (`Accum::Add`), as `oracles/src/matmul.rs` calls
+//! it.
 
 use std::time::Instant;
 
@@ -11,20 +16,23 @@ const RUNS: usize = 5;
 fn main() {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     // (what, m, k, n): C (m×n) = A (m×k) · B (k×n).
+    use Layout::{DeltaTX, DeltaW, XWt};
     let shapes = [
-        ("square 1024", 1024, 1024, 1024),
-        ("up/gate forward: x·Wᵀ", 128, 2048, 8192),
-        ("down forward", 128, 8192, 2048),
-        ("up/gate input grad: δ·W", 128, 8192, 2048),
-        ("up/gate weight grad: δᵀ·x", 8192, 128, 2048),
-        ("q/o weight grad", 2048, 128, 2048),
-        ("head chunk forward", 128, 2048, 4096),
-        ("head chunk weight grad", 4096, 128, 2048),
+        ("square 1024", 1024, 1024, 1024, DeltaW),
+        ("up/gate forward: x·Wᵀ", 128, 2048, 8192, XWt),
+        ("down forward", 128, 8192, 2048, XWt),
+        ("up/gate input grad: δ·W", 128, 8192, 2048, DeltaW),
+        ("up/gate weight grad: δᵀ·x", 8192, 128, 2048, DeltaTX),
+        ("q/o weight grad", 2048, 128, 2048, DeltaTX),
+        ("head chunk forward", 128, 2048, 4096, XWt),
+        ("head chunk weight grad", 4096, 128, 2048, DeltaTX),
     ];
     println!("threads: {threads}");
-    println!("| m×k · k×n | what | ndarray f64 | faer f64 | max |Δ| / max |C| |");
-    println!("|---|---|---|---|---|");
-    for (what, m, k, n) in shapes {
+    println!(
+        "| m×k · k×n | what | ndarray f64 | faer f64 | faer f64, the reference's layouts | max |Δ| / max |C| |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (what, m, k, n, layout) in shapes {
         let mut seed = 0x9E37_79B9_7F4A_7C15_u64;
         let mut next = || {
             seed ^= seed << 13;
@@ -39,7 +47,20 @@ fn main() {
         let fb = faer::Mat::<f64>::from_fn(k, n, |i, j| b[(i, j)]);
         let mut c_faer = faer::Mat::<f64>::zeros(m, n);
         let par = faer::Par::rayon(threads);
-        let (mut t_nd, mut t_faer) = (Vec::new(), Vec::new());
+        let (mut t_nd, mut t_faer, mut t_ref) = (Vec::new(), Vec::new(), Vec::new());
+        // The reference's operands: row-major arrays, a transposed weight stored as the
+        // checkpoint stores it (out × in), δ stored T × out.
+        let (a_store, b_store) = match layout {
+            Layout::XWt => (a.clone(), b.t().as_standard_layout().into_owned()),
+            Layout::DeltaW => (a.clone(), b.clone()),
+            Layout::DeltaTX => (a.t().as_standard_layout().into_owned(), b.clone()),
+        };
+        let (a_view, b_view) = match layout {
+            Layout::XWt => (a_store.view(), b_store.t()),
+            Layout::DeltaW => (a_store.view(), b_store.view()),
+            Layout::DeltaTX => (a_store.t(), b_store.view()),
+        };
+        let mut c_ref = ndarray::Array2::<f64>::zeros((m, n));
         for _ in 0..RUNS {
             let t = Instant::now();
             ndarray::linalg::general_mat_mul(1.0, &a, &b, 0.0, &mut c_nd);
@@ -47,12 +68,17 @@ fn main() {
             let t = Instant::now();
             faer::linalg::matmul::matmul(&mut c_faer, faer::Accum::Replace, &fa, &fb, 1.0, par);
             t_faer.push(t.elapsed().as_secs_f64());
+            c_ref.fill(0.0);
+            let t = Instant::now();
+            reference_layout_product(a_view, b_view, &mut c_ref, layout, par);
+            t_ref.push(t.elapsed().as_secs_f64());
         }
         let mut diff: f64 = 0.0;
         let mut scale: f64 = 0.0;
         for i in 0..m {
             for j in 0..n {
                 diff = diff.max((c_nd[(i, j)] - c_faer[(i, j)]).abs());
+                diff = diff.max((c_nd[(i, j)] - c_ref[(i, j)]).abs());
                 scale = scale.max(c_nd[(i, j)].abs());
             }
         }
@@ -62,10 +88,49 @@ fn main() {
             flops / t[RUNS / 2] / 1e9
         };
         println!(
-            "| {m}×{k} · {k}×{n} | {what} | {:.1} GFLOP/s | {:.1} GFLOP/s | {:.1e} |",
+            "| {m}×{k} · {k}×{n} | {what} | {:.1} GFLOP/s | {:.1} GFLOP/s | {:.1} GFLOP/s | {:.1e} |",
             rate(&mut t_nd),
             rate(&mut t_faer),
+            rate(&mut t_ref),
             diff / scale
         );
     }
+}
+
+/// How the reference holds a product's operands.
+#[derive(Clone, Copy)]
+enum Layout {
+    /// x · Wᵀ: a weight stored out × in, read transposed (forward products).
+    XWt,
+    /// δ · W: both row-major (input gradients).
+    DeltaW,
+    /// δᵀ · x, added into a cleared gradient buffer (weight gradients).
+    DeltaTX,
+}
+
+/// c = a·b (or c += a·b for a weight gradient) in faer on ndarray views, as the reference's
+/// `product_into` passes them.
+fn reference_layout_product(
+    a: ndarray::ArrayView2<f64>,
+    b: ndarray::ArrayView2<f64>,
+    c: &mut ndarray::Array2<f64>,
+    layout: Layout,
+    par: faer::Par,
+) {
+    let ((m, k), (_, n)) = (a.dim(), b.dim());
+    let (sa, sb, sc) = (a.strides(), b.strides(), c.strides());
+    let (sc0, sc1) = (sc[0], sc[1]);
+    // SAFETY: each view covers exactly its ndarray view's elements; `c` is borrowed mutably.
+    let (fa, fb, fc) = unsafe {
+        (
+            faer::MatRef::from_raw_parts(a.as_ptr(), m, k, sa[0], sa[1]),
+            faer::MatRef::from_raw_parts(b.as_ptr(), k, n, sb[0], sb[1]),
+            faer::MatMut::from_raw_parts_mut(c.as_mut_ptr(), m, n, sc0, sc1),
+        )
+    };
+    let accum = match layout {
+        Layout::DeltaTX => faer::Accum::Add,
+        Layout::XWt | Layout::DeltaW => faer::Accum::Replace,
+    };
+    faer::linalg::matmul::matmul(fc, accum, fa, fb, 1.0, par);
 }
