@@ -28,13 +28,6 @@ SHAPES = {
         "max_position_embeddings": 131072, "tie_word_embeddings": True,
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
-    # Llama-3.2-3B (the stretch): 3.21 B parameters, tied, V 128256, d 3072, 28 layers.
-    "llama-3.2-3b": ("LlamaConfig", "LlamaForCausalLM", {
-        "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
-        "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072, "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
     # Qwen3-1.7B: 2.03 B parameters, tied, V 151936, per-head q/k norms.
     "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", {
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
@@ -48,6 +41,10 @@ SHAPES = {
         "max_position_embeddings": 32768, "sliding_window": 512, "tie_word_embeddings": True,
         "query_pre_attn_scalar": 256}),
 }
+# Llama-3.2-3B (the stretch): 3.21 B parameters, tied; Llama-3.2-1B's vocabulary, positions and
+# RoPE, wider and deeper.
+SHAPES["llama-3.2-3b"] = ("LlamaConfig", "LlamaForCausalLM", dict(
+    SHAPES["llama-3.2-1b"][2], hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128))
 
 
 def build(shape, dtype, layers=None):
