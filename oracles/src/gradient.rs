@@ -111,43 +111,56 @@ fn forward<M: DecoderModel + ?Sized>(
     weights: &mut Option<BlockOf<M>>,
     tick: &mut dyn FnMut(),
 ) -> Forward<M::BlockCache> {
-    let mut h = model.embed(ids);
+    forward_group(model, &[ids.to_vec()], weights, tick)
+        .pop()
+        .expect("one example in, one forward pass out")
+}
+
+/// The forward passes of several examples, through each block together: a block's weights are
+/// taken (widened, when stored) once for all of them, then each example's pass runs on its own,
+/// exactly as it would alone. `tick` is called after every block.
+fn forward_group<M: DecoderModel + ?Sized>(
+    model: &M,
+    ids: &[Vec<usize>],
+    weights: &mut Option<BlockOf<M>>,
+    tick: &mut dyn FnMut(),
+) -> Vec<Forward<M::BlockCache>> {
     let layers = model.dims().layers;
-    let mut blocks = Vec::with_capacity(layers);
+    let mut hidden: Vec<Array2<f64>> = ids.iter().map(|ids| model.embed(ids)).collect();
+    let mut caches: Vec<Vec<M::BlockCache>> =
+        ids.iter().map(|_| Vec::with_capacity(layers)).collect();
     for l in 0..layers {
         let w = model.block_weights(l, weights);
-        let (cache, out) = model.block_forward(l, w, h);
-        blocks.push(cache);
-        h = out;
+        for (h, cache) in hidden.iter_mut().zip(&mut caches) {
+            let (c, out) = model.block_forward(l, w, std::mem::take(h));
+            cache.push(c);
+            *h = out;
+        }
         tick();
     }
-    let Head { norm, af, logits } = head_forward(model, h);
-    Forward {
-        blocks,
-        norm,
-        af,
-        logits,
-    }
-}
-
-/// The final norm and the head over the last block's output.
-struct Head {
-    norm: NormCache,
-    af: Array2<f64>,
-    logits: Array2<f64>,
-}
-
-fn head_forward<M: DecoderModel + ?Sized>(model: &M, h: Array2<f64>) -> Head {
-    let (norm, af) = model.final_norm(h.view());
-    let mut logits = product(af.view(), model.head().t());
-    if let Some(cap) = model.final_logit_softcap() {
-        logits.mapv_inplace(|z| cap * (z / cap).tanh());
-    }
-    Head { norm, af, logits }
+    hidden
+        .into_iter()
+        .zip(caches)
+        .map(|(h, blocks)| {
+            let (norm, af) = model.final_norm(h.view());
+            let mut logits = product(af.view(), model.head().t());
+            if let Some(cap) = model.final_logit_softcap() {
+                logits.mapv_inplace(|z| cap * (z / cap).tanh());
+            }
+            Forward {
+                blocks,
+                norm,
+                af,
+                logits,
+            }
+        })
+        .collect()
 }
 
 /// One example of a group from its head to the end of the blocks' backward.
-struct InFlight<P> {
+struct InFlight<P, C> {
+    /// The caches of the blocks not yet run backward, the last on top.
+    blocks: Vec<C>,
     loss: f64,
     af: Array2<f64>,
     dlogits: Array2<f64>,
@@ -498,22 +511,15 @@ pub fn group_norms<M: DecoderModel + ?Sized>(
     let Workspace { weights, gradient } = workspace;
     let ids: Vec<Vec<usize>> = examples.clone().map(|i| batch.ids(i)).collect();
 
-    let mut hidden: Vec<Array2<f64>> = ids.iter().map(|ids| model.embed(ids)).collect();
-    let mut caches: Vec<Vec<M::BlockCache>> =
-        ids.iter().map(|_| Vec::with_capacity(layers)).collect();
-    for l in 0..layers {
-        let w = model.block_weights(l, weights);
-        for (h, cache) in hidden.iter_mut().zip(&mut caches) {
-            let (c, out) = model.block_forward(l, w, std::mem::take(h));
-            cache.push(c);
-            *h = out;
-        }
-        tick();
-    }
-
+    let forwards = forward_group(model, &ids, weights, tick);
     let mut heads = Vec::with_capacity(ids.len());
-    for (i, h) in examples.clone().zip(hidden) {
-        let Head { norm, af, logits } = head_forward(model, h);
+    for (i, fw) in examples.clone().zip(forwards) {
+        let Forward {
+            blocks,
+            norm,
+            af,
+            logits,
+        } = fw;
         let (loss, dlogits) = loss_and_dlogits(model, logits, &batch.targets(i), reduction);
         let output_sq = head_square(&dlogits, &af);
         let d_af = product(dlogits.view(), model.head().view());
@@ -526,6 +532,7 @@ pub fn group_norms<M: DecoderModel + ?Sized>(
             record_sites.then_some(&mut sites.final_norm),
         );
         heads.push(InFlight {
+            blocks,
             loss,
             af,
             dlogits,
@@ -541,11 +548,11 @@ pub fn group_norms<M: DecoderModel + ?Sized>(
     let g = gradient.get_or_insert_with(|| model.zero_block());
     for l in (0..layers).rev() {
         let w = model.block_weights(l, weights);
-        for (cache, e) in caches.iter_mut().zip(&mut heads) {
+        for e in &mut heads {
             for (_, t) in g.tensors_mut() {
                 clear(t);
             }
-            let c = cache.pop().expect("one cache per block");
+            let c = e.blocks.pop().expect("one cache per block");
             let mut rec = Vec::new();
             e.dh = model.block_backward(
                 l,
@@ -570,6 +577,7 @@ pub fn group_norms<M: DecoderModel + ?Sized>(
     let mut out = Vec::with_capacity(ids.len());
     for (ids, e) in ids.iter().zip(heads) {
         let InFlight {
+            blocks: _,
             loss,
             af,
             dlogits,

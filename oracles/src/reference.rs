@@ -224,8 +224,7 @@ impl<M: DecoderModel> ReferenceModel for M {
             .unwrap_or_else(|| examples_together(self, batch))
             .max(1);
         let mut workspace = Workspace::default();
-        let mut start = 0;
-        while start < batch.len() {
+        for start in (0..batch.len()).step_by(together) {
             let group = start..(start + together).min(batch.len());
             at.pass = 0;
             at.group = group.len();
@@ -259,7 +258,6 @@ impl<M: DecoderModel> ReferenceModel for M {
                     },
                 );
             }
-            start = group.end;
         }
         Ok(())
     }

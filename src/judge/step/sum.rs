@@ -195,7 +195,8 @@ fn sums_in_tiles(
         // memory. The tiles run on every core; their sums are added in tile order, so the
         // result does not depend on how the pool split the work.
         let tile = (tile_bytes / (cols * 8).max(1)).max(1);
-        let tiles: Vec<Range<usize>> = (rows.start..rows.end)
+        let tiles: Vec<Range<usize>> = rows
+            .clone()
             .step_by(tile)
             .map(|r| r..(r + tile).min(rows.end))
             .collect();
