@@ -305,8 +305,16 @@ pub fn weighted_sum(f: &Factored, weights: &Tensor) -> Result<Tensor> {
     Ok(match (&f.left, &f.right) {
         (Factor::Dense(l), Factor::Dense(r)) => {
             let (b, t) = (l.dims()[0], l.dims()[1]);
-            let l = scale(l)?.reshape((b * t, p))?;
-            l.t()?.contiguous()?.matmul(&r.reshape((b * t, q))?)?
+            // The weights scale the narrower factor (an LM head's activations, d wide, not its
+            // V-wide backprops), and lᵀ is read in place: no factor-sized copy is made.
+            let (l, r) = if p <= q {
+                (scale(l)?, r.clone())
+            } else {
+                (l.clone(), scale(r)?)
+            };
+            l.reshape((b * t, p))?
+                .t()?
+                .matmul(&r.reshape((b * t, q))?)?
         }
         (Factor::Dense(l), Factor::Ones { .. }) => widened(&scale(l)?)?
             .sum((0, 1))?
@@ -341,4 +349,48 @@ pub fn dot_all(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok((a.to_dtype(DType::F64)? * b.to_dtype(DType::F64)?)?
         .sum_all()?
         .to_scalar::<f64>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Σ_i w_i Σ_t l_it r_itᵀ written out, on values whose products and sums are exact in f64.
+    fn written_out(l: &[f64], r: &[f64], w: &[f64], t: usize, p: usize, q: usize) -> Vec<f64> {
+        let mut out = vec![0.0; p * q];
+        for (i, wi) in w.iter().enumerate() {
+            for s in 0..t {
+                let row = i * t + s;
+                for a in 0..p {
+                    for b in 0..q {
+                        out[a * q + b] += wi * l[row * p + a] * r[row * q + b];
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    // The weights go on whichever factor is narrower; both sides of that choice must give the
+    // sum the definition gives (small integers, so equal means equal).
+    #[test]
+    fn weighted_sums_of_wide_and_narrow_left_factors_are_the_written_out_sum() {
+        let cpu = candle_core::Device::Cpu;
+        let (batch, t) = (3, 4);
+        let w = [2.0, -1.0, 3.0];
+        for (p, q) in [(5, 9), (9, 5), (6, 6)] {
+            let value = |k: usize, m: usize| ((k * m + 3 * k) % 7) as f64 - 3.0;
+            let l: Vec<f64> = (0..batch * t * p).map(|k| value(k, 5)).collect();
+            let r: Vec<f64> = (0..batch * t * q).map(|k| value(k, 3)).collect();
+            let f = Factored {
+                left: Factor::Dense(Tensor::from_vec(l.clone(), (batch, t, p), &cpu).unwrap()),
+                right: Factor::Dense(Tensor::from_vec(r.clone(), (batch, t, q), &cpu).unwrap()),
+            };
+            let weights = Tensor::from_vec(w.to_vec(), batch, &cpu).unwrap();
+            let got = weighted_sum(&f, &weights).unwrap();
+            assert_eq!(got.dims(), &[p, q]);
+            let got = got.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            assert_eq!(got, written_out(&l, &r, &w, t, p, q), "p = {p}, q = {q}");
+        }
+    }
 }
