@@ -211,16 +211,9 @@ fn the_cannot_judge_line_names_the_precision_the_shape_and_the_remedy() {
     let judge = Judge::from_trace(rt.clone()).unwrap();
     let path = tmp("precision-cannot-judge").join("t.safetensors");
     let meta = TraceMeta {
-        max_grad_norm: 1.0,
-        noise_multiplier: None,
         clipper: Some("exact".into()),
-        claimed_norms: judge.truth.norms.clone(),
-        claimed_coefficients: None,
-        dtype: Precision::F32,
         compute_dtype: Some(Precision::BF16),
-        site_compute_dtypes: Vec::new(),
-        site_dtypes: Vec::new(),
-        step: None,
+        ..TraceMeta::norms(1.0, judge.truth.norms.clone(), Precision::F32)
     };
     write_trace(&path, &rt, &meta).unwrap();
     let o = run(&["check", "--gate", path.to_str().unwrap()]);

@@ -425,16 +425,8 @@ fn the_judge_passes_the_exact_norms_and_fails_norms_without_the_cross_terms() {
 
 fn file_meta(norms: &[f64], c: f64) -> TraceMeta {
     TraceMeta {
-        max_grad_norm: c,
-        noise_multiplier: None,
         clipper: Some("rows-test".into()),
-        claimed_norms: norms.to_vec(),
-        claimed_coefficients: None,
-        dtype: Precision::F64,
-        compute_dtype: None,
-        site_compute_dtypes: Vec::new(),
-        site_dtypes: Vec::new(),
-        step: None,
+        ..TraceMeta::norms(c, norms.to_vec(), Precision::F64)
     }
 }
 

@@ -130,15 +130,8 @@ fn write_step_claiming(
     let (t, c, _, _) = setup();
     let path = tmp(&format!("step-{name}")).join("t.safetensors");
     let meta = TraceMeta {
-        max_grad_norm: c,
         noise_multiplier: Some(sigma),
         clipper: Some(name.into()),
-        claimed_norms: norms.to_vec(),
-        claimed_coefficients: None,
-        dtype: Precision::F64,
-        compute_dtype: None,
-        site_compute_dtypes: Vec::new(),
-        site_dtypes: Vec::new(),
         step: Some(StepClaim {
             batch_divisor: divisor,
             clipped_sum: sum.map(floats),
@@ -146,6 +139,7 @@ fn write_step_claiming(
             clip_stabilizer: stabilizer,
             clipping,
         }),
+        ..TraceMeta::norms(c, norms.to_vec(), Precision::F64)
     };
     write_trace(&path, &t, &meta).unwrap();
     path
@@ -247,15 +241,9 @@ fn a_step_held_in_f32_is_written_and_read_in_f32_and_judged_as_its_exact_widenin
     for widen in [false, true] {
         let path = tmp(&format!("step-f32-widen-{widen}")).join("t.safetensors");
         let meta = TraceMeta {
-            max_grad_norm: c,
             noise_multiplier: Some(0.0),
             clipper: Some("f32".into()),
-            claimed_norms: norms.clone(),
-            claimed_coefficients: None,
-            dtype: Precision::F64,
             compute_dtype: Some(Precision::F32),
-            site_compute_dtypes: Vec::new(),
-            site_dtypes: Vec::new(),
             step: Some(StepClaim {
                 batch_divisor: Some(DIVISOR),
                 clipped_sum: Some(held(&s, widen)),
@@ -263,6 +251,7 @@ fn a_step_held_in_f32_is_written_and_read_in_f32_and_judged_as_its_exact_widenin
                 clip_stabilizer: 0.0,
                 clipping: Clipping::Flat,
             }),
+            ..TraceMeta::norms(c, norms.clone(), Precision::F64)
         };
         write_trace(&path, &t, &meta).unwrap();
         let (_, read) = read_trace(&path).unwrap();

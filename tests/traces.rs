@@ -177,18 +177,7 @@ struct RawTrace {
 fn valid_raw() -> RawTrace {
     let spec = crate::common::tiny_synthetic_spec();
     let t = synthetic_trace(&spec, 5);
-    let meta = TraceMeta {
-        max_grad_norm: 1.0,
-        noise_multiplier: None,
-        clipper: None,
-        claimed_norms: vec![1.0, 2.0],
-        claimed_coefficients: None,
-        dtype: Precision::F32,
-        compute_dtype: None,
-        site_compute_dtypes: Vec::new(),
-        site_dtypes: Vec::new(),
-        step: None,
-    };
+    let meta = TraceMeta::norms(1.0, vec![1.0, 2.0], Precision::F32);
     let path = tmp("valid-raw").join("t.safetensors");
     write_trace(&path, &t, &meta).unwrap();
     let bytes = std::fs::read(&path).unwrap();

@@ -94,18 +94,7 @@ fn honest_tables(path: &Path, k: usize) {
             })
             .collect(),
     };
-    let meta = TraceMeta {
-        max_grad_norm: 1.0,
-        noise_multiplier: None,
-        clipper: None,
-        claimed_norms: vec![1.0; B],
-        claimed_coefficients: None,
-        dtype: Precision::F32,
-        compute_dtype: None,
-        site_compute_dtypes: Vec::new(),
-        site_dtypes: Vec::new(),
-        step: None,
-    };
+    let meta = TraceMeta::norms(1.0, vec![1.0; B], Precision::F32);
     write_trace(path, &trace, &meta).unwrap();
 }
 

@@ -80,16 +80,9 @@ fn manifest() -> Value {
 
 fn meta(compute_dtype: Option<Precision>) -> TraceMeta {
     TraceMeta {
-        max_grad_norm: 1.0,
-        noise_multiplier: None,
         clipper: Some("manifest-test".into()),
-        claimed_norms: vec![1.0, 2.0],
-        claimed_coefficients: None,
-        dtype: Precision::F64,
         compute_dtype,
-        site_compute_dtypes: Vec::new(),
-        site_dtypes: Vec::new(),
-        step: None,
+        ..TraceMeta::norms(1.0, vec![1.0, 2.0], Precision::F64)
     }
 }
 

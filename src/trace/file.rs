@@ -54,16 +54,10 @@ pub fn write_claimed_trace(
 ) -> Result<()> {
     let dtype = trace.precision()?;
     let meta = TraceMeta {
-        max_grad_norm,
-        noise_multiplier: None,
         clipper: Some(clipper.to_string()),
-        claimed_norms: norms.to_vec(),
         claimed_coefficients: Some(coefficients.to_vec()),
-        dtype,
         compute_dtype: Some(dtype),
-        site_compute_dtypes: Vec::new(),
-        site_dtypes: Vec::new(),
-        step: None,
+        ..TraceMeta::norms(max_grad_norm, norms.to_vec(), dtype)
     };
     Ok(reference::write_trace(path, &trace.to_reference()?, &meta)?)
 }

@@ -68,6 +68,24 @@ pub struct TraceMeta {
 }
 
 impl TraceMeta {
+    /// A trace that claims per-example norms at C and nothing more: no clipper name, noise,
+    /// coefficients or step, every site stored in `dtype` and computed as stored. Writers set
+    /// what else they have with struct-update syntax.
+    pub fn norms(max_grad_norm: f64, claimed_norms: Vec<f64>, dtype: Precision) -> Self {
+        TraceMeta {
+            max_grad_norm,
+            noise_multiplier: None,
+            clipper: None,
+            claimed_norms,
+            claimed_coefficients: None,
+            dtype,
+            compute_dtype: None,
+            site_compute_dtypes: Vec::new(),
+            site_dtypes: Vec::new(),
+            step: None,
+        }
+    }
+
     /// The precision each site is judged at: the coarser of how it is stored and how it was
     /// computed (its own `compute_dtype`, else the header's).
     pub fn site_precisions(&self) -> Vec<Precision> {
