@@ -4,11 +4,12 @@
 //! threads), on the same inputs, alternating, median of `RUNS`. Both results are compared so
 //! that a rate is never taken from a wrong product.
 //!
-//! A third column runs faer on the operands as the reference holds them: ndarray's row-major
-//! arrays, a weight read transposed where the product uses it so, the output row-major, and a
-//! weight gradient added into a cleared buffer (`Accum::Add`), as `oracles/src/matmul.rs` calls
-//! it.
+//! A third column runs the reference's own `product_into` (`oracles/src/matmul.rs`) on the
+//! operands as the reference holds them: ndarray's row-major arrays, a weight read transposed
+//! where the product uses it so, the output row-major, and a weight gradient added into a
+//! cleared buffer.
 
+use ghost_oracle_reference::{product_into, Accumulate};
 use std::time::Instant;
 
 const RUNS: usize = 5;
@@ -70,7 +71,11 @@ fn main() {
             t_faer.push(t.elapsed().as_secs_f64());
             c_ref.fill(0.0);
             let t = Instant::now();
-            reference_layout_product(a_view, b_view, &mut c_ref, layout, par);
+            let into = match layout {
+                Layout::DeltaTX => Accumulate::Add,
+                Layout::XWt | Layout::DeltaW => Accumulate::Replace,
+            };
+            product_into(1.0, a_view, b_view, into, c_ref.view_mut());
             t_ref.push(t.elapsed().as_secs_f64());
         }
         let mut diff: f64 = 0.0;
@@ -106,31 +111,4 @@ enum Layout {
     DeltaW,
     /// δᵀ · x, added into a cleared gradient buffer (weight gradients).
     DeltaTX,
-}
-
-/// c = a·b (or c += a·b for a weight gradient) in faer on ndarray views, as the reference's
-/// `product_into` passes them.
-fn reference_layout_product(
-    a: ndarray::ArrayView2<f64>,
-    b: ndarray::ArrayView2<f64>,
-    c: &mut ndarray::Array2<f64>,
-    layout: Layout,
-    par: faer::Par,
-) {
-    let ((m, k), (_, n)) = (a.dim(), b.dim());
-    let (sa, sb, sc) = (a.strides(), b.strides(), c.strides());
-    let (sc0, sc1) = (sc[0], sc[1]);
-    // SAFETY: each view covers exactly its ndarray view's elements; `c` is borrowed mutably.
-    let (fa, fb, fc) = unsafe {
-        (
-            faer::MatRef::from_raw_parts(a.as_ptr(), m, k, sa[0], sa[1]),
-            faer::MatRef::from_raw_parts(b.as_ptr(), k, n, sb[0], sb[1]),
-            faer::MatMut::from_raw_parts_mut(c.as_mut_ptr(), m, n, sc0, sc1),
-        )
-    };
-    let accum = match layout {
-        Layout::DeltaTX => faer::Accum::Add,
-        Layout::XWt | Layout::DeltaW => faer::Accum::Replace,
-    };
-    faer::linalg::matmul::matmul(fc, accum, fa, fb, 1.0, par);
 }
