@@ -80,7 +80,7 @@ fn assert_matches_reference_at(
         record_trace: true,
         keep_gradients: true,
         reduction,
-        together: None,
+        ..Default::default()
     };
     let r = ghost_oracle_reference::compute(model, b, &opts, &mut |_| {}).unwrap();
     let rt = r.trace.as_ref().unwrap();

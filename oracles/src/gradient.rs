@@ -512,7 +512,7 @@ pub fn group_norms<M: DecoderModel + ?Sized>(
     let ids: Vec<Vec<usize>> = examples.clone().map(|i| batch.ids(i)).collect();
 
     let forwards = forward_group(model, &ids, weights, tick);
-    let mut heads = Vec::with_capacity(ids.len());
+    let mut in_flight = Vec::with_capacity(ids.len());
     for (i, fw) in examples.clone().zip(forwards) {
         let Forward {
             blocks,
@@ -531,7 +531,7 @@ pub fn group_norms<M: DecoderModel + ?Sized>(
             &mut stem,
             record_sites.then_some(&mut sites.final_norm),
         );
-        heads.push(InFlight {
+        in_flight.push(InFlight {
             blocks,
             loss,
             af,
@@ -548,7 +548,7 @@ pub fn group_norms<M: DecoderModel + ?Sized>(
     let g = gradient.get_or_insert_with(|| model.zero_block());
     for l in (0..layers).rev() {
         let w = model.block_weights(l, weights);
-        for e in &mut heads {
+        for e in &mut in_flight {
             for (_, t) in g.tensors_mut() {
                 clear(t);
             }
@@ -575,7 +575,7 @@ pub fn group_norms<M: DecoderModel + ?Sized>(
     }
 
     let mut out = Vec::with_capacity(ids.len());
-    for (ids, e) in ids.iter().zip(heads) {
+    for (ids, e) in ids.iter().zip(in_flight) {
         let InFlight {
             blocks: _,
             loss,

@@ -117,9 +117,8 @@ fn a_folded_head_path_is_the_sum_of_the_separate_paths_and_its_split_their_produ
 fn run(model: &Gpt2, ids: Array2<i64>, reduction: Reduction) -> Reference {
     let opts = Options {
         reduction,
-        record_trace: false,
         keep_gradients: true,
-        together: None,
+        ..Options::default()
     };
     compute(model, &Batch::new(ids, None).unwrap(), &opts, &mut |_| {}).unwrap()
 }

@@ -43,8 +43,7 @@ pub fn prepare(
     let ropts = reference::Options {
         reduction: opts.reduction,
         record_trace: true,
-        keep_gradients: false,
-        together: None,
+        ..reference::Options::default()
     };
     let r = reference::compute(&case.model, &case.batch, &ropts, progress)
         .map_err(|e| Error::from(e).context(&case.name))?;
