@@ -215,8 +215,11 @@ class _Capture(TorchFunctionMode):
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func not in FUNCTIONS and inspect.isfunction(func) and func.__module__ == F.__name__:
-            return self._inside(func, args, kwargs)
+            out = self._inside(func, args, kwargs)
+            self.rec.follow(func, args, kwargs, out)
+            return out
         out = func(*args, **kwargs)
+        self.rec.follow(func, args, kwargs, out)  # the batch's examples, followed through every call
         handler = FUNCTIONS.get(func)
         if handler is None or self.rec.inside_modelled_module() or not torch.is_tensor(out) or not out.requires_grad:
             return out

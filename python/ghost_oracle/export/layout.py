@@ -8,9 +8,27 @@ the layout (B×T×d, seq-first T×B×d, B·T flattened rows, T·B flattened rows
 example i's loss reaches outside any one slice belongs to a model that mixes examples
 (attention across the batch, batch statistics), for which a per-example gradient, and so
 per-example clipping, is not defined.
+
+One kind of use is neither: a use **shared by every example**, computed once for the batch
+from no example's content (nanoGPT's `wpe(arange(T))`, T×d added to B×T×d; GPT-2's 1×T
+position lookup; a learned constant through a layer). Every example's loss reaches all of its
+output, as it would in a model that mixes examples, and its output may have any shape (an
+axis of size B or 1 by coincidence of T). The two are told apart by what the output was
+computed from, not by its shape: the recorder follows the batch's examples through every
+operation of the forward (`record.py`), and a shared use is one whose output carries none of
+them. Such an output is the same for any examples the batch holds, so example i's loss L_i
+depends on the use's parameters through it as through any other parameter use, and the
+chain rule gives example i's gradient exactly: Σ over the output of ∂L_i/∂out ⊗ ∂out/∂θ. Its
+per-example factors are therefore the use's one input, repeated for every example (in the
+trace's factors only: the model's forward is never changed), and the per-example output
+gradients ∂L_i/∂out, one backward per example (batched by `is_grads_batched` where autograd
+can, else one at a time). A use whose output was computed from the examples and splits along
+no axis mixes them, and is refused, whatever its shape; nothing else is ever broadcast to the
+batch.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -44,8 +62,7 @@ def _layouts(shape: Sequence[int], b: int) -> list[Layout]:
 
 
 def _batch_first(t: torch.Tensor, layout: Layout, b: int) -> torch.Tensor:
-    """`t` with the examples on a leading axis of size B (of size 1 for a per-batch input, which
-    the caller expands)."""
+    """`t` with the examples on a leading axis of size B."""
     form, a = layout
     if a >= t.dim():
         return t
@@ -73,17 +90,18 @@ def _input_spill(t: torch.Tensor, g: torch.Tensor | None, i: int, b: int, batch_
     return [j for j in nz.nonzero().flatten().tolist() if j != i]
 
 
-def _refuse_spilled_input(name: str, t: torch.Tensor, g: torch.Tensor, i: int, others: list[int], b: int,
-                          batch_axis: int) -> None:
-    """An input whose examples example i's loss reaches beyond its own: another axis that keeps
-    the examples apart is a layout mismatch, none is a model that mixes examples."""
-    for a in range(t.dim()):
-        if a != batch_axis and t.shape[a] == b and _input_spill(t, g, i, b, a) == [] and bool(
-                g.movedim(a, 0)[i].ne(0).any()):
-            raise TraceExportError(
-                f"{name} were given with batch_axis={batch_axis}, but the loss of example {i} alone reaches them "
-                f"along axis {a} only: the examples of these inputs lie along axis {a}. Pass batch_axis={a}"
-                + (" (seq-first data: batch_first=False)" if a == 1 else ""))
+def _refuse_spilled_input(name: str, i: int, others: list[int], batch_axis: int, apart: list[int]) -> None:
+    """An input whose examples example i's loss reaches beyond its own. `apart` are the other
+    axes of B entries along which every probed example's loss reached its own slice and no
+    other: where there is one, the examples lie there and the advice to pass it is one that
+    works (given it, the same probes find every example confined); none is a model that mixes
+    examples."""
+    if len(apart) == 1:
+        a = apart[0]
+        raise TraceExportError(
+            f"{name} were given with batch_axis={batch_axis}, but the loss of each example alone reaches them "
+            f"along axis {a} only: the examples of these inputs lie along axis {a}. Pass batch_axis={a}"
+            + (" (seq-first data: batch_first=False)" if a == 1 else ""))
     shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
     raise TraceExportError(
         f"the model mixes examples: the loss of example {i} alone depends on {name} of example(s) {shown} (along "
@@ -104,8 +122,11 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
                   progress: Any = None) -> None:
     """Sets `entry["layout"]` for every use whose output received a gradient in the batch's
     backward, from the gradients of single examples' losses (the graph must still be alive).
-    Raises `TraceExportError` for a use no layout fits (the model mixes examples), one several
-    layouts fit alike, and a use fed the inputs directly whose layout is not `batch_axis`.
+    A use shared by every example (see the module's docstring) gets its per-example factors:
+    its input repeated and its per-example output gradients, the examples first. Raises
+    `TraceExportError` for a use no layout fits that is not shared (the model mixes examples),
+    one several layouts fit alike, and a use fed the inputs directly whose layout is not
+    `batch_axis`.
 
     `leaves` are (name, tensor) pairs of floating-point inputs made to require gradients: an
     example's loss must not reach another example's inputs either (batch statistics taken of
@@ -124,8 +145,15 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
     reached_any = bool(live)  # with no use to reach, every example is probed for the inputs alone
     # The first probe that reached another example, for the message.
     spill: dict[int, tuple[int, list[int], Layout] | None] = {id(e): None for e in live}
-    input_spill: dict[str, tuple[torch.Tensor, torch.Tensor, int, list[int]]] = {}
-    reached = {id(e): False for e in live}
+    input_spill: dict[str, tuple[int, list[int]]] = {}
+    # Each input's other axes of B entries: [confined in every probe so far, reached].
+    input_axes = {name: {a: [True, False] for a in range(t.dim()) if a != batch_axis and t.shape[a] == b}
+                  for name, t in leaves}
+    reached = {id(e): False for e in live}  # whether any probe's gradient reached the use's output
+    # The probes' gradients of the uses computed from no example, kept: such a use may be shared
+    # by every example, and then they are its per-example output gradients.
+    batch_free = [e for e in live if e.get("batch_free")]
+    probe_grads: dict[int, dict[int, torch.Tensor | None]] = {id(e): {} for e in batch_free}
     order = _probe_order(b)
     for n, i in enumerate(order):
         if n >= min(b, 4) and b > PROBE_ALL_UP_TO and all(reached.values()) and reached_any:
@@ -137,10 +165,19 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
         for (name, t), g in zip(leaves, grads[len(live):], strict=True):
             others = _input_spill(t, g, i, b, batch_axis)
             if others and name not in input_spill:
-                input_spill[name] = (t, g, i, others)
+                input_spill[name] = (i, others)
+            if g is not None:
+                for a, st in input_axes[name].items():
+                    nz = g.movedim(a, 0).ne(0).reshape(b, -1).any(1)
+                    st[0] = st[0] and not any(j != i for j in nz.nonzero().flatten().tolist())
+                    st[1] = st[1] or bool(nz[i])
         for e, g in zip(live, grads[:len(live)], strict=True):
+            if id(e) in probe_grads:
+                probe_grads[id(e)][i] = None if g is None else g.detach()
             if g is None:
                 continue
+            if bool(g.ne(0).any()):
+                reached[id(e)] = True
             for lay, st in status[id(e)].items():
                 nz = _batch_first(g, lay, b).ne(0).reshape(b, -1).any(1)
                 others = [j for j in nz.nonzero().flatten().tolist() if j != i]
@@ -150,11 +187,112 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
                         spill[id(e)] = (i, others, lay)
                 if bool(nz[i]):
                     st[1] = True
-                    reached[id(e)] = True
+    shared = [e for e in batch_free if not _fits(status[id(e)]) and bool(e["grad"].ne(0).any())]
+    for e in shared:
+        if e.get("read_into_python"):
+            raise TraceExportError(
+                f"module `{e['name']}` ({e['cls']}): its output ({list(e['output'].shape)}) has no axis of the "
+                f"batch's {b} examples and is computed from no tensor of the batch, but the forward read values of "
+                f"the batch into Python before it ({e['read_into_python']}), where the exporter cannot follow "
+                "them: whether this use is shared by every example or mixes them cannot be told. Compute it "
+                "without reading the batch's values into Python, or give it a per-example input")
+    if shared:
+        _gather_per_example_grads(shared, probe_grads, losses, b, progress)
+    shared_ids = {id(e) for e in shared}
     for e in live:
+        if id(e) in shared_ids:
+            _share(e, probe_grads.pop(id(e)), b)
+            continue
         _settle_layout(e, status[id(e)], spill[id(e)], reached[id(e)], len(order), b, batch_axis, direct_inputs)
-    for name, (t, g, i, others) in input_spill.items():
-        _refuse_spilled_input(name, t, g, i, others, b, batch_axis)
+    for name, (i, others) in input_spill.items():
+        apart = [a for a, (confined, hit) in input_axes[name].items() if confined and hit]
+        _refuse_spilled_input(name, i, others, batch_axis, apart)
+
+
+def _fits(status: dict[Layout, list[bool]]) -> list[Layout]:
+    """The layouts along which every probed example's gradient stayed at its own index and
+    reached it."""
+    return [lay for lay, (confined, hit) in status.items() if confined and hit]
+
+
+def _gather_per_example_grads(shared: Sequence[dict[str, Any]], probe_grads: dict[int, dict[int, torch.Tensor | None]],
+                              losses: torch.Tensor, b: int, progress: Any) -> None:
+    """Completes `probe_grads` of the shared uses with ∂L_i/∂out of every example the probes
+    left out: one batched backward (`is_grads_batched`, a row of the identity per example),
+    else, where autograd cannot batch the graph's backward, one backward per example."""
+    missing = [i for i in range(b) if any(i not in probe_grads[id(e)] for e in shared)]
+    if not missing:
+        return
+    outs = [e["output"] for e in shared]
+    if progress is not None:
+        progress.step("per-example gradients of the uses shared by every example", 0, 1)
+    rows = torch.zeros(len(missing), b, dtype=losses.dtype, device=losses.device)
+    rows[torch.arange(len(missing)), torch.tensor(missing)] = 1
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # vmap's fallback notes: slower, not different
+            batched = torch.autograd.grad(losses, outs, grad_outputs=rows, retain_graph=True, allow_unused=True,
+                                          is_grads_batched=True)
+        for e, g in zip(shared, batched, strict=True):
+            for k, i in enumerate(missing):
+                probe_grads[id(e)].setdefault(i, None if g is None else g[k].detach())
+    except (RuntimeError, NotImplementedError):  # an op without a batching rule for its backward
+        for i in missing:
+            grads = torch.autograd.grad(losses[i], outs, retain_graph=True, allow_unused=True)
+            for e, g in zip(shared, grads, strict=True):
+                probe_grads[id(e)].setdefault(i, None if g is None else g.detach())
+
+
+def share_as_recorded(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]], losses: torch.Tensor,
+                      b: int) -> None:
+    """For a replay of the recorded forward (the same uses in the same order, its backward run
+    with the graph kept): the uses the recorded pass found shared by every example get their
+    per-example factors in the replay too, from the replay's own per-example losses."""
+    shared = [e for r, e in zip(recorded, replayed, strict=True) if r.get("shared") and e["grad"] is not None]
+    grads: dict[int, dict[int, torch.Tensor | None]] = {id(e): {} for e in shared}
+    if shared:
+        _gather_per_example_grads(shared, grads, losses, b, None)
+    for e in shared:
+        _share(e, grads[id(e)], b)
+
+
+def _share(e: dict[str, Any], grads: dict[int, torch.Tensor | None], b: int) -> None:
+    """Makes a use shared by every example one whose examples lie along axis 0 of its factors:
+    the output gradient becomes the per-example gradients ∂L_i/∂out, stacked, and the input
+    (and a functional call's recorded input, which a replay reads) the one input repeated for
+    every example, as a view. Where the output and every input tensor have a leading axis of 1
+    (a 1×T lookup, a 1×C×L constant through a convolution), the examples take its place, so the
+    use keeps the rank its handler models; otherwise they come first as a new axis."""
+    out = e["output"]
+    where = f"module `{e['name']}` ({e['cls']})"
+    stacked = torch.stack([torch.zeros_like(out) if grads.get(i) is None else grads[i] for i in range(b)])
+    x = e["input"]
+    xs = [x] if torch.is_tensor(x) else [v for v in x if torch.is_tensor(v)] if isinstance(x, tuple) else []
+    if out.dim() >= 1 and out.shape[0] == 1 and xs and all(t.dim() >= 1 and t.shape[0] == 1 for t in xs):
+        stacked = stacked.squeeze(1)
+
+        def repeat(t: torch.Tensor) -> torch.Tensor:
+            return t.expand(b, *t.shape[1:])
+    elif torch.is_tensor(x):
+        def repeat(t: torch.Tensor) -> torch.Tensor:
+            return t.unsqueeze(0).expand(b, *t.shape)
+    else:
+        raise TraceExportError(
+            f"{where}: a use shared by every example (its output {list(out.shape)} is computed from no example of "
+            "the batch) whose several input tensors do not all have a leading axis of 1; the exporter models "
+            "a shared use of such a module only with a leading axis of 1 for the examples to take")
+    e["grad"] = stacked
+    e["input"] = repeat(x) if torch.is_tensor(x) else tuple(repeat(v) if torch.is_tensor(v) else v for v in x)
+    call = e.get("call")
+    if call is not None:  # the recorded call of a function: its input is its first argument
+        func, args, kwargs = call
+        if args and torch.is_tensor(args[0]):
+            args = (repeat(args[0]), *args[1:])
+        elif torch.is_tensor(kwargs.get("input")):
+            kwargs = {**kwargs, "input": repeat(kwargs["input"])}
+        e["call"] = (func, args, kwargs)
+    e["layout"] = ("axis", 0)
+    e["shared"] = True
 
 
 def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
@@ -163,7 +301,7 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
     """Sets one use's layout from what the probes saw: the one layout along which every probed
     example's gradient stayed at its own index and reached it. Raises naming the use where none
     or several fit, and where a use fed the inputs directly disagrees with `batch_axis`."""
-    fits = [lay for lay, (confined, hit) in status.items() if confined and hit]
+    fits = _fits(status)
     where = f"module `{e['name']}` ({e['cls']})"
     shape = list(e["output"].shape)
     if not fits and not bool(e["grad"].ne(0).any()):
@@ -182,8 +320,11 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
                 f"{n_probed} examples' losses alone; the batch axis of this use cannot be found")
         if spilled_at is None:
             raise TraceExportError(
-                f"{where}: its output has shape {shape}, with no axis of the batch's {b} examples (nor of "
-                f"{b}·k flattened rows); the exporter cannot tell which part of it is which example's")
+                f"the model mixes examples: {where} computes its output ({shape}) from the batch's examples "
+                f"together, with no axis of the batch's {b} examples (nor of {b}·k flattened rows) to keep them "
+                "apart, and the examples' losses reach it (a mean or other reduction over the batch, an input "
+                "of several examples). Per-example clipping bounds nothing where an example's gradient depends "
+                "on the others: no per-example norm is defined")
         i, others, lay = spilled_at
         shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
         raise TraceExportError(
@@ -201,13 +342,15 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
             "this use is ambiguous (pass a batch whose examples differ at every position)")
     e["layout"] = fits[0]
     x = e["input"]
-    fed_inputs = torch.is_tensor(x) and any(t.shape == x.shape and t.data_ptr() == x.data_ptr()
-                     for t in direct_inputs)
+    # Fed the inputs directly: the very view the batch holds (a transpose of a square input
+    # shares its shape and storage but not its strides, and is not).
+    fed_inputs = torch.is_tensor(x) and any(
+        t.shape == x.shape and t.stride() == x.stride() and t.data_ptr() == x.data_ptr() for t in direct_inputs)
     if fed_inputs and fits[0] != ("axis", batch_axis):
         raise TraceExportError(
             f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
             f"{_describe(fits[0])}, but the inputs were given with batch_axis={batch_axis}: the examples of "
-            f"these inputs lie along {_describe(fits[0])}. Pass batch_axis={fits[0][1]} (seq-first data: "
-            "batch_first=False)" if fits[0][0] == "axis" else
+            f"these inputs lie along {_describe(fits[0])}. Pass batch_axis={fits[0][1]}"
+            + (" (seq-first data: batch_first=False)" if fits[0][1] == 1 else "") if fits[0][0] == "axis" else
             f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
             f"{_describe(fits[0])}, not along the inputs' batch_axis={batch_axis}")

@@ -1,11 +1,27 @@
 """Recording: a forward hook on every module a handler models records each call (a use): its
-input, its output (expanded to the batch where it was computed once for it) and, once the
-batch's backward has run, its output's gradient."""
+input, its output as the model computed it (never reshaped or broadcast) and, once the batch's
+backward has run, its output's gradient.
+
+The recorder also follows the batch through the forward, to tell a use shared by every example
+from one that mixes them. Every tensor of the batch that holds examples (a tensor of `inputs`
+whose batch axis has the batch's B entries) is marked, and so is every tensor an operation
+computes from a marked one: the capture mode (`functions.py`) sees every torch function,
+tensor method and in-place write of the forward, so a mark follows the data through any
+computation, differentiable or not (ids, masks, comparisons, `argmax`). A use whose output
+carries no mark was computed from parameters, constants and shapes alone (positions
+`arange(T)`, GPT-2's 1×T `position_ids`, a learned constant): its value is the same whatever
+examples the batch holds, so each example's loss depends on it only as on a parameter, and
+its per-example factors are exact (`layout.py`). A value of the batch read into Python
+(`.item()`, `.tolist()`, `int(t)`, `bool(t)`, `.numpy()`) leaves the torch functions, where no
+mark can follow it; such reads are recorded, and a use recorded after one is not taken as
+shared (it is refused by name instead)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import TraceExportError
 from .functions import function_capture
@@ -42,14 +58,40 @@ def param_owners(model: torch.nn.Module) -> dict[int, list[tuple[str, str]]]:
     return owners
 
 
+def _tensors_in(v: Any, depth: int = 2) -> Iterator[torch.Tensor]:
+    """The tensors an argument holds: itself, or those of a list, tuple or dict (two levels:
+    `torch.cat([a, b])`, a dict of lists)."""
+    if torch.is_tensor(v):
+        yield v
+    elif depth > 0 and isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _tensors_in(x, depth - 1)
+    elif depth > 0 and isinstance(v, Mapping):
+        for x in v.values():
+            yield from _tensors_in(x, depth - 1)
+
+
+# Tensor methods that hand a tensor's values to Python, where no mark follows them.
+_TO_PYTHON = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.__complex__, torch.Tensor.numpy,
+              torch.Tensor.__array__}
+
+
 class _Recorder:
     """The uses of one forward: module calls seen by forward hooks, functional calls on
     parameters seen by a `TorchFunctionMode` (`functions.py`), each an entry with its input, its
     output (the tensor the per-example probes differentiate) and, once the batch's backward has
-    run, its output's gradient. `probing` keeps the probes' gradients out of the entries."""
+    run, its output's gradient. `probing` keeps the probes' gradients out of the entries.
+
+    `batch_derived` holds every tensor computed from the batch's examples (see the module's
+    docstring); each entry's `batch_free` says whether its output is none of them, and
+    `read_into_python` names the first read of the batch's values into Python before it."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, batch_axis: int) -> None:
         self.batch_size, self.batch_axis = batch_size, batch_axis
+        self.batch_derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.read_into_python: str | None = None
+        self.following = False  # whether the batch's examples are followed (`mark_batch`)
         self.entries: list[dict[str, Any]] = []
         self.probing = False
         self.calls: dict[str, int] = {}  # module name -> calls so far: a module called again is a new use
@@ -57,6 +99,46 @@ class _Recorder:
         # The modules running now, innermost last, and whether a handler models them.
         self.stack: list[tuple[tuple[str, torch.nn.Module], bool]] = []
         self.trainable = {id(p) for p in model.parameters() if p.requires_grad}
+
+    def mark_batch(self, inputs: Any) -> None:
+        """Marks the tensors of `inputs` that hold examples: those whose batch axis has B
+        entries (every tensor where B is not known from the inputs: a tuple of arguments). A
+        tensor without that axis (a 1×T `position_ids` given once for the batch) holds no
+        example's content."""
+        b, a = self.batch_size, self.batch_axis
+        self.following = True
+        for t in _tensors_in(inputs):
+            if b == 0 or (t.dim() > a and t.shape[a] == b):
+                self.batch_derived[t] = True
+
+    def is_batch_derived(self, t: torch.Tensor) -> bool:
+        return t in self.batch_derived
+
+    def follow(self, func: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], out: Any) -> None:
+        """Marks what `func(*args, **kwargs)` computed (`out`, and a tensor it wrote in place)
+        if it read a marked tensor; records a read of one into Python."""
+        if not self.batch_derived:
+            return
+        read = [t for t in _tensors_in((args, kwargs)) if t in self.batch_derived]
+        if not read:
+            return
+        if func in _TO_PYTHON:
+            if self.read_into_python is None:
+                where = self.innermost()
+                name = getattr(func, "__name__", str(func))
+                self.read_into_python = f"`Tensor.{name}` in " + (f"module `{where[0]}`" if where and where[0]
+                                                                   else "the model's forward")
+            return
+        for t in _tensors_in(out):
+            self.batch_derived[t] = True
+        # An in-place write (`pos += x`, `pos[:] = x`, `torch.add(a, b, out=pos)`) changes its
+        # first argument or `out`.
+        name = getattr(func, "__name__", "")
+        if name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) or name.startswith("__i"):
+            for t in _tensors_in(args[:1] if isinstance(args, (tuple, list)) else (), 1):
+                self.batch_derived[t] = True
+        for t in _tensors_in(kwargs.get("out"), 1):
+            self.batch_derived[t] = True
 
     def inside_modelled_module(self) -> bool:
         """A module handler is running: it models every parameter use inside its forward."""
@@ -75,14 +157,11 @@ class _Recorder:
         return name
 
     def add(self, entry: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
-        """Records a use whose output is `output`; returns the output the forward goes on with
-        (expanded to the batch where it was computed once for it)."""
+        """Records a use whose output is `output`, which the forward goes on with unchanged
+        (returned)."""
         out = output
-        a, b = self.batch_axis, self.batch_size
-        if out.dim() > a + 1 and out.shape[a] == 1 and b > 1:
-            # a per-batch output (GPT-2's 1×T positions): make its gradient per example
-            out = out.expand(*out.shape[:a], b, *out.shape[a + 1:])
-        entry.update({"output": out, "grad": None, "autocast": autocast_state(output.device.type)})
+        entry.update({"output": out, "grad": None, "autocast": autocast_state(output.device.type),
+                      "batch_free": self.following and not self.is_batch_derived(out), "read_into_python": self.read_into_python})
 
         def save_grad(g: torch.Tensor) -> None:
             if not self.probing:
@@ -110,8 +189,8 @@ class _Recorder:
         for attr, p in module._parameters.items():
             if p is not None:
                 self.site_names.add(f"{entry['name']}.{attr}")
-        out = self.add(entry, output)
-        return out if out is not output else None
+        self.add(entry, output)
+        return None
 
 
 class _Handle(Protocol):
@@ -147,10 +226,15 @@ class _StashedHooks:
         self.saved = []
 
 
-def record(model: torch.nn.Module, batch_size: int, batch_axis: int) -> tuple[_Recorder, list[_Handle]]:
-    """Hooks every modelled module and starts the capture of functional calls on parameters.
-    Returns the recorder and the handles that undo it (call `h.remove()` on each, last first)."""
+def record(model: torch.nn.Module, batch_size: int, batch_axis: int,
+           inputs: Any = None) -> tuple[_Recorder, list[_Handle]]:
+    """Hooks every modelled module and starts the capture of functional calls on parameters,
+    following the examples of `inputs` (the batch as the model will be given it; `batch_size`
+    0 where the inputs do not say B) through the forward. Returns the recorder and the handles
+    that undo it (call `h.remove()` on each, last first)."""
     rec = _Recorder(model, batch_size, batch_axis)
+    if inputs is not None:
+        rec.mark_batch(inputs)
     handles: list[_Handle] = [_StashedHooks(model)]
     names = dict(model.named_modules())
     modelled: dict[int, bool] = {}

@@ -40,8 +40,9 @@ backprops as autograd produced them (in the output's dtype). The header carries 
 its own) and the `parameters` manifest (every trainable parameter that received a gradient,
 with its number of elements; a tied parameter once).
 
-An output computed once for the batch (GPT-2's 1×T position embedding) is expanded to the
-batch first, so that its gradient stays per example, and activations flattened to B·T rows
+A use shared by every example (GPT-2's 1×T position lookup, nanoGPT's `wpe(arange(T))`),
+computed from no example of the batch, gets each example's own output gradient and its one
+input repeated, in the trace's factors only (`layout`); activations flattened to B·T rows
 inside a block (OPT's MLP) are split back into examples by the layout found for them. The
 model's own module hooks (Opacus's) are set aside for the recorded forward and put back after
 it.
@@ -245,7 +246,7 @@ def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.M
     # an example's loss reaches another example's inputs; the model gets them, the user's
     # callable `claimed_norms` the inputs as given
     traced_inputs, leaves = _input_leaves(inputs)
-    rec, handles = record(model, b_inputs or 0, batch_axis)
+    rec, handles = record(model, b_inputs or 0, batch_axis, traced_inputs)
     entries = rec.entries
     try:
         try:

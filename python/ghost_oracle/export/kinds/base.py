@@ -82,11 +82,10 @@ class Use:
     def per_example(self, t: torch.Tensor, what: str, features: bool = True) -> torch.Tensor:
         """`t` as B×rows×features (B×rows for ids, `features=False`): the examples first, as the
         use's layout has them, and every other axis but the features flattened into rows (a
-        sequence, image positions, heads, bag members; one row for a B×F vector). A tensor
-        computed once for the batch (leading axis 1) is expanded to every example."""
+        sequence, image positions, heads, bag members; one row for a B×F vector). Nothing is
+        broadcast here: a use shared by every example already holds its examples
+        (`layout._share`), and any other tensor without B examples is refused."""
         t = self.batch_first(t)
-        if t.dim() >= 1 and t.shape[0] == 1 and self.b > 1:
-            t = t.expand(self.b, *t.shape[1:])
         if t.dim() < (2 if features else 1) or t.shape[0] != self.b:
             raise self.error(f"its {what} has shape {list(t.shape)} once the examples are put first; the exporter "
                              f"needs {self.b} examples{' × rows × features' if features else ' × rows'}")
@@ -105,11 +104,35 @@ class Use:
         params = self.entry.get("params")
         return params.get(attr) if params is not None else getattr(self.module, attr, None)
 
-    def weight(self, kind: str) -> torch.nn.Parameter:
+    def weight(self, kind: str) -> torch.nn.Parameter | None:
+        """The `weight` parameter the use reads (trainable or not), or None where it reads none
+        (a norm with `affine=False`, a functional call whose weight is frozen or absent): there is
+        nothing of it to trace. Raises where the module has no `weight` at all (a class declared
+        as `kind` whose parameters go by other names) and where its `weight` is a tensor computed
+        from other parameters (weight norm's pre-forward hook), whose gradient the kind does not
+        describe."""
         w = self.param("weight")
-        if not isinstance(w, torch.nn.Parameter):
-            raise self.error(f"traced as {kind}, it has no `weight` parameter")
-        return w
+        if isinstance(w, torch.nn.Parameter) or (w is None and self.entry.get("params") is not None):
+            return w
+        if w is None:
+            if hasattr(self.module, "weight"):  # registered as None: affine=False
+                return None
+            own = ", ".join(f"`{k}`" for k, v in self.module._parameters.items() if v is not None) or "none"
+            raise self.error(f"traced as {kind}, which reads the module's parameter `weight`, it has no attribute "
+                             f"`weight` (its own parameters: {own})")
+        if torch.is_tensor(w) and not w.requires_grad:
+            return None  # a buffer or a constant: nothing trainable
+        what = "a tensor computed from other parameters (weight norm, a parametrization)" if torch.is_tensor(w) \
+            else f"a {type(w).__name__}"
+        raise self.error(f"traced as {kind}, its `weight` is {what}, not a parameter of its own: the gradient "
+                         "reaches the parameters it is computed from through that computation, which the "
+                         f"{kind} kind does not describe")
+
+    def reads_trainable(self, *attrs: str) -> bool:
+        """Whether the use reads a trainable parameter among `attrs`: a use that reads none has no
+        site (the backward through it is autograd's, and the self-check holds every parameter
+        upstream of it to autograd)."""
+        return any(self.trainable(self.param(a)) for a in attrs)
 
     def spec(self, attr: str, kind: str, **extra: Any) -> dict[str, Any]:
         """The site spec of the parameter `attr` used as `kind`."""
