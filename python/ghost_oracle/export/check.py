@@ -7,11 +7,12 @@ gradient."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .errors import TraceExportError
+from .kinds.base import modelled_base
 from .precision import DTYPE_NAMES, reduction_tolerance, unit_roundoff
 from .site_kinds import layout, low_precision_rounds, rebuild, sketch
 
@@ -31,6 +32,7 @@ def self_check(model: torch.nn.Module,
         by_param.setdefault(spec["param"], []).append((spec, ts, entry))
     seen: set[int] = set()
     params: list[torch.nn.Parameter] = []
+    modules = dict(model.named_modules(remove_duplicate=False))
     for _, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen or not p.requires_grad or p.grad is None:
             continue
@@ -59,15 +61,8 @@ def self_check(model: torch.nn.Module,
                 "dense parts, freeze the experts and the router (requires_grad=False)"
             )
         if not uses:
-            raise TraceExportError(
-                f"parameter `{name}` (module {mods}) received a gradient but has no site: the exporter "
-                "models the modules its handlers know by exact type (linear layers, convolutions, "
-                "embeddings and embedding bags, layer, RMS, group and instance norms, Hugging Face's Conv1D "
-                "and scaled embeddings), the classes declared with register_module, and the calls of "
-                "F.linear, F.embedding and `x @ w` on a parameter; this parameter was used some other way "
-                "(an elementwise product, a slice, a bias added with `+`). If its module's class computes "
-                "what one of the kinds computes, declare it: ghost_oracle.torch.register_module(cls, kind)"
-            )
+            raise TraceExportError(f"parameter `{name}` (module {mods}) received a gradient but has no site: "
+                                   + _why_no_site(p, modules, owners))
         for spec, ts, _ in uses:
             r, c = layout(spec, ts)
             if r * c != p.numel():
@@ -76,6 +71,31 @@ def self_check(model: torch.nn.Module,
                     f"{r * c} entries but the parameter has {p.numel()}"
                 )
         _check_param(p, name, mods, uses, store_dtype)
+
+
+def _why_no_site(p: torch.nn.Parameter, modules: Mapping[str, torch.nn.Module],
+                 owners: Mapping[int, list[tuple[str, str]]]) -> str:
+    """Why a parameter that received a gradient has no site: its module is a subclass of a class
+    the exporter models (which is not traced as its base), or it was used in a way no handler or
+    captured call describes."""
+    for mod_name, cls in owners.get(id(p), []):
+        found = modelled_base(modules[mod_name]) if mod_name in modules else None
+        if found is not None:
+            base, kind = found
+            declare = (f"If {cls} computes what {base.__name__} computes, declare it: "
+                       f"ghost_oracle.torch.register_module({cls}, \"{kind}\")" if kind is not None else
+                       f"If {cls} computes what {base.__name__} computes, declare it with register_module and a "
+                       "Handler")
+            return (f"module `{mod_name}` is a {cls}, a subclass of {base.__module__}.{base.__name__}, and the "
+                    "exporter traces a class by its exact type, never as its base (a subclass may change "
+                    f"forward). {declare}")
+    return ("the exporter models the modules its handlers know by exact type (linear layers, convolutions, "
+            "embeddings and embedding bags, layer, RMS, group and instance norms, Hugging Face's Conv1D and "
+            "scaled embeddings), the classes declared with register_module, the calls of F.linear, F.embedding, "
+            "F.conv*, the functional norms and `x @ w` on a parameter, and a parameter repeated along the batch "
+            "(`repeat`, `expand`, `tile`); this parameter was used some other way (an elementwise product, a "
+            "slice, a bias added with `+`). If its module's class computes what one of the kinds computes, "
+            "declare it: ghost_oracle.torch.register_module(cls, kind)")
 
 
 def _blocks(uses: Uses, numel: int) -> list[tuple[int, int] | None]:
@@ -128,6 +148,21 @@ def _probe_matrix(uses: Uses, numel: int) -> torch.Tensor | None:
     return (torch.randint(0, 2, (cols, SKETCH_COLUMNS), generator=gen) * 2 - 1).to(torch.float64)
 
 
+def _autograd_rounding(spec: Mapping[str, Any], entry: Mapping[str, Any], block: tuple[int, int] | None, cols: int,
+                       v: torch.Tensor | None) -> torch.Tensor | float:
+    """The rounding autograd's own backward adds to a site whose factors are exact where autograd's
+    are not (`entry["autograd_rounding"]`, by site name, in the parameter's layout): GroupNorm with
+    one value a group, whose exact weight gradient 0 autograd forms by a cancellation scaled by
+    1/√ε. 0 for every other site."""
+    bound = entry.get("autograd_rounding", {}).get(spec["name"])
+    if bound is None:
+        return 0.0
+    bound = bound.reshape(-1) if block is None else bound.reshape(-1)[block[0] * cols:block[1] * cols]
+    if v is not None:  # a sketched sum's entries gather a row's bounds through |v|
+        bound = bound.view(-1, cols) @ v.abs()
+    return cast(torch.Tensor, bound.reshape(-1))
+
+
 def _check_param(p: torch.nn.Parameter, name: str, mods: str, uses: Uses, store_dtype: torch.dtype | None) -> None:
     """Holds the batch gradient rebuilt from `uses` (the sites of parameter `p`) to autograd's
     `p.grad`, a block of rows at a time, entry by entry or sketched (`_probe_matrix`); raises
@@ -162,6 +197,7 @@ def _check_param(p: torch.nn.Parameter, name: str, mods: str, uses: Uses, store_
             store = entry["dtype"] if store_dtype is None else store_dtype
             rows = ts["backprops"].shape[0] * ts["backprops"].shape[1]  # B·T, or B·T·H for a per-head norm
             t = reduction_tolerance(a, entry["dtype"], store, rows, rounds, mass)
+            t = t + _autograd_rounding(spec, entry, block, cols, v)
             tol = t if tol is None else tol + t
         assert rebuilt is not None and absum is not None and tol is not None  # a parameter has uses
         # autograd adds the uses of a tied parameter into p.grad in the parameter's dtype

@@ -13,24 +13,36 @@ handler. A parameter used any other way has no site, and the self-check refuses 
 - `F.embedding(ids, w, padding_idx)`: an embedding site;
 - `F.conv1d/2d/3d`: a linear site over unfolded patches (`kinds/conv.py`);
 - `F.layer_norm`, `F.rms_norm`, `F.group_norm`, `F.instance_norm`: a layernorm site, x̂ the same
-  call without its weight and bias."""
+  call without its weight and bias;
+- `p.repeat(...)`, `p.expand(...)`, `p.expand_as(t)`, `p.tile(...)`, `torch.tile(p, ...)` of a
+  parameter along the batch (`nn.MultiheadAttention`'s `bias_k` and `bias_v`, appended to every
+  example's keys and values as `bias_k.repeat(1, B, 1)`; a class token `cls.expand(B, -1, -1)`):
+  each example reads the parameter as is, so its gradient is the sum of its copies' output
+  gradients: a bias site, one row per copy in the example's slice.
+
+A call reads its trainable parameters only: one whose weight is frozen (or absent, a norm without
+affine weight) has sites for the others, and one that reads none has none. A call with an
+option no site kind models (`F.embedding` with `max_norm` or `scale_grad_by_freq`) on a
+trainable parameter is refused there, by name and option."""
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .kinds.base import Handler, Use
+from .errors import TraceExportError
+from .kinds.base import Handler, Site, Use
 from .kinds.channel_norm import ChannelNorm
 from .kinds.conv import Conv, Geometry
 from .kinds.embedding import Embedding
 from .kinds.linear import Linear
 from .kinds.norm import Norm
+from .layout import _describe
 from .precision import autocast_dtype
 
 if TYPE_CHECKING:
@@ -42,6 +54,11 @@ Operands = tuple[Any, dict[str, Any]] | tuple[Any, dict[str, Any], dict[str, Any
 
 def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], i: int, name: str) -> Any:
     return args[i] if len(args) > i else kwargs.get(name)
+
+
+class Unmodelled(Exception):
+    """Raised by `operands` for a call with an option no site kind models; the capture refuses the
+    call with this reason where it reads a trainable parameter."""
 
 
 class FunctionHandler(Handler):
@@ -81,8 +98,14 @@ class FnMatmul(FunctionHandler, Linear):
 
 class FnEmbedding(FunctionHandler, Embedding):
     def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
-        if _arg(args, kwargs, 3, "max_norm") is not None or _arg(args, kwargs, 5, "scale_grad_by_freq"):
-            return None  # not modelled: the self-check refuses the parameter by name
+        max_norm = _arg(args, kwargs, 3, "max_norm")
+        if max_norm is not None:
+            raise Unmodelled(f"max_norm={max_norm} is not modelled: the call renormalizes, in place, the rows of the "
+                             "table it looks up, so it changes the parameter it reads")
+        if _arg(args, kwargs, 5, "scale_grad_by_freq"):
+            raise Unmodelled("scale_grad_by_freq=True divides each row's gradient by the number of times its id "
+                             "occurs in the whole batch, so one example's gradient depends on the other examples' "
+                             "ids: no per-example gradient is defined")
         return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 1, "weight")}
 
     def padding_idx(self, use: Use) -> int | None:
@@ -90,7 +113,7 @@ class FnEmbedding(FunctionHandler, Embedding):
         return None if p is None else p % use.param("weight").shape[0]  # a negative index counts from the end
 
     def check_options(self, use: Use) -> None:
-        pass  # `operands` leaves the calls with options it does not model
+        pass  # `operands` refuses the calls with options it does not model
 
 
 class FnConv(FunctionHandler, Conv):
@@ -106,6 +129,44 @@ class FnConv(FunctionHandler, Conv):
 
     def geometry(self, use: Use) -> Geometry:
         return cast(Geometry, use.entry["geometry"])
+
+
+class FnRepeat(FunctionHandler):
+    """A parameter repeated or broadcast along new or size-1 axes (`repeat`, `expand`,
+    `expand_as`, `tile`): the output is tiles of the parameter, tile-major along every axis, and
+    the parameter's gradient is the sum of its tiles' output gradients. Each example's tiles are
+    its slice along its batch axis (which the parameter must not vary along): a bias site whose
+    rows are the example's tiles and whose features are the parameter's entries, row-major."""
+
+    kind: str = "bias"
+
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
+        p = _arg(args, kwargs, 0, "input")
+        return (p, {"bias": p}) if isinstance(p, torch.nn.Parameter) else None
+
+    def sites(self, use: Use) -> Iterator[Site]:
+        p = use.param("bias")
+        if not use.trainable(p):
+            return
+        g = use.grad
+        n = g.dim()
+        if p.dim() > n:
+            raise use.error(f"its output has shape {list(g.shape)}, fewer axes than the parameter's {list(p.shape)}")
+        size = (1,) * (n - p.dim()) + tuple(p.shape)  # the parameter's tile, aligned on the output's axes
+        if any(o % s_k for o, s_k in zip(g.shape, size, strict=True)):
+            raise use.error(f"its output {list(g.shape)} is not whole tiles of the parameter {list(p.shape)}")
+        reps = [o // s_k for o, s_k in zip(g.shape, size, strict=True)]
+        layout = use.entry["layout"]
+        a = layout[1]
+        if layout[0] != "axis" or size[a] != 1:
+            raise use.error(f"its output {list(g.shape)} holds the examples along {_describe(layout)}, where the "
+                            f"parameter {list(p.shape)} is not repeated: each example reads its own part of the "
+                            "parameter, which a bias site (each example reads all of it) does not describe")
+        # (r_0, s_0, r_1, s_1, …): each axis split into its tiles and the tile's entries
+        tiled = g.reshape([d for r, s_k in zip(reps, size, strict=True) for d in (r, s_k)])
+        rep_axes = [2 * k for k in range(n) if k != a]
+        tiled = tiled.permute([2 * a] + rep_axes + [2 * k + 1 for k in range(n)])
+        yield use.spec("bias", "bias"), {"backprops": tiled.reshape(use.b, -1, p.numel()).to(use.store)}
 
 
 def _without_affine(use: Use | _Replay, position: int) -> torch.Tensor:
@@ -149,6 +210,11 @@ class FnGroupNorm(FunctionHandler, ChannelNorm):
     def normalized(self, use: Use) -> torch.Tensor:
         return _without_affine(use, 2)
 
+    def groups(self, use: Use) -> tuple[int, float] | None:
+        _, args, kwargs = use.entry["call"]
+        eps = _arg(args, kwargs, 4, "eps")
+        return int(_arg(args, kwargs, 1, "num_groups")), 1e-5 if eps is None else float(eps)
+
 
 class FnInstanceNorm(FunctionHandler, ChannelNorm):
     """`F.instance_norm(x, running_mean, running_var, w, b, use_input_stats, momentum, eps)`:
@@ -180,6 +246,9 @@ FUNCTIONS = {F.linear: FnLinear(), torch.matmul: FnMatmul(), torch.Tensor.matmul
              F.instance_norm: FnInstanceNorm()}
 if hasattr(F, "rms_norm"):
     FUNCTIONS[F.rms_norm] = FnRmsNorm()
+_repeat = FnRepeat()
+for _f in (torch.Tensor.repeat, torch.Tensor.expand, torch.Tensor.expand_as, torch.Tensor.tile, torch.tile):
+    FUNCTIONS[_f] = _repeat
 
 # Python-level functionals (`F.multi_head_attention_forward`) dispatch to the mode as a whole, and
 # the mode is off while it runs them: their own calls of `F.linear` would go unseen. They run
@@ -223,26 +292,36 @@ class _Capture(TorchFunctionMode):
         handler = FUNCTIONS.get(func)
         if handler is None or self.rec.inside_modelled_module() or not torch.is_tensor(out) or not out.requires_grad:
             return out
-        found = handler.operands(args, kwargs)
+        owner = self.rec.innermost()
+        where = owner[0] if owner and owner[0] else "the model"
+        fname = getattr(func, "__name__", str(func))
+        try:
+            found = handler.operands(args, kwargs)
+        except Unmodelled as e:
+            read = [v for v in list(args) + list(kwargs.values())
+                    if isinstance(v, torch.nn.Parameter) and id(v) in self.rec.trainable]
+            if not read:
+                return out  # no trainable parameter read: nothing to trace, nothing to refuse
+            at = f"module `{owner[0]}` ({type(owner[1]).__name__})" if owner and owner[0] else "the model's forward"
+            raise TraceExportError(f"{at}: a call of {fname} on parameter `{self.names[id(read[0])]}`: {e}") from None
         if found is None:
             return out
         x, params = found[0], found[1]
         extra = found[2] if len(found) > 2 else {}
         params = {k: p for k, p in params.items()
                   if isinstance(p, torch.nn.Parameter) and id(p) in self.rec.trainable}
-        if "weight" not in params or not torch.is_tensor(x):
-            return out
-        owner = self.rec.innermost()
+        if not params or not torch.is_tensor(x):
+            return out  # it reads no trainable parameter
+        if handler is _repeat and out.numel() == x.numel():
+            return out  # not repeated: the same tensor under another shape, which no site describes
         site_names = {}
         for attr, p in params.items():
             local = next((k for k, v in owner[1]._parameters.items() if v is p), None) if owner else None
             base = f"{owner[0]}.{local}" if owner is not None and local is not None and owner[0] else self.names[id(p)]
             site_names[attr] = self.rec.use_name(base)
-        where = owner[0] if owner and owner[0] else "the model"
-        fname = getattr(func, "__name__", str(func))
         entry = {"module": owner[1] if owner else None, "name": f"{where}: {fname}", "cls": f"a call of {fname}",
                  "handler": handler, "input": x.detach(), "params": params, "site_names": site_names,
-                 "dtype": _dtype(params["weight"], out), "out_dtype": out.dtype,
+                 "dtype": _dtype(params.get("weight", next(iter(params.values()))), out), "out_dtype": out.dtype,
                  "call": (func, _detached(args), _detached(kwargs)),
                  **extra}
         if isinstance(handler, FnEmbedding):

@@ -81,9 +81,14 @@ def _describe(layout: Layout) -> str:
             "minor": f"axis {a} (example-minor flattened rows)"}[form]
 
 
-def _input_spill(t: torch.Tensor, g: torch.Tensor | None, i: int, b: int, batch_axis: int) -> list[int] | None:
+def _input_spill(t: torch.Tensor, g: torch.Tensor | None, i: int, b: int, batch_axis: int,
+                 owners: torch.Tensor | None = None) -> list[int] | None:
     """The examples other than i whose part of the input `t` example i's loss alone reaches
-    (`g` its gradient), along `batch_axis`; None where `t` has no such axis."""
+    (`g` its gradient), along `batch_axis`, or as `owners` splits its first axis where a handler
+    says how (`Handler.input_examples`); None where `t` has no such axis."""
+    if g is not None and owners is not None:
+        hit = owners[g.ne(0).reshape(owners.shape[0], -1).any(1).to(owners.device)]
+        return sorted({int(j) for j in hit.tolist()} - {i, -1})
     if g is None or t.dim() <= batch_axis or t.shape[batch_axis] != b:
         return None
     nz = g.movedim(batch_axis, 0).ne(0).reshape(b, -1).any(1)
@@ -149,6 +154,12 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
     # Each input's other axes of B entries: [confined in every probe so far, reached].
     input_axes = {name: {a: [True, False] for a in range(t.dim()) if a != batch_axis and t.shape[a] == b}
                   for name, t in leaves}
+    # The inputs a use splits into examples otherwise than along the batch axis.
+    declared = [pair for e in entries for pair in e["handler"].input_examples(e)]
+    owners = {name: own for name, t in leaves for x, own in declared
+              if x.shape == t.shape and x.data_ptr() == t.data_ptr()}
+    for name in owners:
+        input_axes[name] = {}
     reached = {id(e): False for e in live}  # whether any probe's gradient reached the use's output
     # The probes' gradients of the uses computed from no example, kept: such a use may be shared
     # by every example, and then they are its per-example output gradients.
@@ -163,7 +174,7 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
         grads = torch.autograd.grad(losses[i], [e["output"] for e in live] + [t for _, t in leaves],
                                     retain_graph=True, allow_unused=True)
         for (name, t), g in zip(leaves, grads[len(live):], strict=True):
-            others = _input_spill(t, g, i, b, batch_axis)
+            others = _input_spill(t, g, i, b, batch_axis, owners.get(name))
             if others and name not in input_spill:
                 input_spill[name] = (i, others)
             if g is not None:

@@ -37,6 +37,13 @@ class Handler:
         """Yields (spec, tensors) for every trainable parameter the use reads."""
         raise NotImplementedError
 
+    def input_examples(self, entry: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(input tensor, owners) for each recorded input whose examples do not lie along the
+        batch axis: entry j of its first axis belongs to example owners[j] (-1: to none). The
+        probes hold each example's loss to its own entries of such an input (the flat
+        per-sample weights of an embedding bag's ragged bags, split by offsets)."""
+        return []
+
 
 class Use:
     """One call of a modelled module, with what the sites are built from: the module, its
@@ -126,7 +133,8 @@ class Use:
             else f"a {type(w).__name__}"
         raise self.error(f"traced as {kind}, its `weight` is {what}, not a parameter of its own: the gradient "
                          "reaches the parameters it is computed from through that computation, which the "
-                         f"{kind} kind does not describe")
+                         f"{kind} kind does not describe (torch.nn.utils.remove_weight_norm folds weight norm "
+                         "back into one parameter)")
 
     def reads_trainable(self, *attrs: str) -> bool:
         """Whether the use reads a trainable parameter among `attrs`: a use that reads none has no
@@ -188,6 +196,19 @@ def handler_for(module: torch.nn.Module) -> Handler | None:
     if h is not None:
         return h
     return next((h for test, h in _BY_TEST if test(module)), None)
+
+
+def modelled_base(module: torch.nn.Module) -> tuple[type, str | None] | None:
+    """Where no handler models `module` but its class derives from a class a built-in handler
+    models: that class, and the kind to declare the subclass as (None where no declarable kind
+    is that class's)."""
+    if handler_for(module) is not None:
+        return None
+    base = next((c for c in _BUILTIN if isinstance(module, c)), None)
+    if base is None:
+        return None
+    h = _BUILTIN[base]
+    return base, next((k for k, v in _KINDS.items() if v is h), None)
 
 
 def is_declared(module: torch.nn.Module) -> bool:

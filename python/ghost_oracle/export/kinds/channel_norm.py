@@ -5,13 +5,20 @@ the running statistics (BatchNorm in eval mode; in training mode it normalizes b
 statistics, which mixes examples, and the layout probes refuse the model). A **layernorm** site with the channels last:
 one row per position, so that Σ over rows of δ ⊙ x̂ is the weight's gradient; a bias site on
 the same rows. x̂ is the module's own forward with w = 1 and b = 0 (its running statistics, if
-any, used as its forward uses them, and left untouched)."""
+any, used as its forward uses them, and left untouched).
+
+A norm without affine parameters (`affine=False`), or with them frozen, reads no trainable
+parameter and has no site. GroupNorm with one value a group (as many groups as channels, one
+position) has x̂ = x − mean = 0: its weight's site holds x̂ = 0 exactly, its bias's the
+output's gradient."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
 
+from ..layout import _describe
 from .base import Handler, Site, Use, builtin
 
 
@@ -35,14 +42,53 @@ class ChannelNorm(Handler):
             xhat: torch.Tensor = torch.func.functional_call(m, params, (use.input,))
             return xhat
 
+    def groups(self, use: Use) -> tuple[int, float] | None:
+        """(groups, ε) of a norm by its own statistics over groups of channels and positions
+        (GroupNorm); None for the others (InstanceNorm refuses one position itself; BatchNorm in
+        eval mode normalizes by its running statistics)."""
+        m = use.module
+        return (m.num_groups, m.eps) if isinstance(m, torch.nn.GroupNorm) else None
+
+    def one_value_groups(self, use: Use) -> float | None:
+        """ε where every group holds one value (GroupNorm with as many groups as channels and one
+        position), else None. There x − mean is 0, so x̂ is 0 exactly and the weight's gradient
+        is exactly 0; only the bias's is not."""
+        found = self.groups(use)
+        x = use.input
+        if found is None or x.dim() < 2:
+            return None
+        groups, eps = found
+        per_group = x.shape[1] // groups * math.prod(x.shape[2:])
+        return eps if per_group == 1 else None
+
     def sites(self, use: Use) -> Iterator[Site]:
         weight = use.weight("a channel norm")
-        if use.entry["layout"] != ("axis", 0) or use.input.dim() < 2:
-            raise use.error(f"its input has shape {list(use.input.shape)}; the exporter models a batched "
-                            "norm, examples × channels × positions")
+        if not use.reads_trainable("weight", "bias"):
+            return  # affine=False, or frozen affine parameters: nothing to trace
+        x = use.input
+        if x.dim() < 2:
+            raise use.error(f"its input has shape {list(x.shape)}; a channel norm's input is examples × channels "
+                            "(× positions)")
+        layout = use.entry["layout"]
+        if layout != ("axis", 0):
+            raise use.error(f"its examples lie along {_describe(layout)} of its input, not along the first axis: a "
+                            "channel norm normalizes over axes 1 and on, so the exporter models its input as "
+                            "examples × channels × positions")
         g = _channels_last(use, use.grad)
         if use.trainable(weight):
-            xhat = _channels_last(use, self.normalized(use))
+            assert weight is not None  # a trainable weight is a parameter
+            eps = self.one_value_groups(use)
+            if eps is None:
+                xhat = _channels_last(use, self.normalized(use))
+            else:
+                xhat = torch.zeros_like(g)
+                # Autograd does not get 0 exactly: its backward forms Σ δ·x − Σ δ·mean (with a
+                # fused multiply-add, the rounding of δ·x) and multiplies it by 1/√(var + ε),
+                # up to 1/√ε. The self-check accepts that much rounding around the exact 0.
+                terms = (g.abs().to(torch.float64) * _channels_last(use, x).abs().to(torch.float64)).sum((0, 1))
+                u = torch.finfo(use.dtype).eps / 2
+                use.entry.setdefault("autograd_rounding", {})[use.spec("weight", self.kind)["name"]] = \
+                    8.0 * u / math.sqrt(max(eps, torch.finfo(torch.float64).tiny)) * terms
             yield use.spec("weight", self.kind), {"activations": xhat.to(use.store), "backprops": g.to(use.store)}
         yield from use.bias_site(g)
 

@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from ..layout import _describe
 from .base import Handler, Site, Use, builtin
 
 #: A size per spatial axis, or one for all of them.
@@ -90,14 +91,26 @@ class Conv(Handler):
     def sites(self, use: Use) -> Iterator[Site]:
         geo = self.geometry(use)
         weight = use.weight("a convolution")
-        if use.entry["layout"] != ("axis", 0) or use.input.dim() != weight.dim():
-            raise use.error(f"its input has shape {list(use.input.shape)}; the exporter models a batched "
-                            "convolution, examples × channels × positions")
+        if not use.reads_trainable("weight", "bias"):
+            return  # frozen: nothing to trace
+        x_in = use.input
+        if x_in.dim() != len(geo.kernel) + 2:
+            raise use.error(f"its input has shape {list(x_in.shape)}; the exporter models a batched convolution, "
+                            f"examples × channels × {len(geo.kernel)} spatial axes (an unbatched input, "
+                            "channels × positions, is not: pass a batch)")
+        layout = use.entry["layout"]
+        if layout != ("axis", 0):
+            raise use.error(f"its examples lie along {_describe(layout)} of its output, not along the first axis: "
+                            "a convolution mixes what lies along its other axes, so the exporter models its input "
+                            "as examples × channels × positions")
         g = use.batch_first(use.grad)  # B×C_out×O…
         b, c_out = g.shape[:2]
         g = g.reshape(b, c_out, -1).transpose(1, 2)  # B×P×C_out
+        if not use.trainable(weight):
+            yield from use.bias_site(g)
+            return
         groups = geo.groups
-        x = patches(geo, use.input.to(use.dtype))  # B×P×C_in×∏k
+        x = patches(geo, x_in.to(use.dtype))  # B×P×C_in×∏k
         p = x.shape[1]
         if x.shape[1] != g.shape[1]:
             raise use.error(f"its input unfolds to {x.shape[1]} positions but its output has {g.shape[1]}")
@@ -108,8 +121,7 @@ class Conv(Handler):
         for j in range(groups):
             mask[j, j * cout_g:(j + 1) * cout_g] = 1
         bps = (g.unsqueeze(2) * mask).reshape(b, p * groups, c_out)
-        if use.trainable(weight):
-            yield use.spec("weight", self.kind), {"activations": acts.to(use.store), "backprops": bps.to(use.store)}
+        yield use.spec("weight", self.kind), {"activations": acts.to(use.store), "backprops": bps.to(use.store)}
         yield from use.bias_site(g)
 
 

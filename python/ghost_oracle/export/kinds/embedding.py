@@ -29,11 +29,20 @@ class Embedding(Handler):
 
     def check_options(self, use: Use) -> None:
         m = use.module
-        if getattr(m, "max_norm", None) is not None or getattr(m, "scale_grad_by_freq", False):
-            raise use.error("max_norm / scale_grad_by_freq are not modelled")
+        max_norm = getattr(m, "max_norm", None)
+        if max_norm is not None:
+            raise use.error(f"max_norm={max_norm} is not modelled: the forward renormalizes, in place, the rows of "
+                            "the table it looks up, so it changes the parameter it reads")
+        if getattr(m, "scale_grad_by_freq", False):
+            raise use.error("scale_grad_by_freq=True divides each row's gradient by the number of times its id "
+                            "occurs in the whole batch, so one example's gradient depends on the other examples' "
+                            "ids: no per-example gradient is defined")
 
     def sites(self, use: Use) -> Iterator[Site]:
         weight = use.weight(self.kind)
+        if not use.trainable(weight):
+            return  # frozen: nothing to trace
+        assert weight is not None  # a trainable weight is a parameter
         g = use.per_example(use.grad, "output gradient")
         self.check_options(use)
         ids = use.per_example(use.input.to(torch.int64), "ids", features=False)
@@ -41,8 +50,7 @@ class Embedding(Handler):
         padding_idx = self.padding_idx(use)
         if padding_idx is not None:  # the padding row receives no gradient from a lookup
             g = g.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
-        if use.trainable(weight):
-            yield use.spec("weight", self.kind, vocab=weight.shape[0]), {"ids": ids, "backprops": g.to(use.store)}
+        yield use.spec("weight", self.kind, vocab=weight.shape[0]), {"ids": ids, "backprops": g.to(use.store)}
 
 
 class ScaledEmbedding(Embedding):

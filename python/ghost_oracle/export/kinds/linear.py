@@ -1,6 +1,6 @@
 """`nn.Linear` and the classes declared `"linear"`: y = x Wᵀ (+ b), W out×in. A linear site
 (activations: the input as the matmul saw it, under autocast cast to autocast's dtype;
-backprops: the output's gradient) and a bias site."""
+backprops: the output's gradient) and a bias site, each where its parameter is trainable."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -19,9 +19,11 @@ class Linear(Handler):
 
     def sites(self, use: Use) -> Iterator[Site]:
         weight = use.weight(self.kind)
+        if not use.reads_trainable("weight", "bias"):
+            return  # frozen: nothing to trace
         g = use.per_example(use.grad, "output gradient")
-        x = use.per_example(use.input, "input").to(use.dtype)
         if use.trainable(weight):
+            x = use.per_example(use.input, "input").to(use.dtype)
             yield use.spec("weight", self.site_kind(use)), {"activations": x.to(use.store),
                                                              "backprops": g.to(use.store)}
         yield from use.bias_site(g)

@@ -8,6 +8,9 @@ dL/dw = Σ over rows of δ ⊙ x̂ for both forms) and a bias site.
   its form), so a norm that upcasts to float32 inside a float64 model (every Hugging Face
   RMSNorm) is traced with the float32 x̂ it really used; the site's precision is the one in
   which the module multiplies x̂ by its weight (`_normalized`);
+- a norm without affine parameters (`elementwise_affine=False`), or with them frozen, reads no
+  trainable parameter and has no site; one with only a trainable bias (or a frozen weight) has
+  only the bias site;
 - a norm over the last axis of B×T×H×k (Qwen3's and Gemma 3's per-head q/k norms, whose one
   weight is shared by every head and position) is one site with T·H rows per example.
 """
@@ -113,11 +116,16 @@ class Norm(Handler):
 
     def sites(self, use: Use) -> Iterator[Site]:
         weight = use.weight(self.kind)
-        if use.trainable(weight):
+        if not use.reads_trainable("weight", "bias"):
+            return  # no affine parameters (elementwise_affine=False), or frozen ones: nothing to trace
+        traced = use.trainable(weight)
+        if traced:
             xhat, use.dtype = self.normalized(use)
-        g = use.per_example(_features_last(use.grad, weight), "output gradient")
-        if use.trainable(weight):
-            xhat = use.per_example(_features_last(xhat, weight), "input")
+        # the normalized axes, as the affine parameter that is there lays them out
+        affine = weight if weight is not None else use.param("bias")
+        g = use.per_example(_features_last(use.grad, affine), "output gradient")
+        if traced:
+            xhat = use.per_example(_features_last(xhat, affine), "input")
             yield use.spec("weight", self.kind), {"activations": xhat.to(use.store), "backprops": g.to(use.store)}
         yield from use.bias_site(g)
 
