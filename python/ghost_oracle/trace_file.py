@@ -16,6 +16,12 @@ PRECISION_NAMES = ("f64", "f32", "f16", "bf16")
 
 CLIPPING_RULES = ("flat", "automatic")
 
+# How a trace's `model.rounding` (each example's rounding of its traced gradient, absolute) was
+# measured: the model replayed in float64 (the difference is the traced gradient's own rounding),
+# or a float64 model replayed in float32 (the difference times u64/u32 = 2⁻²⁹ estimates
+# float64's own).
+MODEL_ROUNDING = ("replay-float64", "replay-float32-scaled")
+
 
 class TraceExportError(ValueError):
     """The model cannot be traced faithfully: a parameter without a site, a site whose factors
@@ -63,15 +69,19 @@ def trace_metadata(
     clip_stabilizer: float = 0.0,
     clipping: str = "flat",
     has_step: bool = False,
+    model_rounding: str | None = None,
 ) -> dict[str, str]:
     """The trace's `__metadata__`: every value a string, the optional step keys written where a
     step is claimed or they differ from their defaults (a reader then needs no default of its
-    own to agree with the writer)."""
+    own to agree with the writer). `model_rounding` says how the trace's `model.rounding` was
+    measured (one of `MODEL_ROUNDING`), written with that tensor only."""
     if compute_dtype not in PRECISION_NAMES:
         raise ValueError(f"compute_dtype must be one of {list(PRECISION_NAMES)}, got {compute_dtype!r}")
     if clipping not in CLIPPING_RULES:
         raise ValueError(f"clipping must be \"flat\" (c = min(1, C/(n + γ))) or \"automatic\" (c = C/(n + γ)), "
                          f"got {clipping!r}")
+    if model_rounding is not None and model_rounding not in MODEL_ROUNDING:
+        raise ValueError(f"model_rounding must be one of {list(MODEL_ROUNDING)}, got {model_rounding!r}")
     meta = {"format": FORMAT, "max_grad_norm": repr(float(max_grad_norm)), "clipper": str(clipper),
             "sites": json.dumps([dict(s) for s in sites]), "compute_dtype": compute_dtype,
             "parameters": json.dumps(dict(parameters))}
@@ -83,4 +93,6 @@ def trace_metadata(
         meta["clip_stabilizer"] = repr(float(clip_stabilizer))
     if has_step or clipping != "flat":
         meta["clipping"] = clipping
+    if model_rounding is not None:
+        meta["model_rounding"] = model_rounding
     return meta

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -104,3 +105,25 @@ def reduction_tolerance(absum: torch.Tensor, site_dtype: torch.dtype, store_dtyp
     if us > u:
         tol = tol + 3.0 * us * absum
     return tol
+
+
+def with_islands(specs: list[dict[str, Any]], compute_dtype: torch.dtype, island: torch.dtype | None) -> torch.dtype:
+    """The trace's precision once the forward's float32 islands are counted: a model that casts
+    tensors on its gradient's path down to `island` (Hugging Face's Llama, Qwen3 and Gemma 3
+    compute their RMSNorms and the eager softmax in float32 inside a float64 model) computes
+    every example's gradient to `island`'s rounding, whatever its parameters' dtype, so every
+    site, and the header, is at least that coarse: a clipper that reweights the backprops before
+    the islands (Opacus's ghost second pass) is off from Σ c_i g_i by `island`'s rounding, not
+    the parameters'. Sets the sites' own `compute_dtype` where they still differ; returns the
+    header's."""
+    if island is None or not unit_roundoff(island) > unit_roundoff(compute_dtype) and not any(
+            "compute_dtype" in s for s in specs):
+        return compute_dtype
+    by_name = {v: k for k, v in DTYPE_NAMES.items()}
+    header = max(compute_dtype, island, key=unit_roundoff)
+    own = [max(by_name[s.get("compute_dtype", DTYPE_NAMES[compute_dtype])], island, key=unit_roundoff) for s in specs]
+    for s, dt in zip(specs, own, strict=True):
+        s.pop("compute_dtype", None)
+        if len(set(own)) > 1:
+            s["compute_dtype"] = DTYPE_NAMES[dt]
+    return header

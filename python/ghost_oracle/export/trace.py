@@ -62,6 +62,7 @@ coefficients.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -80,10 +81,11 @@ from .errors import TraceExportError
 from .kinds import Use
 from .kinds.base import Site
 from .layout import _find_layouts
-from .precision import DTYPE_NAMES, unit_roundoff
+from .precision import DTYPE_NAMES, unit_roundoff, with_islands
 from .precision import compute_dtype as model_compute_dtype
 from .progress import Progress
 from .record import param_names, param_owners, record
+from .rounding import CastWatch, model_rounding
 from .step import _resolve_step
 
 # `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
@@ -167,15 +169,22 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
                                   dtype=dtype, update=update, clipped_sum=clipped_sum, batch_divisor=batch_divisor,
                                   clip_stabilizer=clip_stabilizer, clipping=clipping)
     progress = Progress()
-    entries, b = _record_batch(model, per_example_loss, inputs, b_inputs, batch_axis, progress)
+    watch = CastWatch()
+    entries, b = _record_batch(model, per_example_loss, inputs, b_inputs, batch_axis, progress, watch)
     sites = _collect_sites(entries, names, dtype, b)
     self_check(model, sites, names, param_owners(model), dtype, progress)
     compute_dtype = _site_precisions(sites, args.compute_dtype)
     specs = [s for s, _, _ in sites]
+    compute_dtype = with_islands(specs, compute_dtype, watch.coarsest)
     tensors: dict[str, torch.Tensor] = {}
     for spec, ts, _ in sites:
         for k, v in ts.items():
             tensors[f"{spec['name']}.{k}"] = v
+    progress.step("replaying the model at another precision (its own rounding)", 0, 1)
+    rounding = model_rounding(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch,
+                              args.compute_dtype)
+    if rounding is not None:
+        tensors["model.rounding"] = rounding.rounding
     parameters = _manifest(model, names)
     if claimed_norms is UNCLAIMED:
         claimed_norms = torch.ones(b, dtype=torch.float64)
@@ -188,7 +197,8 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
     meta = trace_metadata(max_grad_norm=args.max_grad_norm, clipper=clipper, sites=specs,
                           compute_dtype=DTYPE_NAMES[compute_dtype], parameters=parameters,
                           noise_multiplier=noise_multiplier, batch_divisor=args.batch_divisor,
-                          clip_stabilizer=args.clip_stabilizer, clipping=clipping, has_step=bool(args.step))
+                          clip_stabilizer=args.clip_stabilizer, clipping=clipping, has_step=bool(args.step),
+                          model_rounding=None if rounding is None else rounding.method)
     progress.step("writing the trace", 0, 1)
     save_file(tensors, os.fspath(path), metadata=meta)
     progress.done()
@@ -238,7 +248,8 @@ class _StepArguments:
 
 
 def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
-                  b_inputs: int | None, batch_axis: int, progress: Progress) -> tuple[list[dict[str, Any]], int]:
+                  b_inputs: int | None, batch_axis: int, progress: Progress,
+                  watch: CastWatch | None = None) -> tuple[list[dict[str, Any]], int]:
     """Runs the batch's forward and backward with every use recorded, then the per-example
     probes that find each use's batch axis: (the uses, B)."""
     model.zero_grad(set_to_none=True)
@@ -250,7 +261,8 @@ def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.M
     entries = rec.entries
     try:
         try:
-            losses = per_example_loss(model, traced_inputs)
+            with watch.watching() if watch is not None else contextlib.nullcontext():
+                losses = per_example_loss(model, traced_inputs)
         finally:
             for h in reversed(handles):  # the forward is over: nothing else is a use
                 h.remove()

@@ -1,0 +1,514 @@
+"""The rounding of the model's own forward and backward in the traced factors (the trace's
+`model.rounding`), and the precision the model really computes in.
+
+The judge's bound covers a clipper's arithmetic on the traced factors. The factors themselves
+carry the rounding of the forward and backward that produced them, at the model's precision,
+and a norm's backward or a tied embedding/head sum amplifies it by cancellation: an f32 model
+whose embedding is tied to its head has per-example norms 0.1 % off the exact ones, hundreds of
+times the bound. A clipper that computes the same norms another valid way (the f64 model's,
+or its own evaluation order) would be accused. So the exporter measures that rounding, per
+example, and writes it for the judge to add:
+
+- **The replay.** The same forward and backward run again on a copy of the model at a second
+  precision, the same uses captured (same order and names, each with the layout the recorded
+  pass found), the same sites formed, and for every example i the exact
+  ‖g_i(traced factors) − g_i(replayed factors)‖₂ over all parameters is computed in f64 from
+  the two sets of factors (`_difference_norms`).
+  - A model coarser than f64 (f32, bf16, f16, or an f64 model with float32 islands, below) is
+    replayed in f64 with every down-cast lifted: the replay is exact to f64, and the
+    difference is the traced gradient's own rounding (`"replay-float64"`).
+  - An f64 model is replayed in f32; the difference, f32's rounding of the same computation,
+    times u64/u32 = 2⁻²⁹, estimates f64's own (`"replay-float32-scaled"`).
+  The copy is made from the parameters and buffers (never the user's model: its parameters,
+  gradients, hooks, mode and RNG state are left as they are); its RNG starts from the state the
+  recorded forward started from, inside a fork. It is skipped, with a warning that says why and
+  without the tensor and the header key (the judge then judges as before), where the copy and
+  its factors would take more than `REPLAY_MEMORY_FRACTION` of the available memory, where the
+  user's loss does not run at the other precision, or where the replay does not capture the
+  recorded uses.
+- **Float32 islands.** Hugging Face's Llama, Qwen3 and Gemma 3 compute their RMSNorms and the
+  eager attention softmax in float32 even in a float64 model. A `TorchFunctionMode` entered
+  around the recorded forward (`CastWatch`) sees every call that turns a tensor requiring
+  gradients into a coarser floating dtype (`.to`, `.float()`, `type_as`, `softmax(dtype=)`);
+  the trace is then judged at the coarsest such dtype (`precision.with_islands`). Under
+  autocast only explicit casts count: autocast's own lowering is per site (`precision.site_dtype`).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .errors import TraceExportError
+from .kinds import Use
+from .layout import share_as_recorded
+from .precision import DTYPE_NAMES, unit_roundoff
+from .record import param_names, record
+
+#: How the header's `model_rounding` says the rounding was measured.
+REPLAY_FLOAT64 = "replay-float64"
+REPLAY_FLOAT32_SCALED = "replay-float32-scaled"
+
+#: The replay runs only where the copy of the model (its parameters and buffers at the replay's
+#: precision) and the replay's factors (in f64) take at most this fraction of the memory
+#: available where each lives (the copy on the model's device, the factors on the host).
+REPLAY_MEMORY_FRACTION = 0.5
+
+#: Whether export_trace measures and writes `model.rounding` (off until the judge reads it).
+WRITE_ROUNDING = False
+
+#: A replayed f64 model's difference (f32's rounding) times u64/u32 estimates f64's own.
+F32_TO_F64 = unit_roundoff(torch.float64) / unit_roundoff(torch.float32)
+
+#: The sites of a trace: (spec, factors as written, the use's entry) each.
+Sites = Sequence[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]
+
+# Calls that name a dtype by themselves.
+_CAST_METHODS: dict[Any, torch.dtype] = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
+                                         torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64}
+_EXPLICIT = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as)
+
+
+def _coarser(a: torch.dtype, b: torch.dtype) -> bool:
+    return unit_roundoff(a) > unit_roundoff(b)
+
+
+def _tensors(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors among a call's arguments, and inside its lists and tuples (`torch.cat`)."""
+    for v in (*args, *kwargs.values()):
+        if torch.is_tensor(v):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if torch.is_tensor(t))
+
+
+def _finest_source(args: Sequence[Any], kwargs: Mapping[str, Any], grad_only: bool) -> torch.Tensor | None:
+    """The finest floating-point argument that requires gradients (any, with `grad_only`
+    False), or None."""
+    best: torch.Tensor | None = None
+    for t in _tensors(args, kwargs):
+        if t.is_floating_point() and (t.requires_grad or not grad_only):
+            if best is None or _coarser(best.dtype, t.dtype):
+                best = t
+    return best
+
+
+def _coarsest_output(out: Any, grad_only: bool) -> torch.dtype | None:
+    outs = [out] if torch.is_tensor(out) else [t for t in out if torch.is_tensor(t)] if isinstance(
+        out, (list, tuple)) else []
+    dts = [t.dtype for t in outs if t.is_floating_point() and (t.requires_grad or not grad_only)]
+    return max(dts, key=unit_roundoff) if dts else None
+
+
+def _explicit(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call asks for a dtype itself (not autocast lowering it)."""
+    return func in _CAST_METHODS or func in _EXPLICIT or any(
+        isinstance(v, torch.dtype) for v in (*args, *kwargs.values()))
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch < 2.4: the device type is not an argument
+        return bool(torch.is_autocast_enabled()) if device_type == "cuda" else bool(
+            getattr(torch, "is_autocast_cpu_enabled", lambda: False)())
+
+
+def _lifted(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+            to: torch.dtype) -> tuple[Any, Sequence[Any], Mapping[str, Any]]:
+    """The call with every floating dtype coarser than `to` it asks for replaced by `to`."""
+    def lift(v: Any) -> Any:
+        if isinstance(v, torch.dtype) and v.is_floating_point and _coarser(v, to):
+            return to
+        return v
+
+    if func in _CAST_METHODS and _coarser(_CAST_METHODS[func], to):
+        return torch.Tensor.to, (args[0], to), {}
+    if func is torch.Tensor.type_as and len(args) > 1 and torch.is_tensor(args[1]) and (
+            args[1].is_floating_point() and _coarser(args[1].dtype, to)):
+        return torch.Tensor.to, (args[0], to), {}
+    if func is torch.Tensor.to:
+        other = next((v for v in (*args[1:], kwargs.get("other")) if torch.is_tensor(v)), None)
+        if other is not None and other.is_floating_point() and _coarser(other.dtype, to):
+            return torch.Tensor.to, (args[0],), {"device": other.device, "dtype": to}
+    return func, tuple(lift(v) for v in args), {k: lift(v) for k, v in kwargs.items()}
+
+
+class _CastMode(TorchFunctionMode):
+    """Sees every call that turns a floating-point tensor requiring gradients into a coarser
+    floating dtype. With `lift_to`, runs such calls at `lift_to` instead (a replay's), and
+    records the ones it could not lift; with `any_source`, tensors that do not require
+    gradients count too (a norm's x̂ replayed without autograd)."""
+
+    def __init__(self, lift_to: torch.dtype | None = None, any_source: bool = False) -> None:
+        super().__init__()
+        self.lift_to, self.grad_only = lift_to, not any_source
+        self.coarsest: torch.dtype | None = None
+        self.unlifted: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Sequence[type], args: Sequence[Any] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        src = _finest_source(args, kwargs, self.grad_only)
+        if src is None:
+            return func(*args, **kwargs)
+        if self.lift_to is not None and not _coarser(src.dtype, self.lift_to):
+            func, args, kwargs = _lifted(func, args, kwargs, self.lift_to)
+        out = func(*args, **kwargs)
+        dt = _coarsest_output(out, self.grad_only)
+        if dt is None or not _coarser(dt, src.dtype):
+            return out
+        if _autocast_on(src.device.type) and not _explicit(func, args, kwargs):
+            return out  # autocast's lowering: each site's own precision (`precision.site_dtype`)
+        if self.lift_to is not None:
+            if _coarser(dt, self.lift_to):
+                self.unlifted.append(f"{getattr(func, '__name__', func)} → {dt}")
+        elif self.coarsest is None or _coarser(dt, self.coarsest):
+            self.coarsest = dt
+        return out
+
+
+@contextlib.contextmanager
+def _mode(mode: _CastMode) -> Iterator[_CastMode]:
+    # Entered through an ExitStack: torch's mode methods carry no annotations.
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mode)
+        yield mode
+
+
+@dataclass
+class CastWatch:
+    """What the recorded forward showed of its precision: the coarsest floating dtype a tensor
+    requiring gradients was cast down to (None: none was), and the RNG state it started from
+    (the replay starts from it too)."""
+
+    coarsest: torch.dtype | None = None
+    rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+    _entered: bool = field(default=False, repr=False)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Entered around the recorded forward (inside the recorder's own mode, so that the
+        modes leave in the order they came)."""
+        initialized: Any = torch.cuda.is_initialized  # untyped in torch
+        cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and bool(initialized()) else []
+        self.rng = (torch.get_rng_state(), cuda)
+        with _mode(_CastMode()) as mode:
+            try:
+                yield
+            finally:
+                self.coarsest = mode.coarsest
+
+
+@dataclass
+class ModelRounding:
+    """`model.rounding` (B, float64) and how it was measured (the header's `model_rounding`)."""
+
+    rounding: torch.Tensor
+    method: str
+
+
+def replay_dtype(model_dtype: torch.dtype, island: torch.dtype | None) -> torch.dtype:
+    """f32 for an f64 model without islands, else f64."""
+    exact = model_dtype == torch.float64 and (island is None or island == torch.float64)
+    return torch.float32 if exact else torch.float64
+
+
+def _available(device: torch.device) -> int | None:
+    """Bytes of memory available on `device` (None: unknown)."""
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _over_budget(model: torch.nn.Module, sites: Sites, dtype: torch.dtype) -> str | None:
+    """Why the replay would take too much memory, or None."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    by_device: dict[torch.device, int] = {}
+    for t in tensors:
+        by_device[t.device] = by_device.get(t.device, 0) + t.numel() * (itemsize if t.is_floating_point()
+                                                                        else t.element_size())
+    factors = 8 * sum(v.numel() for _, ts, _ in sites for v in ts.values())
+    host = torch.device("cpu")
+    by_device[host] = by_device.get(host, 0) + factors
+    for device, need in by_device.items():
+        have = _available(device)
+        if have is not None and need > REPLAY_MEMORY_FRACTION * have:
+            factors_too = " and the replay's f64 factors" if device == host else ""
+            return (f"the copy of the model at {DTYPE_NAMES[dtype]}{factors_too} would take {need / 2**20:.0f} "
+                    f"MiB on {device}, more than {REPLAY_MEMORY_FRACTION:g} of the {have / 2**20:.0f} MiB available")
+    return None
+
+
+def _copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of the model with its floating-point parameters and buffers in `dtype`: new
+    tensors (no gradient, no tensor hook, ties kept), made before the rest is deep-copied, so
+    nothing of the user's model is shared or touched."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            data = p.detach().to(dtype) if p.is_floating_point() else p.detach().clone()
+            memo[id(p)] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+    for b in model.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = b.detach().to(dtype) if b.is_floating_point() else b.detach().clone()
+    copied: torch.nn.Module = copy.deepcopy(model, memo)
+    return copied
+
+
+def _converted(inputs: Any, dtype: torch.dtype) -> Any:
+    """The batch with its floating-point tensors in `dtype` (integer ones as they are)."""
+    def conv(v: Any) -> Any:
+        if torch.is_tensor(v):
+            return v.detach().to(dtype) if v.is_floating_point() else v
+        if isinstance(v, Mapping):
+            out = {k: conv(x) for k, x in v.items()}
+            try:
+                rebuilt: Any = type(v)
+                return rebuilt(out)
+            except TypeError:
+                return out
+        if isinstance(v, (tuple, list)):
+            return type(v)(conv(x) for x in v)
+        return v
+
+    return conv(inputs)
+
+
+class _GiveUp(Exception):
+    """The replay cannot measure the rounding: the reason, for the warning."""
+
+
+def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
+                   b_inputs: int | None, batch_axis: int, b: int, entries: Sequence[dict[str, Any]], sites: Sites,
+                   watch: CastWatch, model_dtype: torch.dtype) -> ModelRounding | None:
+    """The rounding of the traced gradient, per example, by a replay (see the module's
+    docstring); None, with a warning saying why, where it cannot be measured."""
+    if not WRITE_ROUNDING:
+        return None
+    dtype = replay_dtype(model_dtype, watch.coarsest)
+    try:
+        why = _over_budget(model, sites, dtype)
+        if why is not None:
+            raise _GiveUp(why)
+        replayed = _replay(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch, dtype)
+        diff = _difference_norms(sites, replayed, b)
+    except _GiveUp as e:
+        warnings.warn(f"the model's own rounding is not measured (no `model.rounding` in the trace; the judge's bound "
+                      f"covers the clipper's arithmetic on the traced factors only): {e}", stacklevel=3)
+        return None
+    if dtype == torch.float32:
+        return ModelRounding(diff * F32_TO_F64, REPLAY_FLOAT32_SCALED)
+    return ModelRounding(diff, REPLAY_FLOAT64)
+
+
+def _replay(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
+            b_inputs: int | None, batch_axis: int, b: int, entries: Sequence[dict[str, Any]], sites: Sites,
+            watch: CastWatch, dtype: torch.dtype) -> dict[str, dict[str, torch.Tensor]]:
+    """The replay's factors, in f64 on the host, by site name."""
+    name = DTYPE_NAMES[dtype]
+    try:
+        twin = _copy(model, dtype)
+    except Exception as e:  # a module that cannot be deep-copied
+        raise _GiveUp(f"the model could not be copied to replay it ({type(e).__name__}: {e})") from e
+    twin.zero_grad(set_to_none=True)
+    devices = sorted({p.device.index or 0 for p in twin.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        if watch.rng is not None:
+            torch.set_rng_state(watch.rng[0])
+            if watch.rng[1]:
+                torch.cuda.set_rng_state_all(watch.rng[1])
+        twin_inputs = _converted(inputs, dtype)
+        rec, handles = record(twin, b_inputs or 0, batch_axis, twin_inputs)
+        losses: Any = None
+        try:
+            try:
+                with _mode(_CastMode(lift_to=dtype)) as lift:
+                    losses = per_example_loss(twin, twin_inputs)
+            finally:
+                for h in reversed(handles):
+                    h.remove()
+            if not torch.is_tensor(losses) or tuple(losses.shape) != (b,):
+                shape = tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__
+                raise _GiveUp(f"per_example_loss returned {shape} on the model at {name}, not ({b},)")
+            if lift.unlifted:
+                raise _GiveUp(f"the replay at {name} still casts down "
+                              f"({', '.join(sorted(set(lift.unlifted))[:4])})")
+            if [e["name"] for e in rec.entries] != [e["name"] for e in entries]:
+                raise _GiveUp(f"the replay at {name} captured other uses than the recorded forward "
+                              f"({len(rec.entries)} against {len(entries)})")
+            losses.sum().backward(retain_graph=b > 1)
+            rec.probing = True  # the entries keep the batch's gradients
+            # the uses the recorded pass found shared by every example: their per-example
+            # gradients from the replay's own losses
+            share_as_recorded(entries, rec.entries, losses, b)
+        except _GiveUp:
+            raise
+        except Exception as e:
+            raise _GiveUp(f"per_example_loss does not run on the model at {name}, forward and backward "
+                          f"({type(e).__name__}: {e})") from e
+        finally:
+            for entry in rec.entries:
+                entry.pop("output", None)
+            losses = None
+    replay_entries = rec.entries
+    traced = {id(entry) for _, _, entry in sites}
+    names = param_names(twin)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    with _mode(_CastMode(lift_to=dtype, any_source=True)) as lift:
+        for first, again in zip(entries, replay_entries, strict=True):
+            if id(first) not in traced or again["grad"] is None:
+                continue
+            # what the probes found (the layout) is the recorded pass's: copied, not probed again
+            for k, v in first.items():
+                again.setdefault(k, v)
+            try:
+                for spec, ts in again["handler"].sites(Use(again, names, torch.float64, b)):
+                    out[spec["name"]] = {k: v.detach().to("cpu") for k, v in ts.items()}
+            except (TraceExportError, RuntimeError, ValueError, TypeError) as e:
+                raise _GiveUp(f"the replay's use `{again['name']}` at {name} does not form its sites ({e})") from e
+            if _coarser(again["dtype"], dtype):
+                raise _GiveUp(f"the replay's use `{again['name']}` computed in {again['dtype']}, not {name}")
+            again.pop("input", None)
+            again.pop("grad", None)
+    if lift.unlifted:
+        raise _GiveUp(f"the replay at {name} still casts down ({', '.join(sorted(set(lift.unlifted))[:4])})")
+    want = [spec["name"] for spec, _, _ in sites]
+    if sorted(out) != sorted(want):
+        raise _GiveUp(f"the replay at {name} formed other sites than the recorded forward")
+    return out
+
+
+def _difference_norms(sites: Sites, replayed: Mapping[str, Mapping[str, torch.Tensor]], b: int) -> torch.Tensor:
+    """‖g_i(traced) − g_i(replayed)‖₂ over every parameter, per example, in f64.
+
+    The difference is formed factor by factor, never as the difference of two gradients (which
+    would cancel to nothing in f64): for a linear site Σ_t g_t a_tᵀ − g'_t a'_tᵀ =
+    Σ_t (g_t − g'_t) a_tᵀ + g'_t (a_t − a'_t)ᵀ, two terms whose factors are the small
+    differences. A parameter's squared norm is then either the Gram identity over its terms'
+    rows (Σ_{s,t} (l_s·l_t)(r_s·r_t), where rows are fewer than the parameter's entries) or the
+    example's difference materialized, whichever is cheaper."""
+    by_param: dict[str, list[tuple[dict[str, Any], Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]]] = {}
+    for spec, ts, _ in sites:
+        again = replayed[spec["name"]]
+        for k, v in ts.items():
+            if again[k].shape != v.shape:
+                raise _GiveUp(f"the replay's `{spec['name']}.{k}` has shape {list(again[k].shape)}, the trace's "
+                              f"{list(v.shape)}")
+        if "ids" in ts and not torch.equal(ts["ids"].to(torch.int64), again["ids"].to(torch.int64)):
+            raise _GiveUp(f"the replay's `{spec['name']}` looked up other ids")
+        by_param.setdefault(spec["param"], []).append((spec, ts, again))
+    total = torch.zeros(b, dtype=torch.float64)
+    for param, uses in by_param.items():
+        kinds = {spec["kind"] for spec, _, _ in uses}
+        if kinds <= {"bias", "layernorm"}:
+            total += _vector_difference(uses).pow(2).sum(1)
+        elif kinds <= {"linear", "conv1d", "embedding"}:
+            total += _matrix_difference(uses, b)
+        else:
+            raise _GiveUp(f"parameter `{param}` has sites of kinds {sorted(kinds)} together")
+    return total.clamp(min=0.0).sqrt()
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64)
+
+
+def _vector_difference(uses: Sequence[tuple[dict[str, Any], Mapping[str, torch.Tensor],
+                                            Mapping[str, torch.Tensor]]]) -> torch.Tensor:
+    """B × entries: a bias's or a norm's per-example difference (one column)."""
+    diff: torch.Tensor | None = None
+    for spec, ts, again in uses:
+        g, g2 = _f64(ts["backprops"]), _f64(again["backprops"])
+        if spec["kind"] == "bias":
+            d = (g - g2).sum(1)
+        else:
+            a, a2 = _f64(ts["activations"]), _f64(again["activations"])
+            d = ((g - g2) * a + g2 * (a - a2)).sum(1)
+        diff = d if diff is None else diff + d
+    assert diff is not None  # a parameter has sites
+    return diff
+
+
+#: One term of a parameter's per-example difference Σ_t l_t r_tᵀ: (l, r), l B×R×rows or the
+#: ids B×R of a lookup (one-hot rows), r B×R×cols.
+_Term = tuple[torch.Tensor, torch.Tensor]
+
+
+def _terms(spec: Mapping[str, Any], ts: Mapping[str, torch.Tensor], again: Mapping[str, torch.Tensor]) -> list[_Term]:
+    g, g2 = _f64(ts["backprops"]), _f64(again["backprops"])
+    if spec["kind"] == "embedding":
+        return [(ts["ids"].to(torch.int64), g - g2)]
+    a, a2 = _f64(ts["activations"]), _f64(again["activations"])
+    if spec["kind"] == "linear":  # rows: the output features
+        return [(g - g2, a), (g2, a - a2)]
+    return [(a - a2, g), (a2, g - g2)]  # conv1d: rows the input features
+
+
+def _lhs_gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """l_s·l_t for the rows of two left factors of one example (dense R×rows or ids R)."""
+    if x.dim() == 1 and y.dim() == 1:
+        return (x.unsqueeze(1) == y.unsqueeze(0)).to(torch.float64)
+    if x.dim() == 1:
+        return y[:, x].T
+    if y.dim() == 1:
+        return x[:, y]
+    return x @ y.T
+
+
+def _matrix_difference(uses: Sequence[tuple[dict[str, Any], Mapping[str, torch.Tensor],
+                                            Mapping[str, torch.Tensor]]], b: int) -> torch.Tensor:
+    """Σ of the squared per-example differences of a matrix parameter (linear, conv1d,
+    embedding sites), B."""
+    terms = [t for spec, ts, again in uses for t in _terms(spec, ts, again)]
+    first = uses[0][0]
+    cols = terms[0][1].shape[-1]
+    rows = first["vocab"] if first["kind"] == "embedding" else next(
+        (t[0].shape[-1] for t in terms if t[0].dim() == 3), 0)
+    if any(r.shape[-1] != cols for _, r in terms) or any(lhs.dim() == 3 and lhs.shape[-1] != rows for lhs, _ in terms):
+        raise _GiveUp(f"parameter `{first['param']}`'s sites lay it out with different shapes")
+    n_rows = sum(r.shape[1] for _, r in terms)
+    gram = n_rows * (rows + cols) < rows * cols
+    out = torch.zeros(b, dtype=torch.float64)
+    for i in range(b):
+        if gram:
+            s = 0.0
+            for x, (l1, r1) in enumerate(terms):
+                for y in range(x, len(terms)):
+                    l2, r2 = terms[y]
+                    v = float((_lhs_gram(l1[i], l2[i]) * (r1[i] @ r2[i].T)).sum())
+                    s += v if x == y else 2.0 * v
+            out[i] = max(s, 0.0)
+        else:
+            d = torch.zeros(rows, cols, dtype=torch.float64)
+            for lhs, r in terms:
+                if lhs.dim() == 2:
+                    d.index_add_(0, lhs[i], r[i])
+                else:
+                    d += lhs[i].T @ r[i]
+            out[i] = float(d.pow(2).sum())
+    if not all(math.isfinite(float(v)) for v in out):
+        raise _GiveUp(f"parameter `{first['param']}`'s difference is not finite")
+    return out
