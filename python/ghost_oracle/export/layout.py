@@ -276,7 +276,8 @@ def _share(e: dict[str, Any], grads: dict[int, torch.Tensor | None], b: int) -> 
     use keeps the rank its handler models; otherwise they come first as a new axis."""
     out = e["output"]
     where = f"module `{e['name']}` ({e['cls']})"
-    stacked = torch.stack([torch.zeros_like(out) if grads.get(i) is None else grads[i] for i in range(b)])
+    zero = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
+    stacked = torch.stack([g if (g := grads.get(i)) is not None else zero for i in range(b)])
     x = e["input"]
     xs = [x] if torch.is_tensor(x) else [v for v in x if torch.is_tensor(v)] if isinstance(x, tuple) else []
     if out.dim() >= 1 and out.shape[0] == 1 and xs and all(t.dim() >= 1 and t.shape[0] == 1 for t in xs):
@@ -329,6 +330,12 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
             raise TraceExportError(
                 f"{where}: its output ({shape}) receives a gradient from the batch but from none of the "
                 f"{n_probed} examples' losses alone; the batch axis of this use cannot be found")
+        if spilled_at is None and not e.get("followed", True):
+            raise TraceExportError(
+                f"{where}: its output ({shape}) has no axis of the batch's {b} examples (nor of {b}·k flattened "
+                "rows), and the inputs hold an object the exporter cannot see into (not a tensor, list, tuple or "
+                "dict), so it cannot tell whether this use is shared by every example or mixes them. Pass the "
+                "batch as a tensor, a dict or a tuple of tensors")
         if spilled_at is None:
             raise TraceExportError(
                 f"the model mixes examples: {where} computes its output ({shape}) from the batch's examples "

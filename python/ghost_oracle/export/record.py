@@ -14,9 +14,11 @@ examples the batch holds, so each example's loss depends on it only as on a para
 its per-example factors are exact (`layout.py`). A value of the batch read into Python
 (`.item()`, `.tolist()`, `int(t)`, `bool(t)`, `.numpy()`) leaves the torch functions, where no
 mark can follow it; such reads are recorded, and a use recorded after one is not taken as
-shared (it is refused by name instead)."""
+shared (it is refused by name instead). The batch is what `inputs` holds: a tensor of examples
+that `per_example_loss` takes from elsewhere and gives the model is not followed."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -58,9 +60,9 @@ def param_owners(model: torch.nn.Module) -> dict[int, list[tuple[str, str]]]:
     return owners
 
 
-def _tensors_in(v: Any, depth: int = 2) -> Iterator[torch.Tensor]:
-    """The tensors an argument holds: itself, or those of a list, tuple or dict (two levels:
-    `torch.cat([a, b])`, a dict of lists)."""
+def _tensors_in(v: Any, depth: int = 4) -> Iterator[torch.Tensor]:
+    """The tensors an argument holds: itself, or those of a list, tuple or dict, nested up to
+    `depth` levels (`torch.cat([a, b])` is one)."""
     if torch.is_tensor(v):
         yield v
     elif depth > 0 and isinstance(v, (list, tuple)):
@@ -69,6 +71,14 @@ def _tensors_in(v: Any, depth: int = 2) -> Iterator[torch.Tensor]:
     elif depth > 0 and isinstance(v, Mapping):
         for x in v.values():
             yield from _tensors_in(x, depth - 1)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Which memory `t` lies in (0 where it has none to share: a tensor with no storage)."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 # Tensor methods that hand a tensor's values to Python, where no mark follows them.
@@ -92,6 +102,9 @@ class _Recorder:
         self.batch_derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.read_into_python: str | None = None
         self.following = False  # whether the batch's examples are followed (`mark_batch`)
+        self.written_storages: set[int] = set()  # the memory the batch was written into in place
+        self.written: list[torch.Tensor] = []
+        self.marked_storages: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # memory -> marked tensors on it
         self.entries: list[dict[str, Any]] = []
         self.probing = False
         self.calls: dict[str, int] = {}  # module name -> calls so far: a module called again is a new use
@@ -104,23 +117,55 @@ class _Recorder:
         """Marks the tensors of `inputs` that hold examples: those whose batch axis has B
         entries (every tensor where B is not known from the inputs: a tuple of arguments). A
         tensor without that axis (a 1×T `position_ids` given once for the batch) holds no
-        example's content."""
+        example's content. Inputs the recorder cannot see into (an object other than a tensor,
+        list, tuple or mapping, holding who knows what) leave the batch unfollowed, and then no
+        use is taken as shared."""
         b, a = self.batch_size, self.batch_axis
-        self.following = True
-        for t in _tensors_in(inputs):
+        found: list[torch.Tensor] = []
+        stack, seen = [inputs], set()
+        while stack:
+            v = stack.pop()
+            if torch.is_tensor(v):
+                found.append(v)
+            elif isinstance(v, (list, tuple, Mapping)):
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    stack.extend(v.values() if isinstance(v, Mapping) else v)
+            elif not (v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device))):
+                return  # an opaque object: the batch's examples cannot all be found
+        for t in found:
             if b == 0 or (t.dim() > a and t.shape[a] == b):
-                self.batch_derived[t] = True
+                self._mark(t)
+        self.following = bool(self.batch_derived)
 
     def is_batch_derived(self, t: torch.Tensor) -> bool:
-        return t in self.batch_derived
+        """Whether `t` was computed from the batch's examples, or shares its memory with a live
+        tensor that was, or that the batch was written into in place (`buf[1:].copy_(x)` writes
+        the batch into `buf` and into every view of it, made before the write or after)."""
+        if t in self.batch_derived:
+            return True
+        ptr = _storage(t)
+        if not ptr:
+            return False
+        if ptr in self.written_storages:
+            return True
+        refs = self.marked_storages.get(ptr, ())
+        return any((u := r()) is not None and _storage(u) == ptr for r in refs)
+
+    def _mark(self, t: torch.Tensor) -> None:
+        if t in self.batch_derived:
+            return
+        self.batch_derived[t] = True
+        ptr = _storage(t)
+        if ptr:
+            self.marked_storages.setdefault(ptr, []).append(weakref.ref(t))
 
     def follow(self, func: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], out: Any) -> None:
         """Marks what `func(*args, **kwargs)` computed (`out`, and a tensor it wrote in place)
         if it read a marked tensor; records a read of one into Python."""
         if not self.batch_derived:
             return
-        read = [t for t in _tensors_in((args, kwargs)) if t in self.batch_derived]
-        if not read:
+        if not any(self.is_batch_derived(t) for t in _tensors_in((args, kwargs))):
             return
         if func in _TO_PYTHON:
             if self.read_into_python is None:
@@ -130,15 +175,19 @@ class _Recorder:
                                                                    else "the model's forward")
             return
         for t in _tensors_in(out):
-            self.batch_derived[t] = True
+            self._mark(t)
         # An in-place write (`pos += x`, `pos[:] = x`, `torch.add(a, b, out=pos)`) changes its
-        # first argument or `out`.
+        # first argument or `out`, and with it every tensor sharing that memory (its base, its
+        # other views, made before the write or after).
         name = getattr(func, "__name__", "")
+        written = list(_tensors_in(kwargs.get("out"), 1))
         if name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) or name.startswith("__i"):
-            for t in _tensors_in(args[:1] if isinstance(args, (tuple, list)) else (), 1):
-                self.batch_derived[t] = True
-        for t in _tensors_in(kwargs.get("out"), 1):
-            self.batch_derived[t] = True
+            written += list(_tensors_in(args[:1] if isinstance(args, (tuple, list)) else (), 1))
+        for t in written:
+            self._mark(t)
+            if _storage(t):
+                self.written_storages.add(_storage(t))
+                self.written.append(t)  # held, so that its memory is not another tensor's later
 
     def inside_modelled_module(self) -> bool:
         """A module handler is running: it models every parameter use inside its forward."""
@@ -161,7 +210,8 @@ class _Recorder:
         (returned)."""
         out = output
         entry.update({"output": out, "grad": None, "autocast": autocast_state(output.device.type),
-                      "batch_free": self.following and not self.is_batch_derived(out), "read_into_python": self.read_into_python})
+                      "followed": self.following, "batch_free": self.following and not self.is_batch_derived(out),
+                      "read_into_python": self.read_into_python})
 
         def save_grad(g: torch.Tensor) -> None:
             if not self.probing:
