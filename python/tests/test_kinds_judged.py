@@ -364,6 +364,24 @@ def test_a_parameter_expanded_to_the_batch_is_a_bias_of_every_example(dtype, tmp
     assert ("cls", "bias") in site_params(specs)
 
 
+@pytest.mark.parametrize("t", [3, B], ids=["T-3", "T-equals-B"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_a_parameter_expanded_without_the_batch_is_shared_by_every_example(t, dtype, tmp_path):
+    """`bias.expand(T, d)` added to every example's T×d: computed from no example, its output
+    is shared by all of them, even where T happens to be B."""
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Parameter(torch.randn(4))
+            self.inp, self.head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.inp(x) + self.pos.expand(x.shape[1], -1)))
+
+    specs, _ = judged(build(Shared, dtype), randn(B, t, 3, dtype=dtype), tmp_path)
+    assert ("pos", "bias") in site_params(specs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Ragged bags with per-sample weights: the flat weights split into examples by the offsets.
 
