@@ -100,6 +100,7 @@
 //! - [`Verdict::InvalidNorm`]: a NaN, infinite or far negative norm or coefficient.
 
 pub mod accountant;
+pub mod atomic;
 pub mod audit;
 pub mod bench;
 pub mod clippers;

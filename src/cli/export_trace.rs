@@ -39,6 +39,8 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<ExitCode, Error> {
     let max_grad_norm = clip_norm(a.max_grad_norm)?;
+    // Before the model runs: an --out that cannot be written fails fast.
+    ghost_oracle::atomic::check_target(&a.out, "--out")?;
     let clip = registry::clipper(&a.clipper).map_err(|e| e.context("--clipper"))?;
     let m: Model = ghost_oracle_reference::load(&a.model)?;
     let b = Batch::load(&a.batch)?;
@@ -68,7 +70,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         &coefs,
         c.get(),
     )
-    .map_err(|e| e.context(format!("--out {}", a.out.display())))?;
+    .map_err(|e| e.context("--out"))?;
     out(&format!(
         "wrote {} ({} sites, {} examples, claims of {}, C = {c})\n",
         a.out.display(),

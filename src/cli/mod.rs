@@ -331,9 +331,10 @@ impl Progress {
     }
 }
 
+/// Writes a report whole or not at all: an error (or an interrupted run) leaves no partial
+/// file at `path`.
 pub fn write_file(path: &Path, content: &str, flag: &str) -> Result<(), Error> {
-    std::fs::write(path, content)
-        .map_err(|e| Error::input(format!("{flag} {}: cannot write: {e}", path.display())))
+    ghost_oracle::atomic::write_file_atomically(path, flag, content.as_bytes())
 }
 
 pub fn main() -> ExitCode {

@@ -43,7 +43,8 @@ impl Trace {
     }
 }
 
-/// Writes a trace with a clipper's norms as the claim (factors in the trace's own dtype).
+/// Writes a trace with a clipper's norms as the claim (factors in the trace's own dtype), whole
+/// or not at all, its bytes a function of the trace alone (the header's keys sorted).
 pub fn write_claimed_trace(
     path: &Path,
     trace: &Trace,
@@ -59,5 +60,9 @@ pub fn write_claimed_trace(
         compute_dtype: Some(dtype),
         ..TraceMeta::norms(max_grad_norm, norms.to_vec(), dtype)
     };
-    Ok(reference::write_trace(path, &trace.to_reference()?, &meta)?)
+    let trace = trace.to_reference()?;
+    crate::atomic::write_atomically(path, "trace", |tmp| {
+        reference::write_trace(tmp, &trace, &meta)?;
+        crate::atomic::sort_safetensors_header(tmp)
+    })
 }
