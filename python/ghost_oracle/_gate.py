@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ._api import check
+from ._atomic import check_target, sort_safetensors_metadata, write_atomically
 from ._failure import ClippingCheckFailed
 from ._report import Report
 from ._types import Precision
@@ -39,7 +40,7 @@ def export_check_assert(export: Export, *, unclaimed: Any, claimed_norms: Any, c
         return report
 
     if trace_path is not None:
-        report = run(os.fspath(trace_path))
+        report = run(check_target(trace_path, "trace_path"))
     else:
         with tempfile.TemporaryDirectory(prefix="ghost-oracle-") as d:
             # the file's name is the case's name in the report's table
@@ -60,4 +61,9 @@ def _replace_claimed_norms(path: str, norms: Any) -> None:
         meta = f.metadata()
     tensors = load_file(path)
     tensors["claimed.norms"] = np.asarray([float(n) for n in norms], dtype=np.float64)
-    save_file(tensors, path, metadata=meta)
+
+    def save(tmp: str) -> None:
+        save_file(tensors, tmp, metadata=meta)
+        sort_safetensors_metadata(tmp)
+
+    write_atomically(path, "trace_path", save)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -67,11 +68,22 @@ def _check_batch_axis(batch_axis: object) -> int:
 def _per_example(values: Any, b: int, what: str) -> torch.Tensor:
     """`values` (a tensor, array, list or number per example) as a float64 CPU tensor of B."""
     if torch.is_tensor(values):
+        if values.is_meta:
+            raise ValueError(f"{what} is on the meta device: it holds no values")
+        if values.is_complex():
+            raise TypeError(f"{what} is complex ({values.dtype}): norms and coefficients are real numbers")
         values = values.detach().cpu()
     try:
-        t = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+        # numpy first: a list of Python floats stays float64 (torch.as_tensor would round it to
+        # the default float32)
+        raw = values if torch.is_tensor(values) else torch.from_numpy(np.asarray(values))
     except (TypeError, ValueError, RuntimeError) as e:
         raise TypeError(f"{what} must be a tensor, array or list of {b} numbers, got {type(values).__name__}") from e
+    if raw.is_complex():  # a cast to float64 would drop the imaginary part with only a warning
+        raise TypeError(f"{what} is complex ({raw.dtype}): norms and coefficients are real numbers")
+    if raw.dtype == torch.bool:
+        raise TypeError(f"{what} is boolean: give the {b} numbers")
+    t = raw.to(torch.float64).reshape(-1)
     if t.numel() != b:
         raise ValueError(f"{what} has {t.numel()} values; the batch has {b} examples")
     return t.contiguous()

@@ -73,8 +73,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .._atomic import check_target, sort_safetensors_metadata, write_atomically
 from ..trace_file import FORMAT as FORMAT  # re-exported; the header is framework-neutral
 from ..trace_file import step_rule, trace_metadata
+from .arguments import check_inputs, check_model, integer_input_error
 from .batch import _batch_size, _check_batch_axis, _concat_micro_batches, _input_tensors, _per_example
 from .check import self_check
 from .errors import TraceExportError
@@ -161,9 +163,12 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
     backward per probed example: the model's `.grad`s are reset first and hold the batch
     gradient afterwards."""
     batch_axis = _check_batch_axis(batch_axis)
+    path = check_target(path, "path")  # before the model runs: a path that cannot be written fails fast
     if isinstance(inputs, list):  # micro-batches
         inputs = _concat_micro_batches(inputs, batch_axis)
     b_inputs = _batch_size(inputs, batch_axis)
+    check_inputs(inputs, b_inputs, batch_axis)
+    check_model(model)
     names = param_names(model)
     args = _StepArguments.checked(model, names, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                                   dtype=dtype, update=update, clipped_sum=clipped_sum, batch_divisor=batch_divisor,
@@ -200,9 +205,15 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
                           clip_stabilizer=args.clip_stabilizer, clipping=clipping, has_step=bool(args.step),
                           model_rounding=None if rounding is None else rounding.method)
     progress.step("writing the trace", 0, 1)
-    save_file(tensors, os.fspath(path), metadata=meta)
+    write_atomically(path, "path", lambda tmp: _save(tensors, tmp, meta))
     progress.done()
     return specs
+
+
+def _save(tensors: dict[str, torch.Tensor], tmp: str, meta: dict[str, str]) -> None:
+    """The trace's bytes at `tmp`: a function of the trace alone (the header's keys sorted)."""
+    save_file(tensors, tmp, metadata=meta)
+    sort_safetensors_metadata(tmp)
 
 
 #: A claimed step: for "clipped_sum" and "update", each parameter's (parameter, claimed tensor).
@@ -263,6 +274,11 @@ def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.M
         try:
             with watch.watching() if watch is not None else contextlib.nullcontext():
                 losses = per_example_loss(model, traced_inputs)
+        except RuntimeError as err:  # integer inputs meeting a float module: named; else the user's error
+            named = integer_input_error(err, model, inputs)
+            if named is not None:
+                raise named from err
+            raise
         finally:
             for h in reversed(handles):  # the forward is over: nothing else is a use
                 h.remove()

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from .._atomic import check_target, sort_safetensors_metadata, write_atomically
 from ..trace_file import PRECISION_NAMES, TraceExportError, number, step_rule, trace_metadata
 from .capture import PerExampleLoss, capture, flat_params
 from .check import STORAGE, self_check, unit_roundoff
@@ -33,11 +34,35 @@ def batch_size(inputs: Any) -> int:
     if not leaves:
         raise ValueError("inputs holds no array with a batch axis: pass the batch (an array, or a dict or tuple of "
                          "arrays with the examples on axis 0)")
-    return int(leaves[0].shape[0])
+    b = int(leaves[0].shape[0])
+    if b == 0:
+        raise ValueError("inputs: the batch is empty (0 examples on axis 0): there is no example to trace")
+    for k, x in enumerate(leaves):
+        arr = np.asarray(x)
+        if np.iscomplexobj(arr):
+            raise TypeError(f"inputs: array {k} is complex ({arr.dtype}): per-example gradient norms are of real "
+                            "models")
+        if arr.dtype.kind == "f" or arr.dtype == ml_dtypes.bfloat16:
+            finite = np.isfinite(arr.astype(np.float64))
+            if not finite.all():
+                what = "NaN" if np.isnan(arr.astype(np.float64)).any() else "±inf"
+                first = [int(i) for i in np.argwhere(~finite)[0]]
+                raise ValueError(f"inputs: array {k} holds {what} (first at index {first}): the losses and "
+                                 "gradients are not numbers")
+    return b
 
 
 def _per_example(values: Any, b: int, what: str) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.float64).reshape(-1)
+    try:
+        raw = np.asarray(values)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must be an array or list of {b} numbers, got {type(values).__name__}") from e
+    if np.iscomplexobj(raw):  # a cast to float64 would drop the imaginary part with only a warning
+        raise TypeError(f"{what} is complex ({raw.dtype}): norms and coefficients are real numbers")
+    if raw.dtype.kind not in "fiu" and raw.dtype != ml_dtypes.bfloat16:
+        raise TypeError(f"{what} must be an array or list of {b} numbers, got {type(values).__name__} of "
+                        f"{raw.dtype}")
+    arr = raw.astype(np.float64).reshape(-1)
     if arr.shape != (b,):
         raise ValueError(f"{what} has {arr.size} entries; the batch has {b} examples")
     return arr
@@ -102,6 +127,7 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
     `name[l]`, and may also be given so. `is_padding_example`: a (B,) bool array; those examples are left out of
     the trace (and of `claimed_norms`, which has B entries). `dtype`: the precision the factors
     are stored in ("f64", "f32", "f16", "bf16"; default each site's own)."""
+    path = check_target(path, "path")  # before the model runs: a path that cannot be written fails fast
     c = number(max_grad_norm, "max_grad_norm", positive=True)
     if noise_multiplier is not None:
         number(noise_multiplier, "noise_multiplier", positive=False)
@@ -172,5 +198,11 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
     meta = trace_metadata(max_grad_norm=c, clipper=clipper, sites=specs, compute_dtype=coarsest,
                           parameters=parameters, noise_multiplier=noise_multiplier, batch_divisor=batch_divisor,
                           clip_stabilizer=clip_stabilizer, clipping=clipping, has_step=has_step)
-    save_file(tensors, os.fspath(path), metadata=meta)
+    write_atomically(path, "path", lambda tmp: _save(tensors, tmp, meta))
     return specs
+
+
+def _save(tensors: dict[str, np.ndarray], tmp: str, meta: dict[str, str]) -> None:
+    """The trace's bytes at `tmp`: a function of the trace alone (the header's keys sorted)."""
+    save_file(tensors, tmp, metadata=meta)
+    sort_safetensors_metadata(tmp)
