@@ -242,7 +242,6 @@ ROWS = [
     Row("batch_axis 2", lambda t: export(t, batch_axis=2), ValueError, ("batch_axis",)),
     Row("a per_example_loss that raises", lambda t: export(t, fn=_raise_user_error), UserError,
         ("the loss of my own",)),
-    Row("check: a trace that is a directory", lambda t: ghost_oracle.check(t), ValueError, (), api="check"),
     # The Flax twins (ghost_oracle.jax).
     Row("empty batch (B = 0)", lambda t: jexport(t, x=np.zeros((0, F), np.float32), claims=[]), ValueError,
         ("inputs", "the batch is empty"), api="jax.export_trace"),
