@@ -6,6 +6,7 @@ mod cli;
 mod clippers;
 mod common;
 mod detection;
+mod files;
 mod judge;
 mod layout;
 mod model;
