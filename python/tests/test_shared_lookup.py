@@ -90,6 +90,29 @@ def test_a_nanogpt_position_table_is_judged(tmp_path, b, t):
     holds_to_the_truth(tmp_path, model, lm_loss, ids)
 
 
+def test_per_example_gradients_of_a_shared_use_one_backward_at_a_time(tmp_path, monkeypatch):
+    """B > 8 probes four examples; the shared table's other examples come from one batched
+    backward, or, where autograd cannot batch it, one backward each: both give brute force's."""
+    import ghost_oracle.export.layout as layout
+
+    grad = torch.autograd.grad
+    batched = []
+
+    def no_batching(*args, **kwargs):
+        if kwargs.get("is_grads_batched"):
+            batched.append(True)
+            raise RuntimeError("no batching rule")
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(layout.torch.autograd, "grad", no_batching)
+    torch.manual_seed(31)
+    model = NanoGPT().double()
+    ids = torch.randint(0, V, (10, 3))
+    got = oracle_truth(tmp_path, model, lm_loss, ids)
+    assert batched  # the batched backward was tried first
+    torch.testing.assert_close(got, brute_force_norms(model, lm_loss, ids), rtol=1e-9, atol=0)
+
+
 def test_a_float32_nanogpt_position_table_is_judged(tmp_path):
     """At float32 the truth is within the float32 rounding of brute force's f64."""
     torch.manual_seed(3)
