@@ -236,7 +236,7 @@ def test_falcon_passes_through_its_functional_matmul_and_declared(tmp_path, decl
     declared(FalconLinear, "linear")
     path = tmp_path / "falcon.safetensors"
     report = assert_norms(model, loss, x, norms, max_grad_norm=float(norms.median()), trace_path=path)
-    assert report.precision == "f64"
+    assert report.precision == "f32"  # Falcon's eager softmax computes in float32 in a float64 model
     _, specs, _ = sites(path)
     assert specs["transformer.h.0.self_attention.query_key_value.weight"]["kind"] == "linear"
     with pytest.raises(AssertionError):

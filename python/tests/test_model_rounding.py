@@ -147,7 +147,8 @@ def traced(path, order):
 
 def export(model, loss, x, path, **kw):
     kw.setdefault("claimed_norms", UNCLAIMED)
-    export_trace(model, loss, x, path, max_grad_norm=1.0, **kw)
+    kw.setdefault("max_grad_norm", 1.0)
+    export_trace(model, loss, x, path, **kw)
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
         rounding = f.get_tensor("model.rounding") if "model.rounding" in f.keys() else None
@@ -208,9 +209,15 @@ def test_the_users_model_parameters_grads_hooks_mode_and_rng_are_untouched(tmp_p
     model.mlp.register_forward_hook(lambda m, a, o: calls.append(1))
     twin = copy.deepcopy(model)
     loss(twin, x).sum().backward()  # the batch gradient export_trace leaves in .grad
+    calls.clear()
     rng = torch.get_rng_state()
     meta, rounding = export(model, loss, x, tmp_path / "t.safetensors")
     assert rounding is not None and meta["model_rounding"] == "replay-float64"
+    with_replay = len(calls)
+    calls.clear()
+    R.WRITE_ROUNDING = False  # undone by the fixture
+    export(model, loss, x, tmp_path / "u.safetensors")
+    assert len(calls) == with_replay  # the replay ran none of the user's hooks
     assert torch.equal(torch.get_rng_state(), rng)
     assert model.training and all(p.dtype == torch.float32 for p in model.parameters())
     assert model.emb.weight is dict(model.named_parameters())["emb.weight"]

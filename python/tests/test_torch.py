@@ -18,7 +18,8 @@ def test_exact_torch_func_norms_pass(request, name):
     report = assert_norms(m.model, m.loss, m.ids, claimed_norms=m.exact, max_grad_norm=m.c,
                           clipper="torch.func-exact")
     assert report.passed and report.verdict == "pass"
-    assert report.precision == {"tied_gpt2": "f32", "tied_llama": "f64"}[name]
+    # Llama's RMSNorms and eager softmax compute in float32 inside the float64 model
+    assert report.precision == {"tied_gpt2": "f32", "tied_llama": "f32"}[name]
     assert m.tied in report.tied_parameters
     assert report.claimed_norms.tolist() == m.exact.double().tolist()
     assert report.max_sensitivity == pytest.approx(1.0, abs=1e-4)

@@ -51,7 +51,7 @@ from .errors import TraceExportError
 from .kinds import Use
 from .layout import share_as_recorded
 from .precision import DTYPE_NAMES, unit_roundoff
-from .record import param_names, record
+from .record import _HOOK_DICTS, param_names, record
 
 #: How the header's `model_rounding` says the rounding was measured.
 REPLAY_FLOAT64 = "replay-float64"
@@ -265,7 +265,7 @@ def _over_budget(model: torch.nn.Module, sites: Sites, dtype: torch.dtype) -> st
 def _copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of the model with its floating-point parameters and buffers in `dtype`: new
     tensors (no gradient, no tensor hook, ties kept), made before the rest is deep-copied, so
-    nothing of the user's model is shared or touched."""
+    nothing of the user's model is shared or touched; without module hooks."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         if id(p) not in memo:
@@ -275,6 +275,13 @@ def _copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
         if id(b) not in memo:
             memo[id(b)] = b.detach().to(dtype) if b.is_floating_point() else b.detach().clone()
     copied: torch.nn.Module = copy.deepcopy(model, memo)
+    # The user's module hooks are not the model's computation: on the copy they would run again
+    # (a norm's x̂ is replayed through its module) with closures that write into the user's state.
+    for m in copied.modules():
+        for attr in _HOOK_DICTS:
+            d = getattr(m, attr, None)
+            if d:
+                setattr(m, attr, type(d)())
     return copied
 
 
