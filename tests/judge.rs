@@ -56,8 +56,9 @@ fn tolerance(norms: &[f64], bounds: &[f64]) -> Tolerance {
         seq_len: 0,
         largest_param: 0,
         // The verdict rules are put on their boundaries with bounds of a few tenths, whose
-        // arithmetic is exact; the cannot-judge rule has its own tests.
+        // arithmetic is exact; the cannot-judge rules have their own tests.
         judgeable_bound: f64::INFINITY,
+        contribution_slack: Some(f64::INFINITY),
         ..Default::default()
     };
     for (i, (&n, &b)) in norms.iter().zip(bounds).enumerate() {

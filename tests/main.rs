@@ -15,6 +15,7 @@ mod precision;
 mod privacy;
 mod properties;
 mod report;
+mod rounding;
 mod rows;
 mod step;
 mod traces;

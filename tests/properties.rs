@@ -7,7 +7,7 @@ use crate::common::{cn, nm};
 use candle_core::{DType, Device};
 use ghost_oracle::audit::{claim_of, median};
 use ghost_oracle::clippers::{clip_coefficients, clipped_sum, gram, Clipped};
-use ghost_oracle::judge::{Tolerance, JUDGEABLE_BOUND};
+use ghost_oracle::judge::{contribution_slack, Tolerance, JUDGEABLE_BOUND};
 use ghost_oracle::mutants::{Mutant, MutantClipper};
 use ghost_oracle::synthetic::{synthetic_trace, SyntheticSpec};
 use ghost_oracle::trace::SiteKind;
@@ -199,7 +199,8 @@ struct SweepStats {
     max_units: f64,
     /// Largest relative bound on a judgeable norm.
     max_bound: f64,
-    /// Cases a correct clipper's verdict was cannot-judge (the bound above a tenth of a norm).
+    /// Cases a correct clipper's verdict was cannot-judge (the bound above a tenth of a norm, or
+    /// letting a passing claim clip an example above C·(1 + δ)).
     cannot_judge: usize,
     f16_caught: usize,
 }
@@ -250,13 +251,19 @@ fn false_alarm_sweep() {
                 let m = verdict_of(clipper);
                 let allowed = match m.verdict {
                     Verdict::Pass => true,
-                    // Only where the bound itself is past use, and never hiding an error the
-                    // judgeable examples show.
+                    // Only where the bound itself is past use (over a tenth of the norm, or
+                    // letting a claim within it clip an example C clips above C·(1 + δ): a bound
+                    // over δ/(1 + δ)), and never hiding an error the judgeable examples show.
                     Verdict::CannotJudge => {
-                        m.max_bound > JUDGEABLE_BOUND
-                            && m.examples
-                                .iter()
-                                .all(|e| !e.judgeable || e.err_units <= 1.0)
+                        let delta = contribution_slack(precision);
+                        m.examples.iter().any(|e| {
+                            e.bound > JUDGEABLE_BOUND
+                                || (e.true_norm > c.get() * (1.0 + delta)
+                                    && e.bound > delta / (1.0 + delta))
+                        }) && m
+                            .examples
+                            .iter()
+                            .all(|e| !e.judgeable || e.err_units <= 1.0)
                     }
                     Verdict::UtilityDistortion
                     | Verdict::PrivacyViolation

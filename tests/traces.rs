@@ -3,7 +3,7 @@
 
 use crate::cli::{expect_input_error, golden, run, stderr, tmp};
 use ghost_oracle::synthetic::{synthetic_trace, SyntheticSpec};
-use ghost_oracle_reference::{read_trace, write_trace, Precision, TraceMeta};
+use ghost_oracle_reference::{read_trace, write_trace, ModelRounding, Precision, TraceMeta};
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -149,6 +149,10 @@ proptest! {
                 .collect(),
             site_dtypes: vec![Precision::F64; t.sites.len()],
             step: None,
+            model_rounding: Some(ModelRounding {
+                method: "replay-float64".into(),
+                per_example: (0..b).map(|i| 1e-9 * i as f64).collect(),
+            }),
         };
         let path = tmp("roundtrip").join("t.safetensors");
         write_trace(&path, &t, &meta).unwrap();

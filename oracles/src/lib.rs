@@ -106,6 +106,6 @@ pub use tensors::Floats;
 pub use trace::{Site, TiedParameter, Trace};
 pub use trace_file::{
     read_trace, read_trace_bytes, read_trace_bytes_within, read_trace_within, write_trace,
-    MemoryBudget, ParamValues, StepClaim, TraceMeta, GRADIENT_BLOCK_BYTES,
+    MemoryBudget, ModelRounding, ParamValues, StepClaim, TraceMeta, GRADIENT_BLOCK_BYTES,
 };
 pub use trace_shape::{validate_shapes, IdAt, SiteShape};

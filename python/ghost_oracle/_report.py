@@ -303,9 +303,15 @@ class CaseResult:
     clipped_sum_cosine: float
     max_cross_share: float
     invalid_examples: tuple[int, ...]
-    #: Examples whose rounding bound is too loose to judge their norm (over a tenth of it): any
-    #: makes the verdict "cannot-judge" (unless a worse one holds).
+    #: Examples whose rounding bound is too loose to judge their norm (over a tenth of it, or
+    #: letting a passing claim clip them above C·(1 + δ)): any makes the verdict "cannot-judge"
+    #: (unless a worse one holds).
     unjudgeable_examples: tuple[int, ...]
+    #: Why the loosest of those cannot be judged: the rule that fired, with its numbers (None
+    #: when every example can be judged).
+    cannot_judge_reason: str | None
+    #: δ at the precision judged: the overshoot of C a passing claim may allow.
+    contribution_slack: float
     #: The largest relative bound over the examples.
     max_bound: float
     #: Sequence length and widest factor of the trace: what makes a low-precision bound grow.
@@ -333,6 +339,10 @@ class CaseResult:
     invalid: np.ndarray = field(repr=False)
     #: Whether each example's bound is tight enough to judge its norm.
     judgeable: np.ndarray = field(repr=False)
+    #: The largest clipped contribution (units of C) of a claim within each example's bound.
+    allowed_contribution: np.ndarray = field(repr=False)
+    #: The part of each bound that is the model's own rounding (the trace's `model.rounding`).
+    model_rounding: np.ndarray = field(repr=False)
     #: The judged step (`StepResult`), None when the trace carries no step.
     step: StepResult | None = field(default=None, repr=False)
 
@@ -372,6 +382,8 @@ class CaseResult:
             max_cross_share=_f(d["max_cross_share"]),
             invalid_examples=tuple(int(i) for i in d["invalid_examples"]),
             unjudgeable_examples=tuple(int(i) for i in d["unjudgeable_examples"]),
+            cannot_judge_reason=d["cannot_judge_reason"],
+            contribution_slack=float(d["contribution_slack"]),
             max_bound=_f(d["max_bound"]),
             seq_len=int(d["seq_len"]),
             widest_factor=int(d["widest_factor"]),
@@ -388,6 +400,8 @@ class CaseResult:
             flipped=column("flipped", bool),
             invalid=column("invalid", bool),
             judgeable=column("judgeable", bool),
+            allowed_contribution=column("allowed_contribution"),
+            model_rounding=column("model_rounding"),
             step=StepResult._from_native(d.get("step")),
         )
 
@@ -445,7 +459,7 @@ class Report:
     - `clippers`: a `ClipperResult` per clipper, each with its `CaseResult`s;
     - `true_norms`, `claimed_norms`, `coefficients`, `true_coefficients`, `sensitivity`,
       `cross_share`, `judgeable`: per-example NumPy arrays of the deciding case (the only case
-      of a `check`), with its `unjudgeable_examples` and `max_bound`;
+      of a `check`), with its `unjudgeable_examples`, `cannot_judge_reason` and `max_bound`;
     - `privacy`: stated and actual ε of the deciding clipper;
     - `tied_parameters`: for a `check`, each parameter the trace's sites share, with its sites;
     - `step`: for a `check` of a trace with a step, the deciding case's `StepResult` (None
@@ -549,6 +563,10 @@ class Report:
     @property
     def unjudgeable_examples(self) -> tuple[int, ...]:
         return self.worst.unjudgeable_examples
+
+    @property
+    def cannot_judge_reason(self) -> str | None:
+        return self.worst.cannot_judge_reason
 
     @property
     def max_bound(self) -> float:

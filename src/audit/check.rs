@@ -63,8 +63,15 @@ pub fn check_trace_with_progress(
         .unwrap_or_else(reference::MemoryBudget::machine);
     let (trace, meta) = reference::read_trace_within(path, budget)?;
     let tied = trace.tied_parameters();
-    let judge =
+    let mut judge =
         Judge::from_trace_with_progress(trace, progress).map_err(|e| e.context(path.display()))?;
+    // The model's own rounding in the factors, when the exporter measured it, widens every
+    // example's bound (docs/tolerances.md, "The model's own rounding").
+    if let Some(rounding) = meta.model_rounding.clone() {
+        judge.tolerance = judge
+            .tolerance
+            .with_model_rounding(rounding, &path.display().to_string())?;
+    }
     let invalid = |key: &str, e: crate::options::OptionError| {
         Error::input(e.message(&format!("{}: `__metadata__.{key}`", path.display())))
     };

@@ -13,8 +13,15 @@ pub struct ExampleMetrics {
     pub norm: f64,
     /// |n_i − n*_i| / n*_i (infinite where it is undefined).
     pub norm_rel_err: f64,
-    /// The rounding bound on `norm_rel_err` at the clipper's precision.
+    /// The rounding bound on `norm_rel_err` at the clipper's precision, the model's own rounding
+    /// included.
     pub bound: f64,
+    /// The part of `bound` that is the model's own rounding (the trace's `model.rounding`, times
+    /// `MODEL_ROUNDING_FACTOR`, over n*_i); 0 without it.
+    pub model_rounding: f64,
+    /// The largest clipped contribution, in units of C, of a claim within the bound: the clipper's
+    /// rule applied to n*_i·(1 − bound). Above 1 + δ the example cannot be judged.
+    pub allowed_contribution: f64,
     /// norm_rel_err / bound.
     pub err_units: f64,
     /// c_i, the clipper's clipping coefficient, and c*_i from the true norm by the same rule.
@@ -29,7 +36,8 @@ pub struct ExampleMetrics {
     pub cross_share: Option<f64>,
     /// The norm or coefficient is NaN, infinite, or negative beyond rounding.
     pub invalid: bool,
-    /// The bound is tight enough to judge the norm (at most the tolerance's `judgeable_bound`,
-    /// a tenth of the norm).
+    /// The bound is tight enough to judge the norm: at most the tolerance's `judgeable_bound` (a
+    /// tenth of the norm), and no claim within it clips the example above C·(1 + δ)
+    /// (`allowed_contribution`).
     pub judgeable: bool,
 }

@@ -8,7 +8,7 @@
 use super::example::ExampleMetrics;
 use super::numeric::{bilinear, nan_max, ratio};
 use super::step::StepMetrics;
-use super::tolerance::{Arithmetic, Tolerance};
+use super::tolerance::{Arithmetic, Precision, Tolerance};
 use super::truth::{for_each_param_block, Block, Truth};
 use super::verdict::Verdict;
 use crate::error::{Error, Result};
@@ -159,6 +159,12 @@ pub struct CaseMetrics {
     pub invalid_examples: Vec<usize>,
     /// Examples whose bound is too loose to judge their norm.
     pub unjudgeable_examples: Vec<usize>,
+    /// δ: a bound that lets a passing claim clip an example above C·(1 + δ) makes it
+    /// unjudgeable (per precision, docs/tolerances.md).
+    pub contribution_slack: f64,
+    /// Why the loosest of `unjudgeable_examples` cannot be judged: which rule fired, with its
+    /// numbers; `null` when every example can be judged.
+    pub cannot_judge_reason: Option<String>,
     /// The largest relative bound over the examples.
     pub max_bound: f64,
     /// Sequence length and widest factor of the trace: what makes a low-precision bound grow.
@@ -199,17 +205,34 @@ pub fn evaluate(
         .iter()
         .map(|&n| claim.clipping.coefficient(n, c))
         .collect();
+    let slack = tolerance.slack_at(arithmetic);
     let examples: Vec<ExampleMetrics> = (0..b)
         .map(|i| {
-            let bound = tolerance.bound(i, truth.norms[i], arithmetic);
-            // NaN is never within the threshold.
-            let judgeable = bound <= tolerance.judgeable_bound;
-            example_metrics(truth, claim, i, true_coefs[i], (bound, judgeable), c)
+            let nt = truth.norms[i];
+            let bound = tolerance.bound(i, nt, arithmetic);
+            let allowed = allowed_contribution(claim.clipping, nt, bound, c);
+            // NaN is never within either threshold.
+            let judgeable = bound <= tolerance.judgeable_bound && allowed <= 1.0 + slack;
+            let mut e = example_metrics(truth, claim, i, true_coefs[i], (bound, judgeable), c);
+            e.model_rounding = tolerance.model_rounding_bound(i, nt);
+            e.allowed_contribution = allowed;
+            e
         })
         .collect();
     let fmax = |f: &dyn Fn(&ExampleMetrics) -> f64| examples.iter().map(f).fold(0.0_f64, nan_max);
     let invalid_examples: Vec<usize> = (0..b).filter(|&i| examples[i].invalid).collect();
     let unjudgeable_examples: Vec<usize> = (0..b).filter(|&i| !examples[i].judgeable).collect();
+    let cannot_judge_reason = loosest(&examples, &unjudgeable_examples).map(|i| {
+        UnjudgeableBound {
+            example: i,
+            metrics: &examples[i],
+            judgeable_bound: tolerance.judgeable_bound,
+            slack,
+            precision: arithmetic.coarsest_precision(),
+            method: tolerance.model_rounding.as_ref().map(|m| m.method.as_str()),
+        }
+        .reason()
+    });
     let coefs_for_sum = for_sum(claim.coefficients.iter().copied());
     let (sig, sig_ref, cosine) = clipped_signals(&truth.gram, &coefs_for_sum, &true_coefs);
     let sum = clipped_sum_error(truth, tolerance, claim, &coefs_for_sum, arithmetic)?;
@@ -245,6 +268,8 @@ pub fn evaluate(
         max_cross_share,
         invalid_examples,
         unjudgeable_examples,
+        contribution_slack: slack,
+        cannot_judge_reason,
         max_bound: fmax(&|e| e.bound),
         seq_len: tolerance.seq_len,
         widest_factor: tolerance.widest_factor,
@@ -298,6 +323,8 @@ fn example_metrics(
         norm: n,
         norm_rel_err: if rel.is_nan() { f64::INFINITY } else { rel },
         bound,
+        model_rounding: 0.0,
+        allowed_contribution: 0.0,
         // An exact answer is 0 units even where the bound is 0.
         err_units: if rel == 0.0 {
             0.0
@@ -346,10 +373,113 @@ fn case_verdict(
     let worst_example = match verdict {
         Verdict::InvalidNorm => invalid_examples[0],
         Verdict::PrivacyViolation => argmax(examples.iter().map(|e| e.sensitivity - e.bound)),
-        Verdict::CannotJudge => argmax(examples.iter().map(|e| e.bound)),
+        Verdict::CannotJudge => {
+            loosest(examples, unjudgeable_examples).expect("an unjudgeable example")
+        }
         Verdict::Pass | Verdict::UtilityDistortion => argmax(examples.iter().map(|e| e.err_units)),
     };
     (verdict, worst_example)
+}
+
+/// The largest clipped contribution, in units of C, of a claim within `bound` of the true norm
+/// n*: the lowest such claim, n*·(1 − bound), clips least. A bound of 1 or more allows a claim
+/// of 0.
+fn allowed_contribution(rule: ClippingRule, true_norm: f64, bound: f64, c: f64) -> f64 {
+    if true_norm == 0.0 {
+        return 0.0;
+    }
+    let lowest = true_norm * (1.0 - bound).max(0.0);
+    rule.coefficient(lowest, c) * true_norm / c
+}
+
+/// The unjudgeable example with the loosest bound (NaN the loosest).
+fn loosest(examples: &[ExampleMetrics], unjudgeable: &[usize]) -> Option<usize> {
+    let first = *unjudgeable.first()?;
+    let bound = |i: usize| {
+        let b = examples[i].bound;
+        if b.is_nan() {
+            f64::INFINITY
+        } else {
+            b
+        }
+    };
+    Some(unjudgeable.iter().copied().fold(
+        first,
+        |best, i| if bound(i) > bound(best) { i } else { best },
+    ))
+}
+
+/// What made an example unjudgeable, for the reason a report prints.
+struct UnjudgeableBound<'a> {
+    example: usize,
+    metrics: &'a ExampleMetrics,
+    judgeable_bound: f64,
+    slack: f64,
+    precision: Precision,
+    /// How the trace's `model.rounding` was measured, when it has one.
+    method: Option<&'a str>,
+}
+
+impl UnjudgeableBound<'_> {
+    /// Which rule fired, with its numbers: the bound past use (over a tenth of the norm), or a
+    /// bound that lets a passing claim clip the example above C·(1 + δ); and, where the model's
+    /// own rounding is most of the bound, that rounding.
+    fn reason(&self) -> String {
+        let (i, e, p) = (self.example, self.metrics, self.precision);
+        let consequence = if e.bound <= self.judgeable_bound {
+            format!(
+                "a claim that much low would pass and clip it to {}·C, past C·(1 + δ) with δ = {:e} at {p}",
+                contribution(e.allowed_contribution),
+                self.slack
+            )
+        } else {
+            format!(
+                "over the {} past which a claim that far off would pass too",
+                share(self.judgeable_bound)
+            )
+        };
+        let model = e.model_rounding / super::tolerance::MODEL_ROUNDING_FACTOR;
+        match self.method {
+            Some(method) if e.model_rounding > 0.0 && 2.0 * e.model_rounding >= e.bound => {
+                format!(
+                    "example {i}: the model's own rounding, measured by `{method}`, is {} of its norm: above what {p} can judge (counted twice, the bound is {} of the norm: {consequence})",
+                    share(model),
+                    share(e.bound)
+                )
+            }
+            Some(method) if e.model_rounding > 0.0 => format!(
+                "example {i}: the rounding bound at {p} is {} of its norm ({} of it the model's own rounding, measured by `{method}`, counted twice): {consequence}",
+                share(e.bound),
+                share(e.model_rounding)
+            ),
+            Some(_) | None => format!(
+                "example {i}: the rounding bound at {p} is {} of its norm: {consequence}",
+                share(e.bound)
+            ),
+        }
+    }
+}
+
+/// A fraction of a norm: a percentage to three digits, or a power of ten below 0.1 %.
+fn share(x: f64) -> String {
+    if !x.is_finite() {
+        "∞".into()
+    } else if x >= 1e-3 {
+        format!("{:.3} %", 100.0 * x)
+    } else {
+        format!("{x:.2e}")
+    }
+}
+
+/// A contribution in units of C: four decimals, or 1 + (s − 1) where those would hide it.
+fn contribution(s: f64) -> String {
+    if !s.is_finite() {
+        "∞".into()
+    } else if (s - 1.0).abs() >= 1e-3 {
+        format!("{s:.4}")
+    } else {
+        format!("(1 + {:.2e})", s - 1.0)
+    }
 }
 
 fn argmax(v: impl Iterator<Item = f64>) -> usize {

@@ -24,7 +24,10 @@ pub use step::{
     evaluate_step, DivisorCheck, NoiseCheck, NoiseScope, NoisyUpdateCheck, StepJudge, StepMetrics,
     SumCheck, SumKind,
 };
-pub use tolerance::{Arithmetic, Precision, Tolerance, JUDGEABLE_BOUND};
+pub use tolerance::{
+    contribution_slack, Arithmetic, ModelRounding, Precision, Tolerance, JUDGEABLE_BOUND,
+    MODEL_ROUNDING_FACTOR,
+};
 pub use truth::Truth;
 pub use verdict::Verdict;
 

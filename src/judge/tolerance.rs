@@ -5,8 +5,8 @@
 //! clippers' kernels: a kernel bug must never move the bound together with the error it makes.
 
 use crate::error::{Error, Result};
-pub use ghost_oracle_reference::Precision;
 use ghost_oracle_reference::{product, Site, SiteKind, Trace as RefTrace};
+pub use ghost_oracle_reference::{ModelRounding, Precision};
 use ndarray::{s, Array2, ArrayView2};
 
 /// Safety factor on the probabilistic √L growth of accumulated rounding error (Higham & Mary).
@@ -15,6 +15,25 @@ pub const LAMBDA: f64 = 8.0;
 pub const INPUT_ROUNDING: f64 = 4.0;
 /// Above this relative bound a norm cannot be judged: a claim this far off would pass.
 pub const JUDGEABLE_BOUND: f64 = 0.1;
+/// What the model's own rounding (the trace's `model.rounding`, r_i) adds to an example's bound,
+/// in units of r_i/n*_i: the traced truth is off the exact gradient by r_i, and a claim computed
+/// exactly another valid way at the model's precision is off it by rounding of the same kind
+/// and size, so the two differ by up to 2·r_i (docs/tolerances.md, "The model's own rounding").
+pub const MODEL_ROUNDING_FACTOR: f64 = 2.0;
+
+/// δ, the overshoot of C a passing claim may allow: where an example's bound would let a claim
+/// that passes clip it to a contribution above C·(1 + δ), the example cannot be judged
+/// (docs/tolerances.md, "When the bound is useless: cannot-judge"). Each is a few times the bound
+/// of a well-conditioned norm at its precision, so that such norms are judged, and small enough
+/// that the ε a pass can hide stays a small fraction of the stated one.
+pub fn contribution_slack(p: Precision) -> f64 {
+    match p {
+        Precision::F64 => 1e-6,
+        Precision::F32 => 1e-3,
+        Precision::F16 => 1e-2,
+        Precision::BF16 => 5e-2,
+    }
+}
 
 /// The arithmetic a clipper computed in, as the bound models it.
 #[derive(Clone, Debug, PartialEq)]
@@ -49,6 +68,18 @@ impl Arithmetic {
             Precision::F64 | Precision::F32 | Precision::F16 | Precision::BF16 => {
                 Arithmetic::Stored(sites.to_vec())
             }
+        }
+    }
+
+    /// The coarsest precision of the arithmetic: the coarsest site's, or for one unit roundoff
+    /// the finest precision whose unit roundoff is at least it.
+    pub fn coarsest_precision(&self) -> Precision {
+        match self {
+            Arithmetic::Uniform(u) => Precision::ALL
+                .into_iter()
+                .find(|p| *u <= p.unit_roundoff())
+                .unwrap_or(Precision::BF16),
+            Arithmetic::Stored(sites) => sites.iter().copied().max().unwrap_or(Precision::F32),
         }
     }
 
@@ -128,6 +159,14 @@ pub struct Tolerance {
     /// Above this relative bound a norm cannot be judged ([`JUDGEABLE_BOUND`] for every
     /// tolerance derived from a trace).
     pub judgeable_bound: f64,
+    /// δ, the overshoot of C a passing claim may allow: `None` for [`contribution_slack`] of the
+    /// coarsest precision judged at (every tolerance derived from a trace); `Some(δ)` for one δ
+    /// at every precision.
+    pub contribution_slack: Option<f64>,
+    /// The rounding of the model's own forward and backward in the factors, when the trace
+    /// carries it ([`Tolerance::with_model_rounding`]): each example's bound grows by
+    /// [`MODEL_ROUNDING_FACTOR`]·r_i/n*_i.
+    pub model_rounding: Option<ModelRounding>,
 }
 
 /// One side of a site's per-example gradient Σ_t l_t r_tᵀ, in f64 (the site's R rows).
@@ -280,7 +319,54 @@ impl Tolerance {
             site_entries,
             widest_factor,
             judgeable_bound: JUDGEABLE_BOUND,
+            contribution_slack: None,
+            model_rounding: None,
         })
+    }
+
+    /// The tolerance with the model's own rounding added to every example's bound. `label`
+    /// names the trace in the error when the rounding is not one value per example.
+    pub fn with_model_rounding(mut self, rounding: ModelRounding, label: &str) -> Result<Self> {
+        let b = self.abs_terms.len();
+        if rounding.per_example.len() != b {
+            return Err(Error::input(format!(
+                "{label}: `model.rounding` has {} values but the batch has {b} examples",
+                rounding.per_example.len()
+            )));
+        }
+        if let Some(v) = rounding
+            .per_example
+            .iter()
+            .find(|v| !v.is_finite() || **v < 0.0)
+        {
+            return Err(Error::input(format!(
+                "{label}: `model.rounding` holds {v}; every value must be finite and non-negative"
+            )));
+        }
+        self.model_rounding = Some(rounding);
+        Ok(self)
+    }
+
+    /// δ for a case judged in `arithmetic` ([`Tolerance::contribution_slack`]).
+    pub fn slack_at(&self, arithmetic: &Arithmetic) -> f64 {
+        self.contribution_slack
+            .unwrap_or_else(|| contribution_slack(arithmetic.coarsest_precision()))
+    }
+
+    /// Example i's share of the bound from the model's own rounding,
+    /// [`MODEL_ROUNDING_FACTOR`]·r_i/n*_i (0 without `model.rounding`; infinite for rounding
+    /// on a zero norm).
+    pub fn model_rounding_bound(&self, i: usize, true_norm: f64) -> f64 {
+        let Some(r) = self.model_rounding.as_ref().map(|m| m.per_example[i]) else {
+            return 0.0;
+        };
+        if r == 0.0 {
+            0.0
+        } else if true_norm > 0.0 {
+            MODEL_ROUNDING_FACTOR * r / true_norm
+        } else {
+            f64::INFINITY
+        }
     }
 }
 
@@ -441,11 +527,14 @@ impl Tolerance {
 
     /// Relative bound on |n̂_i − n_i| / n_i for a clipper computing in `arithmetic`, given the
     /// true norm n_i (docs/tolerances.md).
+    /// The model's own rounding, when the trace carries it, is added
+    /// ([`Tolerance::model_rounding_bound`]).
     pub fn bound(&self, i: usize, true_norm: f64, arithmetic: &Arithmetic) -> f64 {
-        match arithmetic {
+        let clipper = match arithmetic {
             Arithmetic::Uniform(u) => self.norm_bound(i, true_norm, *u),
             Arithmetic::Stored(sites) => self.stored_bound(i, true_norm, sites),
-        }
+        };
+        clipper + self.model_rounding_bound(i, true_norm)
     }
 
     /// The bound for f32 accumulation with every intermediate stored in the sites' precisions:
@@ -539,15 +628,25 @@ impl Tolerance {
     /// The clipped-sum bound for `arithmetic`. With stored low-precision values: the products
     /// accumulated in f32, the factors and coefficients rounded on the way in and every entry of
     /// the sum rounded once where it is stored.
+    /// The model's own rounding, when the trace carries it, adds Σ_i |c_i|·2·r_i: each clipped
+    /// gradient, computed exactly another valid way, may differ from the traced one by 2·r_i.
     pub fn clipped_sum_bound_at(&self, coefs: &[f64], arithmetic: &Arithmetic) -> f64 {
-        match arithmetic {
+        let clipper = match arithmetic {
             Arithmetic::Uniform(u) => self.clipped_sum_bound(coefs, *u),
             Arithmetic::Stored(sites) => {
                 let stored = (INPUT_ROUNDING + 1.0)
                     * self.clipped_sum_scale(coefs, |j| sites[j].unit_roundoff());
                 stored + self.clipped_sum_bound(coefs, Precision::F32.unit_roundoff())
             }
-        }
+        };
+        let model: f64 = self.model_rounding.as_ref().map_or(0.0, |m| {
+            m.per_example
+                .iter()
+                .zip(coefs)
+                .map(|(r, c)| MODEL_ROUNDING_FACTOR * r * c.abs())
+                .sum()
+        });
+        clipper + model
     }
 
     /// ‖(Σ_{j∈p} w_j Σ_i |c_i| S_ij)_p‖, S_ij = Σ_t ‖l_t‖‖r_t‖: the magnitude of the clipped

@@ -145,6 +145,9 @@ impl Explanation<'_> {
                 k.seq_len,
                 k.widest_factor
             ));
+            if let Some(reason) = &k.cannot_judge_reason {
+                lines.push(format!("  why: {reason}"));
+            }
         }
         lines.extend(self.epsilon_line(&c.privacy));
         lines.extend(self.tied_lines(k, i));
@@ -639,7 +642,7 @@ fn norms_verdict_gloss(v: Verdict) -> &'static str {
     match v {
         Verdict::Pass => " (every claimed norm is within the rounding bound of the truth)",
         Verdict::UtilityDistortion => " (norms off beyond rounding, but no example's clipped contribution exceeds C: privacy holds, training signal is lost)",
-        Verdict::CannotJudge => " (the rounding bound at this precision is over a tenth of some norm: a claim that far off would pass too, so no norm of those examples can be judged right or wrong)",
+        Verdict::CannotJudge => " (the rounding bound at this precision is over a tenth of some norm, or would let a claim within it clip an example above C·(1 + δ): a claim that far off would pass too, so no norm of those examples can be judged right or wrong)",
         Verdict::PrivacyViolation => " (an example's clipped contribution exceeds C: the DP guarantee does not hold at the stated noise)",
         Verdict::InvalidNorm => " (a NaN, infinite or negative norm or coefficient: the claim cannot be used)",
     }

@@ -12,7 +12,7 @@ pub use kill_matrix::{kill_matrix_html, kill_matrix_json, kill_matrix_table};
 
 use crate::audit::ClipperAudit;
 use crate::judge::{nan_max, CaseMetrics, NoiseScope, StepMetrics, Verdict};
-use ghost_oracle_reference::Reference;
+use ghost_oracle_reference::{Precision, Reference};
 use serde_json::{json, Value};
 use std::fmt::Write;
 
@@ -389,12 +389,14 @@ pub fn deciding_figure(a: &ClipperAudit) -> String {
             c.case, c.worst_example, e.sensitivity, c.effective_noise_multiplier
         ),
         Verdict::CannotJudge => format!(
-            "{case} example {}: at {} the rounding bound is {:.1}% of the norm (T = {}, widest factor {}), too loose to tell a right norm from a wrong one; store the factors in f32 or accumulate in f32",
+            "{case} example {}: at {} the rounding bound is {:.1}% of the norm (T = {}, widest factor {}), too loose to tell a right norm from a wrong one ({}); {}",
             c.worst_example,
             a.precision,
             100.0 * e.bound,
             c.seq_len,
-            c.widest_factor
+            c.widest_factor,
+            c.cannot_judge_reason.as_deref().unwrap_or("no reason recorded"),
+            finer_remedy(a.precision)
         ),
         Verdict::UtilityDistortion => format!(
             "{} example {} norm off by {} = {} × the bound, no contribution above C",
@@ -407,6 +409,15 @@ pub fn deciding_figure(a: &ClipperAudit) -> String {
             "largest error {} of the bound",
             sci(a.cases.iter().map(|c| c.max_err_units).fold(0.0, nan_max))
         ),
+    }
+}
+
+/// What to do about a bound too loose to judge: compute in a finer precision.
+fn finer_remedy(p: Precision) -> &'static str {
+    match p {
+        Precision::BF16 | Precision::F16 => "store the factors in f32 or accumulate in f32",
+        Precision::F32 => "compute the model and the norms in f64",
+        Precision::F64 => "f64 cannot resolve this norm: its gradient cancels too far",
     }
 }
 

@@ -6,9 +6,11 @@
 
 mod budget;
 mod header;
+mod rounding;
 mod step;
 
 pub use budget::{MemoryBudget, GRADIENT_BLOCK_BYTES};
+pub use rounding::ModelRounding;
 pub use step::{ParamValues, StepClaim};
 
 use crate::error::{bail, Error, Result};
@@ -21,6 +23,7 @@ use crate::trace_shape::{validate_shapes, IdAt, SiteShape};
 use budget::Tally;
 use header::read_header;
 use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3};
+use rounding::{read_model_rounding, write_model_rounding};
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
@@ -65,6 +68,9 @@ pub struct TraceMeta {
     pub site_dtypes: Vec<Precision>,
     /// The DP-SGD step the library took, when the trace carries it.
     pub step: Option<StepClaim>,
+    /// The rounding of the model's own forward and backward in the factors, when the exporter
+    /// measured it (`model.rounding` with `__metadata__.model_rounding`).
+    pub model_rounding: Option<ModelRounding>,
 }
 
 impl TraceMeta {
@@ -83,6 +89,7 @@ impl TraceMeta {
             site_compute_dtypes: Vec::new(),
             site_dtypes: Vec::new(),
             step: None,
+            model_rounding: None,
         }
     }
 
@@ -169,6 +176,7 @@ pub fn read_trace_bytes_within(
     let (claimed_norms, claimed_coefficients) =
         read_claims(&st, trace.batch_size(), label, &mut expected)?;
     let step = read_step(&st, &meta, &trace, label, &mut expected)?;
+    let model_rounding = read_model_rounding(&st, &meta, trace.batch_size(), label, &mut expected)?;
     for name in st.names() {
         if !expected.contains(name) {
             bail!("{label}: unexpected tensor `{name}` (no site in `__metadata__.sites` reads it)");
@@ -189,6 +197,7 @@ pub fn read_trace_bytes_within(
         site_compute_dtypes: header.site_compute_dtypes,
         site_dtypes,
         step,
+        model_rounding,
     };
     Ok((trace, meta))
 }
@@ -454,6 +463,9 @@ pub fn write_trace(path: &Path, trace: &Trace, meta: &TraceMeta) -> Result<()> {
     }
     if let Some(step) = &meta.step {
         step::write_step(step, &mut raw, &mut m);
+    }
+    if let Some(r) = &meta.model_rounding {
+        write_model_rounding(r, &mut raw, &mut m);
     }
     write_raw(path, &raw, Some(m))
 }
