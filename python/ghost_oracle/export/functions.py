@@ -231,6 +231,14 @@ class FnInstanceNorm(FunctionHandler, ChannelNorm):
                   for k, v in kwargs.items()}
         return _without_affine(_Replay(func, args, kwargs), 3)
 
+    def groups(self, use: Use) -> tuple[int, float] | None:
+        _, args, kwargs = use.entry["call"]
+        use_input_stats = _arg(args, kwargs, 5, "use_input_stats")
+        if use_input_stats is False:
+            return None  # normalized by the running statistics
+        eps = _arg(args, kwargs, 7, "eps")
+        return use.input.shape[1], 1e-5 if eps is None else float(eps)
+
 
 class _Replay:
     """A stand-in use for `_without_affine`: just the call."""

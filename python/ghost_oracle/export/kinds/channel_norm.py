@@ -8,9 +8,10 @@ the same rows. x̂ is the module's own forward with w = 1 and b = 0 (its running
 any, used as its forward uses them, and left untouched).
 
 A norm without affine parameters (`affine=False`), or with them frozen, reads no trainable
-parameter and has no site. GroupNorm with one value a group (as many groups as channels, one
-position) has x̂ = x − mean = 0: its weight's site holds x̂ = 0 exactly, its bias's the
-output's gradient."""
+parameter and has no site. A group whose values are all equal (GroupNorm with one value a group:
+as many groups as channels, one position; or a padded convolution's constant output) has
+x̂ = x − mean = 0: its rows of the weight's site hold x̂ = 0 exactly, its bias's the output's
+gradient."""
 from __future__ import annotations
 
 import math
@@ -43,23 +44,32 @@ class ChannelNorm(Handler):
             return xhat
 
     def groups(self, use: Use) -> tuple[int, float] | None:
-        """(groups, ε) of a norm by its own statistics over groups of channels and positions
-        (GroupNorm); None for the others (InstanceNorm refuses one position itself; BatchNorm in
-        eval mode normalizes by its running statistics)."""
+        """(groups, ε) of a norm by its input's own statistics, over groups of channels and their
+        positions: GroupNorm's groups, InstanceNorm's channels (where it uses the input's
+        statistics); None for a norm by running statistics (BatchNorm in eval mode)."""
         m = use.module
-        return (m.num_groups, m.eps) if isinstance(m, torch.nn.GroupNorm) else None
+        if isinstance(m, torch.nn.GroupNorm):
+            return m.num_groups, m.eps
+        if isinstance(m, torch.nn.modules.instancenorm._InstanceNorm) and (m.training or not m.track_running_stats):
+            return use.input.shape[1], m.eps
+        return None
 
-    def one_value_groups(self, use: Use) -> float | None:
-        """ε where every group holds one value (GroupNorm with as many groups as channels and one
-        position), else None. There x − mean is 0, so x̂ is 0 exactly and the weight's gradient
-        is exactly 0; only the bias's is not."""
+    def constant_groups(self, use: Use) -> tuple[torch.Tensor, int, float] | None:
+        """Where a group of some example holds one value however many times (one value a group:
+        as many groups as channels and one position; or positions all equal, a padded
+        convolution's constant output): (B×C mask of the channels of such groups, the values per
+        group, ε). There x − mean is 0, so x̂ is 0 exactly and adds nothing to the weight's
+        gradient. None where no group is constant."""
         found = self.groups(use)
         x = use.input
-        if found is None or x.dim() < 2:
+        if found is None:
             return None
         groups, eps = found
-        per_group = x.shape[1] // groups * math.prod(x.shape[2:])
-        return eps if per_group == 1 else None
+        xg = x.detach().reshape(x.shape[0], groups, -1)
+        const = xg.amax(-1) == xg.amin(-1)  # B×G, exact: equal values, whatever their rounding
+        if not bool(const.any()):
+            return None
+        return const.repeat_interleave(x.shape[1] // groups, dim=1), xg.shape[-1], eps
 
     def sites(self, use: Use) -> Iterator[Site]:
         weight = use.weight("a channel norm")
@@ -77,18 +87,21 @@ class ChannelNorm(Handler):
         g = _channels_last(use, use.grad)
         if use.trainable(weight):
             assert weight is not None  # a trainable weight is a parameter
-            eps = self.one_value_groups(use)
-            if eps is None:
-                xhat = _channels_last(use, self.normalized(use))
-            else:
-                xhat = torch.zeros_like(g)
-                # Autograd does not get 0 exactly: its backward forms Σ δ·x − Σ δ·mean (with a
-                # fused multiply-add, the rounding of δ·x) and multiplies it by 1/√(var + ε),
-                # up to 1/√ε. The self-check accepts that much rounding around the exact 0.
-                terms = (g.abs().to(torch.float64) * _channels_last(use, x).abs().to(torch.float64)).sum((0, 1))
+            xhat = _channels_last(use, self.normalized(use))
+            found = self.constant_groups(use)
+            if found is not None:
+                const, n, eps = found
+                rows = const.unsqueeze(1).to(xhat.device)  # B×1×C: the channels of constant groups
+                xhat = xhat.masked_fill(rows, 0)
+                # Neither the forward nor autograd gets 0 exactly: x − mean rounds (the mean of n
+                # equal values is not always that value), and the backward forms Σ δ·x − Σ δ·mean
+                # and multiplies it by 1/√(var + ε), up to 1/√ε. The self-check accepts that much
+                # rounding around the exact 0, on those channels only.
+                terms = (g.abs().to(torch.float64) * _channels_last(use, x).abs().to(torch.float64)
+                         * rows.to(torch.float64)).sum((0, 1))
                 u = torch.finfo(use.dtype).eps / 2
                 use.entry.setdefault("autograd_rounding", {})[use.spec("weight", self.kind)["name"]] = \
-                    8.0 * u / math.sqrt(max(eps, torch.finfo(torch.float64).tiny)) * terms
+                    8.0 * (n + 2) * u / math.sqrt(max(eps, torch.finfo(torch.float64).tiny)) * terms
             yield use.spec("weight", self.kind), {"activations": xhat.to(use.store), "backprops": g.to(use.store)}
         yield from use.bias_site(g)
 
