@@ -584,7 +584,9 @@ class Layer(torch.nn.Module):
             return _unchannels(lay, torch.tanh(self.conv(_channels(lay, h))))
         if k in ("mha", "dpmha"):
             t = h.shape[lay.seq_axis()]
-            key, value = h[..., :op.kdim], h[..., :op.vdim]
+            # self-attention passes the state itself (torch's packed projection needs `query is key`)
+            key = h if op.kdim == h.shape[-1] else h[..., :op.kdim]
+            value = h if op.vdim == h.shape[-1] else h[..., :op.vdim]
             mask = torch.ones(t, t, dtype=torch.bool).triu(1) if op.causal and not op.cross_batch else None
             out = self.attn(h, key, value, attn_mask=mask, need_weights=False)[0]
             return h + out if op.residual else out
