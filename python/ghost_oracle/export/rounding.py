@@ -62,9 +62,6 @@ REPLAY_FLOAT32_SCALED = "replay-float32-scaled"
 #: available where each lives (the copy on the model's device, the factors on the host).
 REPLAY_MEMORY_FRACTION = 0.5
 
-#: Whether export_trace measures and writes `model.rounding` (off until the judge reads it).
-WRITE_ROUNDING = False
-
 #: A replayed f64 model's difference (f32's rounding) times u64/u32 estimates f64's own.
 F32_TO_F64 = unit_roundoff(torch.float64) / unit_roundoff(torch.float32)
 
@@ -313,8 +310,6 @@ def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.
                    watch: CastWatch, model_dtype: torch.dtype) -> ModelRounding | None:
     """The rounding of the traced gradient, per example, by a replay (see the module's
     docstring); None, with a warning saying why, where it cannot be measured."""
-    if not WRITE_ROUNDING:
-        return None
     dtype = replay_dtype(model_dtype, watch.coarsest)
     try:
         why = _over_budget(model, sites, dtype)
