@@ -392,6 +392,38 @@ def test_multihead_attention_with_bias_kv_is_judged(dtype, batch_first, zero_att
     assert {("attn.bias_k", "bias"), ("attn.bias_v", "bias")} <= site_params(specs)
 
 
+class CrossAttention(torch.nn.Module):
+    """Queries from one sequence, keys and values from another: `in_proj_weight` and
+    `in_proj_bias` are split into their query, key and value rows (or, with kdim and vdim, only
+    the bias is)."""
+
+    def __init__(self, batch_first, **kw):
+        super().__init__()
+        self.q, self.kv = torch.nn.Linear(3, 8), torch.nn.Linear(3, kw.get("kdim", 8))
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first, **kw)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        q, kv = torch.tanh(self.q(x)), torch.tanh(self.kv(x.flip(-1)))
+        a, _ = self.attn(q, kv, kv)
+        return self.head(a)
+
+
+CROSS = [("packed", {}), ("kdim-vdim", {"kdim": 5, "vdim": 5}), ("bias-kv", {"add_bias_kv": True})]
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", CROSS, ids=[c[0] for c in CROSS])
+def test_cross_attention_with_its_projection_split_into_blocks_of_rows_is_judged(case, dtype, batch_first,
+                                                                                 tmp_path):
+    _, kw = case
+    model = build(lambda: CrossAttention(batch_first, **kw), dtype)
+    x = randn(B, 5, 3, dtype=dtype) if batch_first else randn(5, B, 3, dtype=dtype)
+    specs, _ = judged(model, x, tmp_path, batch_axis=0 if batch_first else 1)
+    assert ("attn.in_proj_bias", "bias") in site_params(specs)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_a_parameter_expanded_to_the_batch_is_a_bias_of_every_example(dtype, tmp_path):
     """A class token `cls.expand(B, -1, -1)` prepended to every example's sequence."""

@@ -8,7 +8,8 @@ function below with a trainable parameter as its weight is a use of its own, wit
 parameter it reads. Inside a module a handler models (`kinds/`), calls are left to that
 handler. A parameter used any other way has no site, and the self-check refuses it by name.
 
-- `F.linear(x, w, b)`: a linear site (w out×in) and a bias site;
+- `F.linear(x, w, b)`: a linear site (w out×in) and a bias site; w and b may be blocks of a
+  parameter's rows (`nn.MultiheadAttention`'s query, key and value rows of `in_proj_weight`);
 - `x @ w`, `torch.matmul(x, w)` with w a 2-D parameter on the right: a conv1d site (w in×out);
 - `F.embedding(ids, w, padding_idx)`: an embedding site;
 - `F.conv1d/2d/3d`: a linear site over unfolded patches (`kinds/conv.py`);
@@ -70,10 +71,61 @@ class FunctionHandler(Handler):
         raise NotImplementedError
 
 
+def _row_block(t: Any) -> tuple[Any, tuple[int, int] | None]:
+    """(the parameter, its rows [r0, r1)) where `t` is a block of whole rows of a parameter (a
+    `chunk`, `split` or `narrow` along its first axis: `nn.MultiheadAttention` splits
+    `in_proj_weight` and `in_proj_bias` into the query's, key's and value's rows unless the three
+    inputs are one tensor); (t, None) otherwise."""
+    base = getattr(t, "_base", None) if torch.is_tensor(t) and not isinstance(t, torch.nn.Parameter) else None
+    if not isinstance(base, torch.nn.Parameter) or base.dim() != t.dim() or t.dim() == 0 or \
+            tuple(t.shape[1:]) != tuple(base.shape[1:]) or t.stride() != base.stride() or base.stride(0) == 0:
+        return t, None
+    offset = t.storage_offset() - base.storage_offset()
+    if offset % base.stride(0) != 0:
+        return t, None
+    r0 = offset // base.stride(0)
+    if r0 < 0 or r0 + t.shape[0] > base.shape[0]:
+        return t, None
+    return base, (r0, r0 + t.shape[0])
+
+
 class FnLinear(FunctionHandler, Linear):
+    """`F.linear(x, w, b)`, w and b parameters or blocks of their rows: a block's site is the
+    whole parameter's, its backprops 0 outside the block's rows (exact: those rows receive no
+    gradient from this call)."""
+
     def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
-        return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 1, "weight"),
-                                                 "bias": _arg(args, kwargs, 2, "bias")}
+        params: dict[str, Any] = {}
+        rows: dict[str, tuple[int, int]] = {}
+        for attr, k in (("weight", 1), ("bias", 2)):
+            params[attr], block = _row_block(_arg(args, kwargs, k, attr))
+            if block is not None:
+                rows[attr] = block
+        return _arg(args, kwargs, 0, "input"), params, {"rows": rows}
+
+    def sites(self, use: Use) -> Iterator[Site]:
+        rows: dict[str, tuple[int, int]] = use.entry.get("rows") or {}
+        if not rows:
+            yield from super().sites(use)
+            return
+        if not use.reads_trainable("weight", "bias"):
+            return
+        g = use.per_example(use.grad, "output gradient")
+
+        def backprops(attr: str) -> torch.Tensor:
+            block = rows.get(attr)
+            if block is None:
+                return g
+            full = g.new_zeros(*g.shape[:-1], use.param(attr).shape[0])
+            full[..., block[0]:block[1]] = g
+            return full
+
+        if use.trainable(use.weight(self.kind)):
+            x = use.per_example(use.input, "input").to(use.dtype)
+            yield use.spec("weight", self.site_kind(use)), {"activations": x.to(use.store),
+                                                             "backprops": backprops("weight").to(use.store)}
+        if use.trainable(use.param("bias")):
+            yield from use.bias_site(backprops("bias"))
 
 
 class FnMatmul(FunctionHandler, Linear):
