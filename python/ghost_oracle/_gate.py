@@ -1,8 +1,10 @@
 """The one-call gate both exporters' `assert_*` share: export a trace, check it, raise
 `ClippingCheckFailed` unless it passes. Framework-neutral: the exporter is handed in, and the
-trace is rewritten with NumPy."""
+trace's claimed norms are rewritten in its bytes (no framework reads it: NumPy has no bfloat16,
+the dtype of a bf16 trace's factors)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -12,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._api import check
-from ._atomic import check_target, sort_safetensors_metadata, write_atomically
+from ._atomic import check_target, write_atomically
 from ._failure import ClippingCheckFailed
 from ._report import Report
 from ._types import Precision
@@ -53,17 +55,26 @@ def export_check_assert(export: Export, *, unclaimed: Any, claimed_norms: Any, c
 
 def _replace_claimed_norms(path: str, norms: Any) -> None:
     """Rewrites the trace at `path` with `claimed.norms` = `norms` (float64), nothing else
-    changed."""
-    from safetensors import safe_open
-    from safetensors.numpy import load_file, save_file
-
-    with safe_open(path, framework="np") as f:
-        meta = f.metadata()
-    tensors = load_file(path)
-    tensors["claimed.norms"] = np.asarray([float(n) for n in norms], dtype=np.float64)
+    changed. The exporters write `claimed.norms` as float64 [B], so the new values take the old
+    ones' bytes; the header and every other tensor are copied as they are, whatever their dtype
+    (a bf16 trace's factors included)."""
+    values = np.asarray([float(n) for n in norms], dtype="<f8")
+    with open(path, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little")
+    entry = json.loads(data[8:8 + n]).get(_CLAIMED_NORMS)
+    if (not isinstance(entry, dict) or entry.get("dtype") != "F64"
+            or entry.get("shape") != [values.size]):
+        raise ValueError(f"trace_path {path}: `{_CLAIMED_NORMS}` is not a float64 tensor of {values.size} norms "
+                         f"(it is {entry!r}): not a trace this package's exporters wrote")
+    start, end = (8 + n + int(o) for o in entry["data_offsets"])
+    rewritten = data[:start] + values.tobytes() + data[end:]
 
     def save(tmp: str) -> None:
-        save_file(tensors, tmp, metadata=meta)
-        sort_safetensors_metadata(tmp)
+        with open(tmp, "wb") as f:
+            f.write(rewritten)
 
     write_atomically(path, "trace_path", save)
+
+
+_CLAIMED_NORMS = "claimed.norms"
