@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import TraceExportError
 from .functions import function_capture
@@ -99,7 +98,8 @@ class _Recorder:
 
     def __init__(self, model: torch.nn.Module, batch_size: int, batch_axis: int) -> None:
         self.batch_size, self.batch_axis = batch_size, batch_axis
-        self.batch_derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # id(tensor) -> a weak reference to it (an id outlives its tensor and may be reused)
+        self.batch_derived: dict[int, weakref.ref[torch.Tensor]] = {}
         self.read_into_python: str | None = None
         self.following = False  # whether the batch's examples are followed (`mark_batch`)
         self.written_storages: set[int] = set()  # the memory the batch was written into in place
@@ -142,7 +142,8 @@ class _Recorder:
         """Whether `t` was computed from the batch's examples, or shares its memory with a live
         tensor that was, or that the batch was written into in place (`buf[1:].copy_(x)` writes
         the batch into `buf` and into every view of it, made before the write or after)."""
-        if t in self.batch_derived:
+        ref = self.batch_derived.get(id(t))
+        if ref is not None and ref() is t:
             return True
         ptr = _storage(t)
         if not ptr:
@@ -153,9 +154,10 @@ class _Recorder:
         return any((u := r()) is not None and _storage(u) == ptr for r in refs)
 
     def _mark(self, t: torch.Tensor) -> None:
-        if t in self.batch_derived:
+        ref = self.batch_derived.get(id(t))
+        if ref is not None and ref() is t:
             return
-        self.batch_derived[t] = True
+        self.batch_derived[id(t)] = weakref.ref(t)
         ptr = _storage(t)
         if ptr:
             self.marked_storages.setdefault(ptr, []).append(weakref.ref(t))
