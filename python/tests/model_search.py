@@ -17,8 +17,13 @@ The invariant, for every model (`Outcome.failures` empty):
   the model, each example's own loss differentiated alone: relative 1e-9 when the trace is judged
   in f64, else within the bound the report states per example); the exact claims (the brute
   force, and the model's own per-example pass at its own precision: each example alone through
-  the model) pass or are cannot-judge; a claim 0.5 % low on the largest-norm example does not
-  pass (a cannot-judge counts only where the report says the bound is too loose to judge);
+  the model) pass or are cannot-judge; on the largest-norm example k, what the judge guarantees
+  of a wrong claim (docs/tolerances.md, "When the bound is useless: cannot-judge"; δ per
+  precision in `DELTA`): (a) a claim 0.5 % low does not pass unless 0.5 % is within k's stated
+  bound and that bound is at most δ/(1 + δ) (at f64 and f32: never passes; at bf16 the bound,
+  ~1.2–1.9 %, admits it), and (b) a claim max(0.5 %, 1.5·δ) low, where k's norm is above
+  C·(1 + δ), never passes (a cannot-judge counts only where the report says the bound is too
+  loose to judge);
 - a model that mixes examples on purpose is never judged;
 - nothing else raises: any other exception, from the exporter or the judge, is a crash.
 
@@ -927,6 +932,10 @@ def normalize(message: str, limit: int = 150) -> str:
 
 #: How far a claim is moved to be wrong: 0.5 % low on the largest-norm example.
 LOW = 0.995
+#: δ per precision: the overshoot C·(1 + δ) a pass may hide on a clipped example (docs/tolerances.md,
+#: "When the bound is useless: cannot-judge"; `contribution_slack` in src/judge/tolerance.rs). The
+#: judge refuses to judge (cannot-judge) a clipped example whose bound exceeds δ/(1 + δ).
+DELTA = {"f64": 1e-6, "f32": 1e-3, "f16": 1e-2, "bf16": 5e-2}
 F64_TRUTH_RTOL = 1e-9
 
 
@@ -958,7 +967,7 @@ def _bound_too_loose(report: Any) -> bool:
     return bool(report.unjudgeable_examples) or "bound" in report.explain().lower()
 
 
-def judge_claims(out: Outcome, trace: str, truth: np.ndarray, own: np.ndarray | None, tag: str) -> None:
+def judge_claims(out: Outcome, trace: str, truth: np.ndarray, own: np.ndarray | None, c: float, tag: str) -> None:
     """The judged part of the invariant on an exported trace: the oracle's truth against the
     brute force, the exact claims, the low claim."""
     import ghost_oracle
@@ -992,19 +1001,59 @@ def judge_claims(out: Outcome, trace: str, truth: np.ndarray, own: np.ndarray | 
             out.failures.append((f"wrong verdict: {what} claim {r.verdict} [{_dt(tag)}, judged at {r.precision}]",
                                  f"{tag}: " + r.explain().splitlines()[0][:300]))
     if truth.max() > 0:
+        _low_claims(out, trace, truth, c, tag)
+
+
+def _low_claims(out: Outcome, trace: str, truth: np.ndarray, c: float, tag: str) -> None:
+    """What the judge guarantees of a wrong claim (docs/tolerances.md, "When the bound is
+    useless: cannot-judge"), on the largest-norm example k:
+
+    (a) a claim 0.5 % low is not a pass, unless 0.5 % is within k's stated bound and that bound
+        is at most δ/(1 + δ), so that no claim within it clips past C·(1 + δ) (an honest pass:
+        bf16's bound is ~1.2–1.9 % of the norm, δ/(1 + δ) 4.8 %). For f64 and f32 δ/(1 + δ) is
+        below 0.5 %: a claim 0.5 % low is never a pass;
+    (b) a claim max(0.5 %, 1.5·δ) low on k, where clipping by it would let k contribute past
+        C·(1 + δ) (k's norm above C·(1 + δ)), is never a pass.
+
+    "Not a pass" is a failing verdict, or cannot-judge whose reason is the bound."""
+    import ghost_oracle
+
+    k = int(np.argmax(truth))
+
+    def claim(off: float) -> Any:
         low = truth.copy()
-        k = int(np.argmax(truth))
-        low[k] *= LOW
+        low[k] *= 1 - off
         _rewrite_claim(trace, low)
-        r = ghost_oracle.check(trace)
-        out.verdicts["0.5% low"] = r.verdict
-        if r.verdict == "pass":
-            out.failures.append((f"wrong verdict: 0.5% low claim passes [{_dt(tag)}, judged at {r.precision}]",
-                                 f"{tag}: example {k}: bound {float(r.worst.bound[k]):.3g}, "
-                                 f"max bound {r.max_bound:.3g}"))
+        return ghost_oracle.check(trace)
+
+    def not_a_pass(r: Any, what: str, honest: bool) -> None:
+        bound = float(r.worst.bound[k])
+        detail = (f"{tag}: example {k}: bound {bound:.3g}, max bound {r.max_bound:.3g}, "
+                  f"δ/(1+δ) {delta / (1 + delta):.3g}, C {c:.4g}, norm {truth[k]:.4g}")
+        if r.verdict == "pass" and not honest:
+            out.failures.append((f"wrong verdict: {what} claim passes [{_dt(tag)}, judged at {r.precision}]", detail))
         elif r.verdict == "cannot-judge" and not _bound_too_loose(r):
-            out.failures.append((f"wrong verdict: 0.5% low claim cannot-judge without a loose bound [{_dt(tag)}]",
+            out.failures.append((f"wrong verdict: {what} claim cannot-judge without a loose bound [{_dt(tag)}]",
                                  f"{tag}: " + r.explain().splitlines()[0][:300]))
+
+    off_a = 1 - LOW
+    r = claim(off_a)
+    precision = r.precision
+    delta = DELTA[precision]
+    out.verdicts["0.5% low"] = r.verdict
+    bound = float(r.worst.bound[k])
+    if precision in ("f64", "f32"):
+        not_a_pass(r, "0.5% low", honest=False)  # δ/(1 + δ) < 0.5 %: no pass is honest
+    else:
+        not_a_pass(r, "0.5% low", honest=off_a <= bound <= delta / (1 + delta))
+    off_b = max(off_a, 1.5 * delta)
+    clipped_past = truth[k] > c * (1 + delta) and 1 / (1 - off_b) > 1 + delta
+    if not clipped_past:
+        return
+    r_b = r if off_b == off_a else claim(off_b)
+    what = f"{100 * off_b:.3g}% low (clipped)"
+    out.verdicts[what] = r_b.verdict
+    not_a_pass(r_b, what, honest=False)
 
 
 def classify_refusal(out: Outcome, message: str, mixing: bool, batch_axis: int, tag: str,
@@ -1082,7 +1131,7 @@ def run_torch(spec: TorchSpec, workdir: str | None = None) -> Outcome:
             out.failures.append((f"a model that mixes examples is judged [{_dt(tag)}]",
                                  f"{tag}: export_trace wrote a trace of a model that mixes examples on purpose"))
         try:
-            judge_claims(out, path, truth, own, tag)
+            judge_claims(out, path, truth, own, c, tag)
         except Exception as e:
             return _crash(out, e, tag, start)
     out.seconds = time.perf_counter() - start
@@ -1410,7 +1459,7 @@ def run_flax(spec: FlaxSpec, workdir: str | None = None) -> Outcome:
             out.failures.append((f"a model that mixes examples is judged [{_dt(tag)}]",
                                  f"{tag}: export_trace wrote a trace of a model that mixes examples on purpose"))
         try:
-            judge_claims(out, path, truth, own, tag)
+            judge_claims(out, path, truth, own, c, tag)
         except Exception as e:
             return _crash(out, e, tag, start)
     out.seconds = time.perf_counter() - start

@@ -1,6 +1,7 @@
 """The model search, CI tier: 200 random small PyTorch models and 30 Flax models, derandomized,
 each held to the invariant of `model_search` (refused by name, or judged with the brute-force
-truth, exact claims never called wrong and a claim 0.5 % low never passed; a model that mixes
+truth, exact claims never called wrong, a claim 0.5 % low passed only within an honest bf16
+bound and a claim clipped past C·(1 + δ) never passed; a model that mixes
 examples never judged; no crash). A failing model is shrunk by hypothesis and printed as the spec
 that rebuilds it. The benchmark tier is python/scripts/search_models.py (10,000 models)."""
 import collections
@@ -157,10 +158,50 @@ def test_the_checker_catches_a_wrong_claim_it_is_handed(factor, tmp_path):
     export_trace(case.model, ms.per_example_loss, case.batch, path, claimed_norms=truth,
                  max_grad_norm=float(np.median(truth)))
     out = ms.Outcome("judged")
-    ms.judge_claims(out, path, truth, own * factor, "test")
+    ms.judge_claims(out, path, truth, own * factor, float(np.median(truth)), "test")
     assert out.verdicts["exact (brute force)"] == "pass"
     assert out.verdicts["exact (own per-example pass)"] in ("privacy-violation", "utility-distortion")
     assert any(cls.startswith("wrong verdict: exact (own per-example pass)") for cls, _ in out.failures)
     assert out.verdicts["0.5% low"] != "pass"
     np.testing.assert_allclose(ghost_oracle.check(path).true_norms, truth, rtol=1e-9)
     assert torch.is_tensor(case.batch["x"])
+
+
+def _one_linear(dtype, clip):
+    return ms.TorchSpec(dtype=dtype, batch_axis=0, b=2, t=5, stem=ms.Op("float", d=2, rank=2, t2=5), body=(),
+                        head=ms.Op("regress", bias=True, reduction="mean"), clip=clip, seed=0)
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+def test_at_f64_and_f32_a_claim_half_a_percent_low_fails(dtype):
+    """δ/(1 + δ) is below 0.5 % at f64 and f32: no pass of a claim 0.5 % low is honest."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ms.run_torch(_one_linear(dtype, "below"))
+    assert out.ok, out.failures
+    assert out.verdicts["0.5% low"] in ("privacy-violation", "utility-distortion")
+    assert ms.DELTA[dtype] / (1 + ms.DELTA[dtype]) < 1 - ms.LOW
+
+
+def test_at_bf16_a_claim_within_an_honest_bound_passes_and_one_past_delta_does_not():
+    """bf16: a claim 0.5 % low on a single bf16 Linear is within its bound (about 1.4 % of the
+    norm, below δ/(1 + δ) = 4.8 %), an honest pass; a claim 1.5·δ = 7.5 % low on a clipped
+    example would let it contribute C/(1 − 0.075) ≈ 1.08·C > C·(1 + δ): never a pass."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ms.run_torch(_one_linear("bf16", "below"))
+    assert out.ok, out.failures
+    assert out.verdicts["0.5% low"] == "pass"
+    assert 1 / (1 - 1.5 * ms.DELTA["bf16"]) > 1 + ms.DELTA["bf16"]
+    assert out.verdicts["7.5% low (clipped)"] == "privacy-violation"
+
+
+def test_a_bf16_pass_past_delta_is_reported(monkeypatch):
+    """The checker itself: with a δ for bf16 below 0.5 %, the same pass is one the judge could
+    not guarantee, and is reported as a wrong verdict."""
+    monkeypatch.setitem(ms.DELTA, "bf16", 1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ms.run_torch(_one_linear("bf16", "above"))
+    assert out.verdicts["0.5% low"] == "pass"
+    assert [cls for cls, _ in out.failures] == ["wrong verdict: 0.5% low claim passes [bf16, judged at bf16]"]

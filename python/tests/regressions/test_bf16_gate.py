@@ -67,7 +67,7 @@ def test_assert_update_without_claimed_norms_on_a_bf16_model():
     names, grads, norms = _brute_force(model, batch)
     c = 0.5
     coef = np.minimum(1.0, c / (norms + 1e-6))
-    update = {n: (sum(float(ci) * gi[j] for ci, gi in zip(coef, grads)) / 5).to(torch.bfloat16)
+    update = {n: (sum(float(ci) * gi[j] for ci, gi in zip(coef, grads, strict=True)) / 5).to(torch.bfloat16)
               for j, n in enumerate(names)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
