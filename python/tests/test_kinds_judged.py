@@ -349,6 +349,37 @@ def test_a_group_whose_values_are_all_equal_has_an_exact_zero_xhat(case, dtype, 
     judged(model, x, tmp_path)
 
 
+class NormFirst(torch.nn.Module):
+    def __init__(self, norm, d):
+        super().__init__()
+        self.norm, self.head = norm, torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(x)))
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
+@pytest.mark.parametrize("d", [1, 6], ids=["one-feature", "constant-rows"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_a_layernorm_row_of_equal_values_has_an_exact_zero_xhat(d, dtype, functional, tmp_path):
+    eps = 1e-5 if dtype == torch.float64 else 1.0  # as for GroupNorm: the model's own f32 rounding aside
+    norm = torch.nn.LayerNorm(d, eps=eps)
+    if functional:
+        class Fn(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w, self.b = torch.nn.Parameter(torch.rand(d) + 0.5), torch.nn.Parameter(torch.randn(d))
+
+            def forward(self, x):
+                return F.layer_norm(x, (d,), self.w, self.b, eps)
+
+        norm = Fn()
+    model = build(lambda: NormFirst(norm, d), dtype)
+    x = randn(B, 3, d, dtype=dtype)
+    x[0::2, 1, :] = 0.7  # rows of equal values in examples 0 and 2 (every row, with one feature)
+    judged(model, x, tmp_path)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_functional_groupnorm_with_one_value_a_group_is_judged(dtype, tmp_path):
     class Fn(torch.nn.Module):

@@ -246,8 +246,16 @@ class FnLayerNorm(FunctionHandler, Norm):
     def normalized(self, use: Use) -> tuple[torch.Tensor, torch.dtype]:
         return _without_affine(use, 2), use.entry["out_dtype"]
 
+    def centred(self, use: Use) -> float | None:
+        _, args, kwargs = use.entry["call"]
+        eps = _arg(args, kwargs, 4, "eps")
+        return 1e-5 if eps is None else float(eps)
+
 
 class FnRmsNorm(FnLayerNorm):
+    def centred(self, use: Use) -> float | None:
+        return None  # x / rms(x) is ±1 on a row of equal values, not 0
+
     def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
         return _arg(args, kwargs, 0, "input"), {"weight": _arg(args, kwargs, 2, "weight")}
 

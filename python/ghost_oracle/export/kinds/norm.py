@@ -11,12 +11,14 @@ dL/dw = Σ over rows of δ ⊙ x̂ for both forms) and a bias site.
 - a norm without affine parameters (`elementwise_affine=False`), or with them frozen, reads no
   trainable parameter and has no site; one with only a trainable bias (or a frozen weight) has
   only the bias site;
+- a LayerNorm's row of equal values (one feature, or a constant row) has x̂ = 0 exactly;
 - a norm over the last axis of B×T×H×k (Qwen3's and Gemma 3's per-head q/k norms, whose one
   weight is shared by every head and position) is one site with T·H rows per example.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -114,6 +116,12 @@ class Norm(Handler):
         """(x̂, the precision of the product with the weight): the module's forward, replayed."""
         return _normalized(use.entry, use.input)
 
+    def centred(self, use: Use) -> float | None:
+        """ε of a norm known to subtract the mean (`nn.LayerNorm`), whose x̂ is 0 exactly on a row
+        of equal values; None for the others (an RMSNorm's x̂ there is ±1)."""
+        m = use.module
+        return float(m.eps) if type(m) is torch.nn.LayerNorm else None
+
     def sites(self, use: Use) -> Iterator[Site]:
         weight = use.weight(self.kind)
         if not use.reads_trainable("weight", "bias"):
@@ -126,6 +134,19 @@ class Norm(Handler):
         g = use.per_example(_features_last(use.grad, affine), "output gradient")
         if traced:
             xhat = use.per_example(_features_last(xhat, affine), "input")
+            eps = self.centred(use)
+            if eps is not None:
+                # A row of equal values (one feature, or a constant row) has x − mean = 0 and x̂ = 0
+                # exactly, which the forward rounds (and 1/√ε amplifies): 0 there, with that
+                # rounding of autograd's own gradient allowed by the self-check.
+                x = use.per_example(_features_last(use.input, affine), "input")
+                const = (x.amax(-1) == x.amin(-1)).unsqueeze(-1).to(xhat.device)  # B×R×1
+                if bool(const.any()):
+                    xhat = xhat.masked_fill(const, 0)
+                    terms = (g.abs().to(torch.float64) * x.abs().to(torch.float64) * const).sum((0, 1))
+                    u = torch.finfo(use.dtype).eps / 2
+                    use.entry.setdefault("autograd_rounding", {})[use.spec("weight", self.kind)["name"]] = \
+                        8.0 * (x.shape[-1] + 2) * u / math.sqrt(max(eps, torch.finfo(torch.float64).tiny)) * terms
             yield use.spec("weight", self.kind), {"activations": xhat.to(use.store), "backprops": g.to(use.store)}
         yield from use.bias_site(g)
 
