@@ -1,13 +1,18 @@
 """Capture: every call of a modelled module method (`kinds/`) is seen by `nn.intercept_methods`,
 which records the arguments its kind reads and adds to its output a perturbation of its own
-(zeros), so that the gradient of the summed loss with respect to that output (each example's own
-output gradient, since examples do not mix) comes back from one `jax.grad`. Each call gets its
-own perturbation, named by the module's path, method and call count: a module called twice (a
-tied head, a layer reused) is two uses, not one summed gradient.
+(zeros), so that the gradient of a loss with respect to that output comes back from the
+pullback of the model's losses. Each call gets its own perturbation, named by the module's path,
+method and call count: a module called twice (a tied head, a layer reused) is two uses, not one
+summed gradient.
 
 Two passes of `per_example_loss`: the first, without any transformation, records concrete
-inputs and creates the perturbations; the second differentiates the summed loss with respect to
-the parameters (the batch gradient the self-check compares with) and to the perturbations.
+inputs and creates the perturbations; the second is a `jax.vjp` of the B losses with respect to
+the parameters, the perturbations and the floating-point inputs. Its pullback gives the batch
+gradient of Σ_i w_i·loss_i (the self-check's) and each call's output gradient, and, with a
+one-hot cotangent, single examples' losses pulled back: the probes (`probes.py`) that check each
+call's output gradient splits into examples along axis 0, and refuse a model that mixes
+examples. Only where a use fails that check is the forward run once more, under `jax.vmap`, to
+tell a use shared by every example (a position lookup) from one that mixes them.
 
 `nn.scan` over layers (`scan.py`): during the capture, Flax's scan runs as a Python loop over
 the layers, each layer's calls tagged with their layer, so that the stacked parameter
@@ -27,6 +32,7 @@ import numpy as np
 
 from ..trace_file import TraceExportError
 from .kinds import handler_for
+from .probes import Inputs, Probe, check_examples, lifted
 from .scan import Layer, scans_as_loops
 from .sites import Call
 
@@ -48,6 +54,10 @@ class _Recorder:
     counts: dict[tuple[tuple[str, ...], str], int] = field(default_factory=dict)
     layers: list[Layer] = field(default_factory=list)
     scans: dict[tuple[str, ...], int] = field(default_factory=dict)  # scanned module path -> L
+    # the provenance pass: the calls whose input or output is a traced value (computed from the batch)
+    traced: set[str] | None = None
+    # a forward probe: each call's floating-point input arrays, by call
+    stash: dict[str, list[Any]] | None = None
 
     def _enter_layer(self, path: tuple[str, ...]) -> None:
         """The first call inside a scan iteration is the scanned module's own: its path is the
@@ -84,14 +94,12 @@ class _Recorder:
         if not isinstance(out, (jax.Array, np.ndarray)):
             raise TraceExportError(f"{where} returned a {type(out).__name__}, not an array")
         recorded = handler.record(args, kwargs)
-        if out.ndim >= 1 and out.shape[0] == 1 and self.batch > 1:
-            # an output computed once for the batch (a 1×T position lookup): expanded, so that
-            # its gradient stays per example instead of the batch's sum
-            out = jnp.broadcast_to(out, (self.batch, *out.shape[1:]))
-            recorded = tuple(jnp.broadcast_to(a, (self.batch, *a.shape[1:]))
-                             if isinstance(a, (jax.Array, np.ndarray)) and a.ndim >= 1 and a.shape[0] == 1 else a
-                             for a in recorded)
         name = f"{'.'.join(path)}:{context.method_name}@{k}"
+        if self.traced is not None and any(isinstance(a, jax.core.Tracer) for a in (*recorded, out)):
+            self.traced.add(name)
+        if self.stash is not None:
+            self.stash[name] = [a for a in recorded if isinstance(a, (jax.Array, np.ndarray))
+                                and jnp.issubdtype(a.dtype, jnp.floating)]
         if self.recording:
             arrays = [a for a in (*recorded, out) if isinstance(a, (jax.Array, np.ndarray))]
             traced = [a for a in arrays if isinstance(a, jax.core.Tracer)]
@@ -127,8 +135,14 @@ class Captured:
 def _apply_fn(model: nn.Module, variables: dict[str, Any], recorder: _Recorder, applied: list[int]
               ) -> Callable[..., Any]:
     def apply(*args: Any, **kwargs: Any) -> Any:
-        if "mutable" in kwargs:
-            raise ValueError("apply: `mutable` is set by the exporter; per_example_loss may not pass it")
+        mutable = kwargs.get("mutable", False)
+        names = [mutable] if isinstance(mutable, str) else mutable
+        if mutable is not False and (not isinstance(names, (list, tuple)) or "params" in names
+                                     or not all(isinstance(n, str) for n in names)):
+            # state collections may change (BatchNorm's batch_stats, which it creates when absent);
+            # the parameters are the exporter's
+            raise ValueError(f"apply: `mutable` may name state collections other than 'params' (as "
+                             f"mutable=['batch_stats']), got {mutable!r}")
         if applied:
             raise ValueError("per_example_loss called apply more than once; the exporter traces one forward")
         applied.append(1)
@@ -141,13 +155,25 @@ def _losses(value: Any, batch: int) -> jax.Array:
     arr = jnp.asarray(value)
     if arr.shape != (batch,):
         raise ValueError(f"per_example_loss returned shape {tuple(arr.shape)}; expected ({batch},), one loss per "
-                         "example")
+                         f"example: the examples lie on axis 0 of the inputs (the first array's axis 0 has {batch} "
+                         "entries)")
     return arr
+
+
+_READ_INTO_PYTHON = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                     jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError)
+
+
+def _float_batch(value: Any, batch: int) -> bool:
+    """An input array the probes differentiate: floating point, the examples on axis 0."""
+    return (lifted(value) and len(value.shape) >= 1 and int(value.shape[0]) == batch
+            and jnp.issubdtype(value.dtype, jnp.floating))
 
 
 def capture(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any, batch: int,
             weights: np.ndarray) -> Captured:
-    """Records every modelled call on `inputs` and the gradients of Σ_i weights_i·loss_i."""
+    """Records every modelled call on `inputs` and the gradients of Σ_i weights_i·loss_i; the
+    probes check that the examples do not mix (refused by name otherwise)."""
     first = _Recorder(batch, recording=True)
     # jit inside the model (the gemma package jits its Transformer's __call__) would hand the
     # interceptor traced values; the passes run eagerly, with the model's own arithmetic. Only
@@ -157,15 +183,87 @@ def capture(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inp
     with jax.disable_jit():
         _losses(per_example_loss(_apply_fn(model, {"params": params}, first, []), inputs), batch)
 
-    def total(p: Any, perts: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
-        rec = _Recorder(batch, recording=False, perturbations=perts)
-        losses = _losses(per_example_loss(_apply_fn(model, {"params": p}, rec, []), inputs), batch)
-        return jnp.sum(losses * jnp.asarray(weights, dtype=losses.dtype)), losses
+    flat, treedef = jax.tree_util.tree_flatten_with_path(inputs)
+    values = [v for _, v in flat]
+    probed = [k for k, v in enumerate(values) if _float_batch(v, batch)]
+    names = [f"input `inputs{jax.tree_util.keystr(flat[k][0])}`" for k in probed]
 
+    def with_values(replaced: dict[int, Any]) -> Any:
+        return jax.tree_util.tree_unflatten(treedef, [replaced.get(k, v) for k, v in enumerate(values)])
+
+    def run(p: Any, rec: _Recorder, replaced: dict[int, Any]) -> jax.Array:
+        return _losses(per_example_loss(_apply_fn(model, {"params": p}, rec, []), with_values(replaced)), batch)
+
+    def forward(p: Any, perts: dict[str, Any], floats: list[Any]) -> jax.Array:
+        return run(p, _Recorder(batch, recording=False, perturbations=perts), dict(zip(probed, floats, strict=True)))
+
+    floats = [jnp.asarray(values[k]) for k in probed]
     with jax.disable_jit():
-        (g_params, g_perts), losses = jax.grad(total, argnums=(0, 1), has_aux=True)(params, first.perturbations)
-    for call in first.calls:
-        call.grad = np.asarray(g_perts[call.key])
+        try:
+            losses, pullback = jax.vjp(forward, params, first.perturbations, floats)
+        except _READ_INTO_PYTHON as e:
+            if not probed:
+                raise
+            raise TraceExportError(
+                f"the forward reads values of {', '.join(names)} into Python ({type(e).__name__}): the exporter "
+                "differentiates each example's loss with respect to the floating-point inputs too, to check that "
+                "no example's loss depends on another's inputs; compute with jax operations on them") from e
+        dtype = np.dtype(losses.dtype)
+        g_params, g_perts, g_floats = pullback(jnp.asarray(weights.astype(dtype)))
+
+    def pull(i: int) -> Probe:
+        onehot = np.zeros(batch, dtype)
+        onehot[i] = 1
+        with jax.disable_jit():
+            _, gp, gf = pullback(jnp.asarray(onehot))
+        return Probe({k: np.asarray(v) for k, v in gp.items()}, [np.asarray(v) for v in gf])
+
+    def batch_dependent() -> set[str] | None:
+        """The calls computed from the batch: a pass under jax.vmap over a new leading axis of
+        every input array (integer ids too), where every value computed from them is traced."""
+        rec = _Recorder(batch, recording=False, perturbations=first.perturbations, traced=set())
+        lift = [k for k, v in enumerate(values) if lifted(v)]
+
+        def one(arrays: list[Any]) -> jax.Array:
+            return run(params, rec, dict(zip(lift, arrays, strict=True)))
+
+        try:
+            with jax.disable_jit():
+                jax.vmap(one)([jnp.asarray(values[k])[None] for k in lift])
+        except _READ_INTO_PYTHON:
+            return None
+        assert rec.traced is not None
+        return rec.traced
+
+    def first_mixed_use(j: int) -> Call | None:
+        """The first call whose floating-point input holds values computed from example j's
+        inputs at another example (a jvp from example j's slice of every probed input)."""
+        rec = _Recorder(batch, recording=False, perturbations=first.perturbations, stash={})
+
+        def f(fl: list[Any]) -> tuple[jax.Array, dict[str, list[Any]]]:
+            out = run(params, rec, dict(zip(probed, fl, strict=True)))
+            assert rec.stash is not None
+            return out, dict(rec.stash)
+
+        tangents = []
+        for x in floats:
+            t = np.zeros(x.shape, np.dtype(x.dtype))
+            t[j] = 1
+            tangents.append(jnp.asarray(t))
+        with jax.disable_jit():
+            _, (_, moved) = jax.jvp(f, (floats,), (tangents,))
+        for call in first.calls:
+            for t in moved.get(call.key, []):
+                nz = np.asarray(t) != 0
+                if nz.ndim >= 1 and nz.shape[0] == batch:
+                    nz = np.delete(nz, j, axis=0)
+                if nz.any():
+                    return call
+        return None
+
+    check_examples(first.calls, {k: np.asarray(v) for k, v in g_perts.items()},
+                   Inputs(names, [tuple(x.shape) for x in floats]), [np.asarray(g) for g in g_floats], pull, batch,
+                   batch_dependent, first_mixed_use)
     return Captured(first.calls, np.asarray(losses), g_params, dict(first.scans))
 
 

@@ -30,8 +30,11 @@ def identity_layout(a: np.ndarray) -> np.ndarray:
 class Call:
     """One call of a modelled module method: its path in the model, the arguments the handler
     reads (concrete arrays, and static values such as an einsum equation), its output's shape
-    and dtype, the gradient of the summed loss with respect to that output (per example, since
-    examples do not mix), and the module's own parameters (under nn.scan, its layer's slice)."""
+    and dtype, the gradient of the summed loss with respect to that output (per example along
+    axis 0: the probes found each example's loss reaching its own slice alone, `probes.py`),
+    and the module's own parameters (under nn.scan, its layer's slice). A use shared by every
+    example (`shared`) has its input repeated for every example and its per-example output
+    gradients stacked instead."""
 
     path: tuple[str, ...]
     cls: str
@@ -47,6 +50,7 @@ class Call:
     # are those layers' slices of the stacked ones
     layer: tuple[int, ...] = ()
     key: str = ""  # the name of the call's output perturbation
+    shared: bool = False  # computed from no example of the batch, its factors repeated per example
 
     @property
     def where(self) -> str:
