@@ -205,3 +205,22 @@ def test_a_bf16_pass_past_delta_is_reported(monkeypatch):
         out = ms.run_torch(_one_linear("bf16", "above"))
     assert out.verdicts["0.5% low"] == "pass"
     assert [cls for cls, _ in out.failures] == ["wrong verdict: 0.5% low claim passes [bf16, judged at bf16]"]
+
+
+def test_the_mixing_detector_sees_mixing_and_its_absence():
+    """`gradient_depends_on_other_examples`, against models whose answer is known: h − mean over
+    the batch mixes; a BatchNorm in training mode whose output only a LayerNorm over one feature
+    reads (it outputs 0 whatever its input) reaches no gradient; a Linear alone never mixes."""
+    regress = ms.Op("regress", bias=True, reduction="sum")
+    stem = ms.Op("float", d=1, rank=2, t2=1)
+
+    def spec(*body):
+        return ms.TorchSpec(dtype="f64", batch_axis=0, b=3, t=1, stem=stem, body=body, head=regress, seed=3)
+
+    mixing = spec(ms.Op("linear", act="tanh", bias=True, out=2), ms.Op("mean_mix", mixes=True))
+    dead = spec(ms.Op("batchnorm", affine=False, mixes=True, train=True),
+                ms.Op("layernorm", affine=True, axes=1, bias=False, mixes=False))
+    plain = spec(ms.Op("linear", act="tanh", bias=True, out=2))
+    assert ms.gradient_depends_on_other_examples(ms.build_torch(mixing)) is True
+    assert ms.gradient_depends_on_other_examples(ms.build_torch(dead)) is False
+    assert ms.gradient_depends_on_other_examples(ms.build_torch(plain)) is False
