@@ -174,6 +174,11 @@ def test_a_bound_too_loose_to_judge_is_cannot_judge(tmp_path):
     assert isinstance(k.judgeable, np.ndarray) and k.judgeable.dtype == bool and not k.judgeable.flags.writeable
     assert k.judgeable.tolist() == [False, True, True, True]
     assert k.max_bound == report.max_bound == k.bound.max() == k.bound[0] > 0.1
+    # The reason names the example, the precision and the rule that fired (the tenth).
+    assert k.cannot_judge_reason == report.cannot_judge_reason
+    assert k.cannot_judge_reason.startswith("example 0: the rounding bound at f16 is ")
+    assert "over the 10.000 % past which a claim that far off would pass too" in k.cannot_judge_reason
+    assert k.contribution_slack == 1e-2 and (k.model_rounding == 0).all()
     assert (k.bound[1:] <= 0.1).all()
     np.testing.assert_allclose(k.claimed_norms, k.true_norms, rtol=1e-6)  # the claim is right, yet not a pass
     assert (k.seq_len, k.widest_factor) == (12, 48)
