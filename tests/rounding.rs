@@ -457,20 +457,7 @@ fn an_f32_bound_of_a_few_percent_never_passes_a_claim_two_percent_low() {
     let truth = norms(&t);
     let judge = Judge::from_trace(t).unwrap();
     let c = 0.5 * truth.iter().cloned().fold(f64::INFINITY, f64::min);
-    let claim = |scale: f64, c: f64| {
-        let norms: Vec<f64> = truth
-            .iter()
-            .enumerate()
-            .map(|(i, n)| if i == 0 { n * scale } else { *n })
-            .collect();
-        let coefficients = norms.iter().map(|n| (c / n).min(1.0)).collect();
-        Claim {
-            norms,
-            coefficients,
-            clipped_sum: None,
-            clipping: Default::default(),
-        }
-    };
+    let claim = |scale: f64, c: f64| flat_claim(&scaled(&truth, Some(0), scale), c);
     let exact = judge
         .evaluate("cancelling", &claim(1.0, c), cn(c), nm(1.0), Precision::F32)
         .unwrap();
@@ -553,20 +540,7 @@ fn claims_half_a_percent_low_on_well_conditioned_f32_traces_still_fail() {
         let mut sorted = truth.clone();
         sorted.sort_by(f64::total_cmp);
         let c = 0.5 * (sorted[1] + sorted[2]);
-        let claim = |low: Option<usize>| {
-            let norms: Vec<f64> = truth
-                .iter()
-                .enumerate()
-                .map(|(i, n)| if Some(i) == low { n * 0.995 } else { *n })
-                .collect();
-            let coefficients = norms.iter().map(|n| (c / n).min(1.0)).collect();
-            Claim {
-                norms,
-                coefficients,
-                clipped_sum: None,
-                clipping: Default::default(),
-            }
-        };
+        let claim = |low: Option<usize>| flat_claim(&scaled(&truth, low, 0.995), c);
         let exact = judge
             .evaluate("well", &claim(None), cn(c), nm(1.0), Precision::F32)
             .unwrap();
@@ -605,6 +579,16 @@ fn boundary_case(precision: Precision, n: f64, b: f64) -> (Truth, Tolerance, Ari
         ..Default::default()
     };
     (truth, tol, Arithmetic::Uniform(u))
+}
+
+/// `norms` with example `which` (if any) multiplied by `scale`.
+fn scaled(norms: &[f64], which: Option<usize>, scale: f64) -> Vec<f64> {
+    let at = |i| Some(i) == which;
+    norms
+        .iter()
+        .enumerate()
+        .map(|(i, n)| if at(i) { n * scale } else { *n })
+        .collect()
 }
 
 fn flat_claim(norms: &[f64], c: f64) -> Claim {
