@@ -729,9 +729,9 @@ class TorchCase:
     batch: Any
     b: int
     example: Callable[[int], Any]
-    #: the batch with every example's inputs but example i's changed (None: a batch this module
+    #: the batch with every example's inputs but example i's changed, two ways (None: a batch this module
     #: cannot change piecewise, the flat ids and offsets of an EmbeddingBag)
-    others_changed: Callable[[int], Any] | None = None
+    others_changed: Callable[[int, int], Any] | None = None
 
 
 def _position_shape(spec: TorchSpec, state: _State, b: int) -> tuple[int, ...]:
@@ -808,13 +808,16 @@ def build_torch(spec: TorchSpec) -> TorchCase:
     def example(i: int) -> dict[str, torch.Tensor]:
         return {k: v.narrow(axes[k], i, 1) for k, v in batch.items()}
 
-    def others_changed(i: int) -> dict[str, torch.Tensor]:
+    def others_changed(i: int, variant: int) -> dict[str, torch.Tensor]:
         out = {}
         for k, v in batch.items():
             if k == "labels":
                 out[k] = v
                 continue
-            changed = (v + 1) % stem.vocab if k == "input_ids" else 1.7 * v + 0.3
+            if k == "input_ids":
+                changed = (v + 1 + variant) % stem.vocab
+            else:  # scaled, and (variant 1) reflected: an order statistic changes too
+                changed = 1.7 * v + 0.3 if variant == 0 else -1.3 * v - 0.2
             keep = torch.zeros(v.shape[axes[k]], dtype=torch.bool)
             keep[i] = True
             keep = keep.reshape([-1 if d == axes[k] else 1 for d in range(v.dim())])
@@ -922,9 +925,13 @@ def gradient_depends_on_other_examples(case: TorchCase) -> bool | None:
         return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
                           for g, p in zip(grads, params, strict=True)])
 
-    g, h = gradient(case.batch), gradient(case.others_changed(0))
-    scale = max(float(g.abs().max()), float(h.abs().max()), 1e-300)
-    return bool((g - h).abs().max() > 1e-9 * scale)
+    g = gradient(case.batch)
+    for variant in (0, 1):
+        h = gradient(case.others_changed(0, variant))
+        scale = max(float(g.abs().max()), float(h.abs().max()), 1e-300)
+        if (g - h).abs().max() > 1e-9 * scale:
+            return True
+    return False
 
 
 def own_pass_norms(case: TorchCase) -> np.ndarray:
@@ -1445,9 +1452,11 @@ def build_flax(spec: FlaxSpec) -> FlaxCase:
         batch["input_ids"] = jnp.asarray(rng.integers(0, stem.vocab, (b, t)), dtype=jnp.int32)
     else:
         batch["x"] = jnp.asarray(rng.standard_normal((b, *stem.sizes, stem.cin)), dtype=param_dtype)
-    # the output's positions (for the labels) from one forward on the batch
-    params = model.init(jax.random.key(spec.seed), batch)["params"]
-    out = model.apply({"params": params}, batch)
+    # the output's positions (for the labels) from the forward's shape alone; init and the
+    # truth's vmap(grad) jitted whole: JAX runs an unjitted function op by op, compiling each op
+    # for each new shape (a hundred compilations a model, most of its time)
+    params = jax.jit(model.init)(jax.random.key(spec.seed), batch)["params"]
+    out = jax.eval_shape(lambda p, x: model.apply({"params": p}, x), params, batch)
     pshape = out.shape if spec.head.kind == "regress" else out.shape[:-1]
     head = spec.head
     if head.kind == "regress":
@@ -1472,7 +1481,7 @@ def _flax_norms(model: Any, params: Any, loss: Callable[..., Any], batch: Any) -
         xb = jax.tree_util.tree_map(lambda a: a[None], xi)
         return loss(lambda *a, **k: model.apply({"params": p}, *a, **k), xb)[0]
 
-    g = jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
+    g = jax.jit(jax.vmap(jax.grad(one), in_axes=(None, 0)))(params, batch)
     leaves = jax.tree_util.tree_leaves(g)
     b = leaves[0].shape[0]
     return np.sqrt(sum(np.sum(np.asarray(x, dtype=np.float64).reshape(b, -1) ** 2, 1) for x in leaves))
