@@ -170,6 +170,20 @@ def _float_batch(value: Any, batch: int) -> bool:
             and jnp.issubdtype(value.dtype, jnp.floating))
 
 
+def _output_batch_axis(call: Call) -> int:
+    """Where the call's handler takes the examples to lie in its output: axis 0, or where an
+    einsum's equation puts the input's first axis (a malformed equation is the handler's to
+    refuse, when its sites are built)."""
+    handler = handler_for(call.module, call.method)
+    find = getattr(handler, "output_batch_axis", None)
+    if find is None:
+        return 0
+    try:
+        return int(find(call))
+    except TraceExportError:
+        return 0
+
+
 def capture(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any, batch: int,
             weights: np.ndarray) -> Captured:
     """Records every modelled call on `inputs` and the gradients of Σ_i weights_i·loss_i; the
@@ -261,7 +275,8 @@ def capture(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inp
                     return call
         return None
 
-    check_examples(first.calls, {k: np.asarray(v) for k, v in g_perts.items()},
+    check_examples(first.calls, {c.key: _output_batch_axis(c) for c in first.calls},
+                   {k: np.asarray(v) for k, v in g_perts.items()},
                    Inputs(names, [tuple(x.shape) for x in floats]), [np.asarray(g) for g in g_floats], pull, batch,
                    batch_dependent, first_mixed_use)
     return Captured(first.calls, np.asarray(losses), g_params, dict(first.scans))

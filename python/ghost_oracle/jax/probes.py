@@ -64,9 +64,12 @@ class Probe:
 class Seen:
     """What the probes saw at one output (a call's, or an input's): per candidate axis (one of
     B entries), [every probe stayed at its own index, some probe reached its own index]; the
-    first probe that reached other examples along axis 0; whether any probe reached it."""
+    first probe that reached other examples along `axis`, where the examples are taken to lie
+    (0, or for an einsum the output's place of the input's first axis); whether any probe
+    reached it."""
 
     axes: dict[int, list[bool]]
+    axis: int = 0  # where its handler takes the examples to lie
     spill: tuple[int, list[int]] | None = None
     reached: bool = False
     grads: dict[int, np.ndarray] = field(default_factory=dict)
@@ -97,7 +100,7 @@ def _observe(seen: Seen, g: np.ndarray, i: int, b: int) -> None:
         others, at_i = _others(g, a, i, b)
         if others:
             st[0] = False
-            if a == 0 and seen.spill is None:
+            if a == seen.axis and seen.spill is None:
                 seen.spill = (i, others)
         st[1] = st[1] or at_i
 
@@ -114,21 +117,22 @@ class Inputs:
     shapes: list[tuple[int, ...]]
 
 
-def check_examples(calls: Sequence[Call], batch_grads: dict[str, np.ndarray], inputs: Inputs,
-                   input_batch_grads: Sequence[np.ndarray], pull: Callable[[int], Probe], b: int,
+def check_examples(calls: Sequence[Call], batch_axes: dict[str, int], batch_grads: dict[str, np.ndarray],
+                   inputs: Inputs, input_batch_grads: Sequence[np.ndarray], pull: Callable[[int], Probe], b: int,
                    batch_dependent: Callable[[], set[str] | None],
                    first_mixed_use: Callable[[int], Call | None]) -> None:
     """Probes single examples' losses and checks every call's output and every input against
-    them. Sets each call's `grad`: the batch gradient where the examples lie along axis 0 of its
-    output, or, for a use shared by every example, the per-example output gradients stacked
-    (and its inputs repeated for every example). Raises `TraceExportError` naming the module (or
+    them. Sets each call's `grad`: the batch gradient where the examples lie along the axis of
+    its output its handler takes them on (`batch_axes`: 0, or an einsum's place of them), or,
+    for a use shared by every example, the per-example output gradients stacked (and its
+    inputs repeated for every example). Raises `TraceExportError` naming the module (or
     the input) where the model mixes examples, or where its examples lie along another axis.
 
     `pull(i)` pulls back example i's loss alone; `batch_dependent()` the keys of the calls whose
     output or input was computed from the batch (None where that cannot be told);
     `first_mixed_use(j)` the first call whose input holds values computed from example j's
     inputs at another example."""
-    seen = {c.key: Seen(_candidate_axes(c.out_shape, b, features_last=True)) for c in calls}
+    seen = {c.key: Seen(_candidate_axes(c.out_shape, b, features_last=True), batch_axes.get(c.key, 0)) for c in calls}
     seen_in = [Seen(_candidate_axes(s, b, features_last=False)) for s in inputs.shapes]
     live = [c.key for c in calls if np.any(batch_grads[c.key] != 0)]
     live_in = [k for k, g in enumerate(input_batch_grads) if np.any(g != 0)]
@@ -145,27 +149,25 @@ def check_examples(calls: Sequence[Call], batch_grads: dict[str, np.ndarray], in
             seen[c.key].grads[i] = g
         for k, g in enumerate(probe.inputs):
             _observe(seen_in[k], g, i, b)
-    # the uses whose examples do not lie along axis 0: shared by every example, or refused
-    failing = [c for c in calls if seen[c.key].reached and 0 not in seen[c.key].fits()]
-    unreached = [c for c in calls if c.key in live and not seen[c.key].reached]
-    for c in unreached:
-        raise TraceExportError(
-            f"{c.where}: its output ({list(c.out_shape)}) receives a gradient from the batch but from none of the "
-            f"{len(probes)} examples' losses alone; the batch axis of this use cannot be found")
-    for c in calls:
-        if not seen[c.key].reached and c not in failing:
-            c.grad = batch_grads[c.key]
+    # the uses whose examples do not lie along their axis: shared by every example, or refused
+    failing = [c for c in calls if seen[c.key].reached and seen[c.key].axis not in seen[c.key].fits()]
     if failing:
         dependent = batch_dependent()
         for c in failing:
-            if dependent is not None and c.key not in dependent:
+            if dependent is not None and c.key not in dependent and seen[c.key].axis == 0:
                 for i in range(b):  # a shared use needs every example's output gradient
                     if i not in probes:
                         probes[i] = pull(i)
                 _share(c, [probes[i].outputs[c.key] for i in range(b)], b)
             else:
                 _refuse(c, seen[c.key], b, dependent is None)
+    # after the refusals of mixing: where the examples mix, the batch's gradient may hold the
+    # rounding of a sum the single examples' losses cancel exactly
     for c in calls:
+        if c.key in live and not seen[c.key].reached:
+            raise TraceExportError(
+                f"{c.where}: its output ({list(c.out_shape)}) receives a gradient from the batch but from none of "
+                f"the {len(probes)} examples' losses alone; the batch axis of this use cannot be found")
         if c.grad is None:
             c.grad = batch_grads[c.key]
     for k, s in enumerate(seen_in):
@@ -193,10 +195,11 @@ def check_examples(calls: Sequence[Call], batch_grads: dict[str, np.ndarray], in
 
 def _refuse(c: Call, seen: Seen, b: int, untold: bool) -> None:
     shape = list(c.out_shape)
-    fits = [a for a in seen.fits() if a != 0]
+    fits = [a for a in seen.fits() if a != seen.axis]
     if untold:
         raise TraceExportError(
-            f"{c.where}: every example's loss reaches its output ({shape}) outside its own slice of axis 0, and "
+            f"{c.where}: every example's loss reaches its output ({shape}) outside its own slice of axis "
+            f"{seen.axis}, and "
             "the forward could not be followed under jax.vmap (it reads values of the batch into Python), so "
             "whether this use is shared by every example (computed from none of them) or mixes them cannot be "
             "told. Compute it with jax operations, or give it a per-example input")
@@ -204,9 +207,9 @@ def _refuse(c: Call, seen: Seen, b: int, untold: bool) -> None:
         a = fits[0]
         raise TraceExportError(
             f"{c.where}: the loss of each example alone reaches its output ({shape}) along axis {a} only, not "
-            f"axis 0: the examples of this use lie along axis {a}. The JAX exporter takes the examples on axis 0 of "
-            "every modelled module's input and output; keep the batch first (batch-first layers, not a "
-            "transposed or seq-first layout)")
+            f"axis {seen.axis}: the examples of this use lie along axis {a}. The JAX exporter takes the examples "
+            f"on axis 0 of every modelled module's input (axis {seen.axis} of this output); keep the batch first "
+            "(batch-first layers, not a transposed or seq-first layout)")
     if seen.spill is None:
         raise TraceExportError(
             f"the model mixes examples: {c.where} computes its output ({shape}) from the batch's examples "
@@ -216,7 +219,8 @@ def _refuse(c: Call, seen: Seen, b: int, untold: bool) -> None:
     i, others = seen.spill
     raise TraceExportError(
         f"the model mixes examples: the loss of example {i} alone sends gradient into the output of {c.where} "
-        f"({shape}) at example(s) {_shown(others)} along axis 0, and no axis of that output keeps the examples "
+        f"({shape}) at example(s) {_shown(others)} along axis {seen.axis}, and no axis of that output keeps the "
+        "examples "
         f"apart. Example {i}'s gradient then depends on the other examples of the batch (statistics or attention "
         "across the batch: BatchNorm with use_running_average=False, x - x.mean(0), attention over the batch "
         "axis), so per-example clipping bounds nothing and no per-example norm is defined")

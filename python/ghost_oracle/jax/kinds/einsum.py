@@ -32,6 +32,11 @@ class EinsumLayout:
     def kernel_permutation(self) -> list[int]:
         return [self.rhs.index(c) for c in self.in_letters + self.out_letters]
 
+    def batch_axis(self) -> int:
+        """The output's axis of the input's first (the examples'): the sites take the rows from
+        the letters, wherever the equation puts them (gemma's kv einsum: `CBSKH`, axis 1)."""
+        return self.out.index(self.lhs[0])
+
 
 def _expand_ellipsis(eqn: str, x_ndim: int, where: str) -> str:
     if "..." not in eqn:
@@ -124,6 +129,10 @@ class FlaxEinsum:
         eqn = call.args[1] if call.args[1] is not None else call.module.einsum_str
         return einsum_sites(call, parse(eqn, x.ndim, call.where), x, "kernel", "bias")
 
+    def output_batch_axis(self, call: Call) -> int:
+        eqn = call.args[1] if call.args[1] is not None else call.module.einsum_str
+        return parse(eqn, np.ndim(call.args[0]), call.where).batch_axis()
+
 
 class DenseGeneral:
     """`nn.DenseGeneral(features, axis)`: the contracted axes of the input, then the features."""
@@ -161,6 +170,9 @@ class GemmaEinsum:
     def sites(self, call: Call, batch: int) -> Sequence[Site]:
         x = np.asarray(call.args[0])
         return einsum_sites(call, parse(call.args[1], x.ndim, call.where), x, call.module.weight_name, None)
+
+    def output_batch_axis(self, call: Call) -> int:
+        return parse(call.args[1], np.ndim(call.args[0]), call.where).batch_axis()
 
 
 LayoutFn = Callable[[np.ndarray], np.ndarray]
