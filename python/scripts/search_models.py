@@ -41,6 +41,7 @@ class Tally:
         self.n = 0
         self.status: collections.Counter[str] = collections.Counter()
         self.refused: collections.Counter[str] = collections.Counter()
+        self.refused_models: collections.Counter[str] = collections.Counter()  # mixing or not
         self.cannot_judge: collections.Counter[str] = collections.Counter()
         self.crashes: collections.Counter[str] = collections.Counter()
         self.failures: collections.Counter[str] = collections.Counter()
@@ -60,6 +61,7 @@ class Tally:
         self.status[out.status] += 1
         if out.status == "refused":
             self.refused[out.reason] += 1
+            self.refused_models["built to mix examples" if spec.mixing else "not built to mix"] += 1
             r = repr(spec)
             if out.reason not in self.refusal_examples or len(r) < len(self.refusal_examples[out.reason]):
                 self.refusal_examples[out.reason] = r
@@ -94,6 +96,7 @@ class Tally:
             "judged": self.status["judged"], "refused": self.status["refused"], "crashes": self.status["crash"],
             "generator_errors": self.status["generator"], "models_failing_the_invariant": self.models_failing,
             "wrong_verdicts": self.wrong_verdicts(),
+            "refused_models": dict(self.refused_models.most_common()),
             "refused_by_reason": dict(self.refused.most_common()),
             "cannot_judge_by_reason": dict(self.cannot_judge.most_common()),
             "crashes_by_reason": dict(self.crashes.most_common()),
@@ -118,6 +121,7 @@ class Tally:
                 out.append(f"  {title}:")
                 out.extend(f"    {n:6d}  {k}" for k, n in counter.most_common())
 
+        block("refused models", self.refused_models)
         block("refused, by reason", self.refused)
         block("cannot-judge (exact claims), by reason", self.cannot_judge)
         block("crashes, by reason", self.crashes)

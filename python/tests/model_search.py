@@ -981,6 +981,7 @@ def normalize(message: str, limit: int = 150) -> str:
     m = re.sub(r"\[[0-9, ]*\]", "[..]", m)
     m = re.sub(r"\b\d+(\.\d+)?(e-?\d+)?\b", "N", m)
     m = re.sub(r"\(N(, N)*\)", "(..)", m)
+    m = re.sub(r"N(, N)+", "N, …", m)
     return m[:limit]
 
 
