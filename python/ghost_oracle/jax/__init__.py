@@ -20,7 +20,11 @@ written as L parameters, `layers.attn.q.kernel[l]` for layer l (claimed step ten
 stacked and split the same way). Anything else that receives a gradient, a scan whose
 parameters are broadcast, carried or stacked on another axis, and a modelled module called under
 another transformation inside the model (`nn.vmap`, `nn.remat`), is refused by name, never
-written as a wrong trace."""
+written as a wrong trace. So is a model that mixes examples (BatchNorm with
+`use_running_average=False`, `x - x.mean(0)`, attention across the batch): single examples'
+losses are pulled back and must reach every modelled module's output, and the floating-point
+inputs, at their own example alone (`probes.py`). `apply` may make state collections other than
+'params' mutable (`apply(x, mutable=["batch_stats"])`)."""
 from ..trace_file import FORMAT, TraceExportError
 from .gate import assert_norms, assert_update
 from .trace import UNCLAIMED, export_trace
