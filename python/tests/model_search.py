@@ -1076,10 +1076,13 @@ def _low_claims(out: Outcome, trace: str, truth: np.ndarray, c: float, tag: str)
     """What the judge guarantees of a wrong claim (docs/tolerances.md, "When the bound is
     useless: cannot-judge"), on the largest-norm example k:
 
-    (a) a claim 0.5 % low is not a pass, unless 0.5 % is within k's stated bound and that bound
-        is at most δ/(1 + δ), so that no claim within it clips past C·(1 + δ) (an honest pass:
-        bf16's bound is ~1.2–1.9 % of the norm, δ/(1 + δ) 4.8 %). For f64 and f32 δ/(1 + δ) is
-        below 0.5 %: a claim 0.5 % low is never a pass;
+    (a) a claim 0.5 % low is not a pass, unless 0.5 % is within k's stated bound and no claim
+        within that bound clips k past C·(1 + δ): the bound is at most δ/(1 + δ) (bf16's is
+        ~1.2–1.9 % of the norm, δ/(1 + δ) 4.8 %), or k's norm is within C·(1 + δ), so that its
+        allowed contribution min(n*_k/C, 1/(1 − b_k)) is (the judge's rule 2 judges such an
+        example whatever its bound under a tenth). An honest pass. At f64 and f32 a claim 0.5 %
+        low is never a pass: δ/(1 + δ) is below 0.5 % there, and no bound seen at those
+        precisions reaches 0.5 %, so any such pass is worth a look;
     (b) a claim max(0.5 %, 1.5·δ) low on k, where clipping by it would let k contribute past
         C·(1 + δ) (k's norm above C·(1 + δ)), is never a pass.
 
@@ -1096,7 +1099,8 @@ def _low_claims(out: Outcome, trace: str, truth: np.ndarray, c: float, tag: str)
     def not_a_pass(r: Any, what: str, honest: bool) -> None:
         bound = float(r.worst.bound[k])
         detail = (f"{tag}: example {k}: bound {bound:.3g}, max bound {r.max_bound:.3g}, "
-                  f"δ/(1+δ) {delta / (1 + delta):.3g}, C {c:.4g}, norm {truth[k]:.4g}")
+                  f"δ/(1+δ) {delta / (1 + delta):.3g}, C {c:.4g}, norm {truth[k]:.4g}, "
+                  f"allowed contribution {float(r.worst.allowed_contribution[k]):.4g}")
         if r.verdict == "pass" and not honest:
             out.failures.append((f"wrong verdict: {what} claim passes [{_dt(tag)}, judged at {r.precision}]", detail))
         elif r.verdict == "cannot-judge" and not _bound_too_loose(r):
@@ -1112,7 +1116,8 @@ def _low_claims(out: Outcome, trace: str, truth: np.ndarray, c: float, tag: str)
     if precision in ("f64", "f32"):
         not_a_pass(r, "0.5% low", honest=False)  # δ/(1 + δ) < 0.5 %: no pass is honest
     else:
-        not_a_pass(r, "0.5% low", honest=off_a <= bound <= delta / (1 + delta))
+        allowed = float(r.worst.allowed_contribution[k])
+        not_a_pass(r, "0.5% low", honest=off_a <= bound and (bound <= delta / (1 + delta) or allowed <= 1 + delta))
     off_b = max(off_a, 1.5 * delta)
     clipped_past = truth[k] > c * (1 + delta) and 1 / (1 - off_b) > 1 + delta
     if not clipped_past:

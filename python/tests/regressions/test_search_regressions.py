@@ -103,3 +103,22 @@ def test_a_model_the_search_misjudged_holds_the_invariant(spec, verdicts):
     assert out.status == "judged", out.message
     assert out.ok, out.failures
     assert {k: out.verdicts.get(k) for k in verdicts} == verdicts, out.verdicts
+
+
+def test_a_bf16_pass_on_an_example_c_barely_clips_is_honest():
+    """A bound of 5.8 % (above δ/(1 + δ) = 4.8 %) on an example whose norm is 1.008·C: no claim
+    within the bound clips it past C·(1 + δ) (its contribution is at most n*/C = 1.008), so the
+    judge's rule 2 judges it and a claim 0.5 % low passes honestly."""
+    spec = TorchSpec(dtype="bf16", batch_axis=0, b=2, t=4,
+                     stem=Op("image", affine=True, as_seq=False, cin=3,
+                             conv=Op("conv", bias=False, cout=3, dilation=2, dims=2, groups=1, k=2, padding=2,
+                                     padding_mode="circular", stride=1),
+                             dims=2, mixes=False, norm="instance", norm_groups=0, sizes=(5, 5)),
+                     body=(Op("groupnorm", affine=False, groups=1), Op("shared_linear", bias=True)),
+                     head=Op("classify", bias=False, classes=3, functional=False, ignore_index=None, reduction="sum"),
+                     clip="median", seed=5395)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ms.run_torch(spec)
+    assert out.ok, out.failures
+    assert out.verdicts["0.5% low"] == "pass"
