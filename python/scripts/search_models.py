@@ -49,6 +49,7 @@ class Tally:
         self.refusal_examples: dict[str, str] = {}
         self.verdicts: collections.Counter[str] = collections.Counter()
         self.models_failing = 0
+        self.failing: list[dict[str, Any]] = []  # every model failing the invariant, to classify
         self.truth_errors: list[float] = []
         self.seconds = 0.0
         self.slowest = (0.0, "")
@@ -75,6 +76,8 @@ class Tally:
             self.truth_errors.append(out.truth_rel_err)
         if out.failures:
             self.models_failing += 1
+            self.failing.append({"spec": repr(spec), "classes": sorted({c for c, _ in out.failures}),
+                                 "detail": out.failures[0][1][:300]})
         seen = set()
         for cls, detail in out.failures:
             if cls in seen:
@@ -102,6 +105,7 @@ class Tally:
             "crashes_by_reason": dict(self.crashes.most_common()),
             "failures_by_class": dict(self.failures.most_common()),
             "failure_examples": self.examples,
+            "failing_models": self.failing,
             "refusal_examples": self.refusal_examples,
             "verdicts": dict(sorted(self.verdicts.items())),
             "truth_rel_err_median": errs[len(errs) // 2] if errs else None,
