@@ -249,6 +249,45 @@ fn an_exact_claim_on_factors_carrying_the_model_rounding_is_never_a_violation_on
     }
 }
 
+/// A model whose own rounding is as large as the norms (the traced factors five times the
+/// exact ones) leaves the truth unknown: the exact norms claimed against it are never called a
+/// violation, though they clip every example to a fifth of what the traced truth would, and
+/// the case is cannot-judge, naming the model's rounding.
+#[test]
+fn a_truth_the_model_rounding_swamps_is_never_the_ground_for_a_violation() {
+    let exact = tied_trace(1.0, 11);
+    let traced = RefTrace {
+        sites: exact
+            .sites
+            .iter()
+            .map(|s| Site {
+                backprops: s.backprops.mapv(|v| 5.0 * v),
+                ..s.clone()
+            })
+            .collect(),
+    }
+    .rounded(Precision::F32);
+    let claims = norms(&exact);
+    let rounding = distances(&traced, &exact);
+    let c = 0.5 * claims.iter().cloned().fold(f64::INFINITY, f64::min);
+    let blind = verdict_of(&write("swamped-blind", &traced, &claims, c, None));
+    assert_eq!(
+        blind.verdict,
+        Verdict::PrivacyViolation,
+        "{:?}",
+        blind.examples
+    );
+    let told = verdict_of(&write("swamped", &traced, &claims, c, Some(&rounding)));
+    assert_eq!(told.verdict, Verdict::CannotJudge, "{:?}", told.examples);
+    for e in &told.examples {
+        // beyond the bound as it stands: only the truth's uncertainty keeps it from a verdict
+        assert!(e.sensitivity > 1.0 + e.bound, "{e:?}");
+        assert!(e.model_rounding >= 1.0, "{e:?}");
+    }
+    let reason = told.cannot_judge_reason.as_deref().unwrap();
+    assert!(reason.contains("the model's own rounding"), "{reason}");
+}
+
 /// The rounding reaches the clipped sum's bound too: Σ_i c_i g_i computed from the exact factors
 /// is within the bound of the traced one once the model's rounding is stated.
 #[test]

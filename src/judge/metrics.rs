@@ -350,7 +350,13 @@ fn case_verdict(
     invalid_examples: &[usize],
     unjudgeable_examples: &[usize],
 ) -> (Verdict, usize) {
-    let privacy = examples.iter().any(|e| e.sensitivity > 1.0 + e.bound);
+    // A violation is one the truth's own uncertainty cannot explain: beyond the bound, and
+    // above C even at the low end of the truth, which the model's measured rounding leaves
+    // known only to within that share of it. Where that share reaches the norm itself the
+    // truth says nothing of the contribution, and the example is left to cannot-judge.
+    let privacy = examples
+        .iter()
+        .any(|e| e.sensitivity > 1.0 + e.bound && e.sensitivity * (1.0 - e.model_rounding) > 1.0);
     let coef_off = examples.iter().any(|e| {
         let d = (e.coefficient - e.true_coefficient).abs();
         d.is_nan() || d > e.true_coefficient * 2.0 * e.bound + f64::EPSILON
