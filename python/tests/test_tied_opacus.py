@@ -139,11 +139,27 @@ def test_dropping_the_cross_term_is_caught_by_assert_update(request, name, cross
 # Low precision, the non-wrapping mode, GPT-2 called the ordinary way.
 
 
+def right_at_the_models_precision(model, loss, ids, norms, c):
+    """The plug-in's low-precision norms are never called wrong: they pass, or the judge cannot
+    judge them because the model's own bf16 rounding (measured by the exporter's float64 replay,
+    a few percent of the norm on this tiny tied Llama) is past what bf16 can resolve. A claim
+    10 % low on one example is still never a pass."""
+    try:
+        assert_norms(model, loss, ids, claimed_norms=norms, max_grad_norm=c)
+    except ghost_oracle.ClippingCheckFailed as e:
+        assert e.report.verdict == "cannot-judge", e.report.explain()
+        assert "the model's own rounding" in (e.report.cannot_judge_reason or ""), e.report.explain()
+    low = norms.clone()
+    low[0] *= 0.9
+    with pytest.raises(ghost_oracle.ClippingCheckFailed):
+        assert_norms(model, loss, ids, claimed_norms=low, max_grad_norm=c)
+
+
 def test_bf16_llama_passes_assert_norms(tied_llama):
     model = copy.deepcopy(tied_llama.model).to(torch.bfloat16).train()
     norms = plugin_norms(model, tied_llama.loss, tied_llama.ids)
     assert norms.dtype == torch.float64
-    assert_norms(model, tied_llama.loss, tied_llama.ids, claimed_norms=norms, max_grad_norm=tied_llama.c)
+    right_at_the_models_precision(model, tied_llama.loss, tied_llama.ids, norms, tied_llama.c)
 
 
 def test_autocast_llama_passes_assert_norms(tied_llama):
@@ -155,7 +171,7 @@ def test_autocast_llama_passes_assert_norms(tied_llama):
         return t.causal_lm_loss(logits.float(), ids)
 
     norms = plugin_norms(model, autocast_loss, tied_llama.ids)
-    assert_norms(model, autocast_loss, tied_llama.ids, claimed_norms=norms, max_grad_norm=tied_llama.c)
+    right_at_the_models_precision(model, autocast_loss, tied_llama.ids, norms, tied_llama.c)
 
 
 @pytest.mark.parametrize("name", ["tied_gpt2", "tied_gemma3"])
