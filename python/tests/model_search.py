@@ -1204,20 +1204,35 @@ def _run_torch(spec: TorchSpec, workdir: str | None) -> Outcome:
             own = None
     out = Outcome("judged")
     c = _clip_norm(spec.clip, truth)
+
+    def export(path: str) -> None:
+        export_trace(case.model, per_example_loss, case.batch, path, claimed_norms=truth, max_grad_norm=c,
+                     batch_axis=spec.batch_axis)
+
+    return _export_and_judge(out, export, TraceExportError, spec.mixing, case, truth, own, c, tag, start, workdir,
+                             spec.batch_axis, _parameter_free_norm(spec))
+
+
+def _export_and_judge(out: Outcome, export: Any, refusal: type[Exception], mixing: bool, case: Any, truth: Any,
+                      own: Any, c: float, tag: str, start: float, workdir: Any, batch_axis: int,
+                      parameter_free_norm: bool) -> Outcome:
+    """Exports the trace (`export(path)`) into a temporary folder and judges the claims on it: a
+    refusal (`refusal`, the exporter's own error) is classified and must leave no file, a model
+    built to mix must not be judged where its mixing reaches a gradient, and anything else
+    raised is a crash."""
     with tempfile.TemporaryDirectory(prefix="model-search-", dir=workdir) as d:
         path = os.path.join(d, "trace.safetensors")
         try:
-            export_trace(case.model, per_example_loss, case.batch, path, claimed_norms=truth, max_grad_norm=c,
-                         batch_axis=spec.batch_axis)
-        except TraceExportError as e:
-            classify_refusal(out, str(e), spec.mixing, spec.batch_axis, tag, _parameter_free_norm(spec))
+            export(path)
+        except refusal as e:
+            classify_refusal(out, str(e), mixing, batch_axis, tag, parameter_free_norm)
             if os.listdir(d):
                 out.failures.append(("refusal leaves a file behind", f"{tag}: {', '.join(os.listdir(d))}"))
             out.seconds = time.perf_counter() - start
             return out
         except Exception as e:
             return _crash(out, e, tag, start)
-        if spec.mixing:
+        if mixing:
             mixes = gradient_depends_on_other_examples(case)
             if mixes is False:
                 out.verdicts["mixing op"] = "no gradient depends on it"
@@ -1538,31 +1553,10 @@ def run_flax(spec: FlaxSpec, workdir: str | None = None) -> Outcome:
     assert truth is not None
     out = Outcome("judged")
     c = _clip_norm(spec.clip, truth)
-    with tempfile.TemporaryDirectory(prefix="model-search-", dir=workdir) as d:
-        path = os.path.join(d, "trace.safetensors")
-        try:
-            with jax.enable_x64(x64):
-                export_trace(case.model, case.params, case.loss, case.batch, path, claimed_norms=truth,
-                             max_grad_norm=c)
-        except TraceExportError as e:
-            classify_refusal(out, str(e), spec.mixing, -1, tag, parameter_free_norm=False)
-            if os.listdir(d):
-                out.failures.append(("refusal leaves a file behind", f"{tag}: {', '.join(os.listdir(d))}"))
-            out.seconds = time.perf_counter() - start
-            return out
-        except Exception as e:
-            return _crash(out, e, tag, start)
-        if spec.mixing:
-            mixes = gradient_depends_on_other_examples(case)
-            if mixes is False:
-                out.verdicts["mixing op"] = "no gradient depends on it"
-            else:
-                out.failures.append((f"a model that mixes examples is judged [{_dt(tag)}]",
-                                     f"{tag}: export_trace wrote a trace of a model that mixes examples on purpose "
-                                     f"(example 0's gradient changes with the other examples: {mixes})"))
-        try:
-            judge_claims(out, path, truth, own, c, tag)
-        except Exception as e:
-            return _crash(out, e, tag, start)
-    out.seconds = time.perf_counter() - start
-    return out
+
+    def export(path: str) -> None:
+        with jax.enable_x64(x64):
+            export_trace(case.model, case.params, case.loss, case.batch, path, claimed_norms=truth, max_grad_norm=c)
+
+    return _export_and_judge(out, export, TraceExportError, spec.mixing, case, truth, own, c, tag, start, workdir, -1,
+                             False)
