@@ -92,8 +92,21 @@ class Op:
         return hash((self.kind, self.kw))
 
 
+class _Layers:
+    """What a spec's layers say of the whole model (the fields `stem`, `body`, `head`)."""
+
+    stem: Op
+    body: tuple[Op, ...]
+    head: Op
+
+    @property
+    def mixing(self) -> bool:
+        """The model mixes examples on purpose (statistics or attention across the batch)."""
+        return any(op.get("mixes", False) for op in (self.stem, *self.body, self.head))
+
+
 @dataclass(frozen=True)
-class TorchSpec:
+class TorchSpec(_Layers):
     """A PyTorch model, its batch and its per-example loss.
 
     dtype: "f64" | "f32" | "bf16"; batch_axis: the inputs' axis of examples (0, or 1 for
@@ -112,14 +125,9 @@ class TorchSpec:
     clip: str = "median"
     seed: int = 0
 
-    @property
-    def mixing(self) -> bool:
-        """The model mixes examples on purpose (statistics or attention across the batch)."""
-        return any(op.get("mixes", False) for op in (self.stem, *self.body, self.head))
-
 
 @dataclass(frozen=True)
-class FlaxSpec:
+class FlaxSpec(_Layers):
     """A Flax linen model; fields as `TorchSpec`'s (the batch axis is always 0)."""
 
     dtype: str
@@ -130,10 +138,6 @@ class FlaxSpec:
     head: Op
     clip: str = "median"
     seed: int = 0
-
-    @property
-    def mixing(self) -> bool:
-        return any(op.get("mixes", False) for op in (self.stem, *self.body, self.head))
 
 
 # --------------------------------------------------------------------------------------------
