@@ -141,3 +141,23 @@ def _concat_micro_batches(batches: Iterable[Any], batch_axis: int = 0) -> Any:
             raise ValueError(f"`{key}` differs between micro-batches and is not a tensor of examples")
         out[key] = values[0]
     return out
+
+
+def input_leaves(inputs: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """(the inputs with every floating-point tensor replaced by a detached copy that requires
+    gradients, [(name, leaf)]): what the recorded forward and its replay run on, so that the
+    probes see each example's inputs and both capture the same uses (a parameter-free norm on
+    the batch is on a path to a gradient only through them)."""
+    def leaf(t: Any) -> Any:
+        return t.detach().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t
+
+    if torch.is_tensor(inputs):
+        out = leaf(inputs)
+        return out, [("the inputs", out)] if out is not inputs else []
+    if isinstance(inputs, Mapping):
+        out = {k: leaf(v) for k, v in inputs.items()}
+        return out, [(f"input `{k}`", out[k]) for k in out if out[k] is not inputs[k]]
+    if isinstance(inputs, tuple):
+        out = tuple(leaf(v) for v in inputs)
+        return out, [(f"input {k}", v) for k, v in enumerate(out) if v is not inputs[k]]
+    return inputs, []

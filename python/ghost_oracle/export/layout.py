@@ -316,9 +316,11 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
     fits = _fits(status)
     where = f"module `{e['name']}` ({e['cls']})"
     shape = list(e["output"].shape)
-    if not fits and not bool(e["grad"].ne(0).any()):
+    if not fits and spilled_at is None and not bool(e["grad"].ne(0).any()):
         # A use whose gradient is exactly zero (autograd fills the unused part of a split
-        # output with zeros): its sites add nothing to any example, in any layout.
+        # output with zeros): its sites add nothing to any example, in any layout. Not where a
+        # probe reached another example: there the batch's zero is the examples' gradients
+        # cancelling (two equal examples through a mean over the batch), and they mix.
         candidates = list(status)
         if candidates:
             e["layout"] = candidates[0]
@@ -372,3 +374,51 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
             + (" (seq-first data: batch_first=False)" if fits[0][1] == 1 else "") if fits[0][0] == "axis" else
             f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
             f"{_describe(fits[0])}, not along the inputs' batch_axis={batch_axis}")
+
+
+def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]],
+                             losses: torch.Tensor, b: int, batch_axis: int,
+                             leaves: Sequence[tuple[str, torch.Tensor]], precision: str) -> None:
+    """For a replay of the recorded forward at a finer precision (its graph kept): the same
+    single-example probes again, along the layouts the recorded pass found. At the model's own
+    precision a gradient that crosses examples can round to exactly zero (bf16 through a
+    BatchNorm in training mode at a batch of two; a mean over the batch whose examples are
+    equal), and the probes, which test for exact zeros, then see none; a model whose examples
+    are kept apart has no path from one example's loss to another's part of any output, at any
+    precision, so what the finer probes see is the model mixing examples, and it is refused as
+    the recorded probes would have."""
+    if b < 2:
+        return
+    uses = [(r, e) for r, e in zip(recorded, replayed, strict=True)
+            if r.get("layout") is not None and not r.get("shared") and torch.is_tensor(e.get("output"))
+            and e["output"].requires_grad]
+    declared = [pair for _, e in uses for pair in e["handler"].input_examples(e)]
+    owners = {name: own for name, t in leaves for x, own in declared
+              if x.shape == t.shape and x.data_ptr() == t.data_ptr()}
+    order = _probe_order(b)[:b if b <= PROBE_ALL_UP_TO else 4]  # as many as the recorded pass needs at least
+    for i in order:
+        grads = torch.autograd.grad(losses[i], [e["output"] for _, e in uses] + [t for _, t in leaves],
+                                    retain_graph=True, allow_unused=True)
+        for (r, e), g in zip(uses, grads[:len(uses)], strict=True):
+            if g is None:
+                continue
+            nz = _batch_first(g, r["layout"], b).ne(0).reshape(b, -1).any(1)
+            others = [j for j in nz.nonzero().flatten().tolist() if j != i]
+            if others:
+                shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
+                raise TraceExportError(
+                    f"the model mixes examples: the loss of example {i} alone sends gradient into the output of "
+                    f"module `{r['name']}` ({r['cls']}) ({list(e['output'].shape)}) at example(s) {shown} along "
+                    f"{_describe(r['layout'])}, seen when the model is replayed at {precision} (at the model's "
+                    "own precision that gradient rounds to zero). Example i's gradient then depends on the other "
+                    "examples of the batch (normalization or attention across the batch, BatchNorm in training "
+                    "mode), so per-example clipping bounds nothing and no per-example norm is defined")
+        for (name, t), g in zip(leaves, grads[len(uses):], strict=True):
+            spilled = _input_spill(t, g, i, b, batch_axis, owners.get(name))
+            if spilled:
+                shown = ", ".join(map(str, spilled[:6])) + (", ..." if len(spilled) > 6 else "")
+                raise TraceExportError(
+                    f"the model mixes examples: the loss of example {i} alone depends on {name} of example(s) "
+                    f"{shown} (along axis {batch_axis}), seen when the model is replayed at {precision} (at the "
+                    "model's own precision that gradient rounds to zero), so example i's gradient changes with "
+                    "the other examples of the batch and no per-example norm is defined")

@@ -47,9 +47,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .batch import input_leaves
 from .errors import TraceExportError
 from .kinds import Use
-from .layout import share_as_recorded
+from .layout import refuse_mixing_seen_finer, share_as_recorded
 from .precision import DTYPE_NAMES, unit_roundoff
 from .record import _HOOK_DICTS, param_names, record
 
@@ -315,7 +316,8 @@ def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.
         why = _over_budget(model, sites, dtype)
         if why is not None:
             raise _GiveUp(why)
-        replayed = _replay(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch, dtype)
+        replayed = _replay(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch, dtype,
+                           probe_mixing=dtype == torch.float64)
         diff = _difference_norms(sites, replayed, b)
     except _GiveUp as e:
         warnings.warn(f"the model's own rounding is not measured (no `model.rounding` in the trace; the judge's bound "
@@ -328,8 +330,10 @@ def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.
 
 def _replay(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
             b_inputs: int | None, batch_axis: int, b: int, entries: Sequence[dict[str, Any]], sites: Sites,
-            watch: CastWatch, dtype: torch.dtype) -> dict[str, dict[str, torch.Tensor]]:
-    """The replay's factors, in f64 on the host, by site name."""
+            watch: CastWatch, dtype: torch.dtype, probe_mixing: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """The replay's factors, in f64 on the host, by site name. With `probe_mixing` (a replay
+    finer than the model), the single-example probes run again on the replay
+    (`layout.refuse_mixing_seen_finer`), and a model that mixes examples is refused."""
     name = DTYPE_NAMES[dtype]
     try:
         twin = _copy(model, dtype)
@@ -342,9 +346,10 @@ def _replay(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module,
             torch.set_rng_state(watch.rng[0])
             if watch.rng[1]:
                 torch.cuda.set_rng_state_all(watch.rng[1])
-        twin_inputs = _converted(inputs, dtype)
+        twin_inputs, leaves = input_leaves(_converted(inputs, dtype))
         rec, handles = record(twin, b_inputs or 0, batch_axis, twin_inputs)
         losses: Any = None
+        mixing: TraceExportError | None = None
         try:
             try:
                 with _mode(_CastMode(lift_to=dtype)) as lift:
@@ -366,6 +371,11 @@ def _replay(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module,
             # the uses the recorded pass found shared by every example: their per-example
             # gradients from the replay's own losses
             share_as_recorded(entries, rec.entries, losses, b)
+            if probe_mixing:
+                try:
+                    refuse_mixing_seen_finer(entries, rec.entries, losses, b, batch_axis, leaves, name)
+                except TraceExportError as e:
+                    mixing = e
         except _GiveUp:
             raise
         except Exception as e:
@@ -375,6 +385,8 @@ def _replay(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module,
             for entry in rec.entries:
                 entry.pop("output", None)
             losses = None
+    if mixing is not None:
+        raise mixing  # a refusal of the model, not a reason to skip the measurement
     replay_entries = rec.entries
     traced = {id(entry) for _, _, entry in sites}
     names = param_names(twin)

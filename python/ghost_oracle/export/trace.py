@@ -77,7 +77,7 @@ from .._atomic import check_target, sort_safetensors_metadata, write_atomically
 from ..trace_file import FORMAT as FORMAT  # re-exported; the header is framework-neutral
 from ..trace_file import step_rule, trace_metadata
 from .arguments import check_inputs, check_model, integer_input_error
-from .batch import _batch_size, _check_batch_axis, _concat_micro_batches, _input_tensors, _per_example
+from .batch import _batch_size, _check_batch_axis, _concat_micro_batches, _input_tensors, _per_example, input_leaves
 from .check import self_check
 from .errors import TraceExportError
 from .kinds import Use
@@ -93,24 +93,6 @@ from .step import _resolve_step
 # `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
 # has computed the true ones.
 UNCLAIMED = object()
-
-
-def _input_leaves(inputs: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
-    """(the inputs with every floating-point tensor replaced by a detached copy that requires
-    gradients, [(name, leaf)])."""
-    def leaf(t: Any) -> Any:
-        return t.detach().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t
-
-    if torch.is_tensor(inputs):
-        out = leaf(inputs)
-        return out, [("the inputs", out)] if out is not inputs else []
-    if isinstance(inputs, Mapping):
-        out = {k: leaf(v) for k, v in inputs.items()}
-        return out, [(f"input `{k}`", out[k]) for k in out if out[k] is not inputs[k]]
-    if isinstance(inputs, tuple):
-        out = tuple(leaf(v) for v in inputs)
-        return out, [(f"input {k}", v) for k, v in enumerate(out) if v is not inputs[k]]
-    return inputs, []
 
 
 def _sites(entry: dict[str, Any], names: Mapping[int, str], dtype: torch.dtype | None, b: int) -> list[Site]:
@@ -267,7 +249,7 @@ def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.M
     # floating-point inputs made leaves that require gradients, so that the probes see whether
     # an example's loss reaches another example's inputs; the model gets them, the user's
     # callable `claimed_norms` the inputs as given
-    traced_inputs, leaves = _input_leaves(inputs)
+    traced_inputs, leaves = input_leaves(inputs)
     rec, handles = record(model, b_inputs or 0, batch_axis, traced_inputs)
     entries = rec.entries
     try:

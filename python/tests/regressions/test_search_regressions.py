@@ -38,7 +38,56 @@ FIXED = [
         body=(Op("layernorm", affine=False, axes=1, bias=False, mixes=False),
               Op("linear", act="tanh", bias=True, out=3)),
         head=_REGRESS)),
+    # issue 42 class 2: the replay that measures the model's own rounding gave up on a
+    # parameter-free norm on the batch ("captured other uses"), its inputs not requiring
+    # gradients as the recorded forward's do; the f32 truth was 1.4 times its bound off
+    ("f32-rmsnorm-without-affine-rounding", TorchSpec(
+        dtype="f32", batch_axis=0, b=6, t=1, stem=Op("float", d=2, rank=2, t2=1),
+        body=(Op("rmsnorm", affine=False, axes=1, bias=False, mixes=False),),
+        head=Op("regress", bias=False, reduction="mean"), clip="below", seed=1)),
 ]
+
+# Models that mix examples the exporter judged: each is refused as mixing now.
+MIXING = [
+    # two equal examples through a mean over the batch: the batch's gradient into the bag's
+    # output cancels to exactly zero, while each example's loss reaches the other's part
+    ("equal-examples-mean-over-batch", TorchSpec(
+        dtype="f32", batch_axis=0, b=2, t=1,
+        stem=Op("bag", d=6, form="offsets", include_last_offset=False, members=3, mode="max", padding_idx=0,
+                per_sample_weights=False, vocab=6),
+        body=(Op("groupnorm", affine=False, groups=2), Op("mean_mix", mixes=True), Op("mean_mix", mixes=True)),
+        head=Op("classify", bias=False, classes=5, functional=False, ignore_index=None, reduction="mean"),
+        clip="median", seed=518)),
+    # bf16 BatchNorm in training mode at a batch of two: the gradient one example's loss sends
+    # into the other's rounds to zero at bf16; the replay at float64 sees it
+    ("bf16-batchnorm-train-b2", TorchSpec(
+        dtype="bf16", batch_axis=0, b=2, t=5,
+        stem=Op("bag", d=2, form="offsets", include_last_offset=False, members=1, mode="mean", padding_idx=0,
+                per_sample_weights=False, vocab=5),
+        body=(Op("batchnorm", affine=False, mixes=True, train=True), Op("batchnorm", affine=False, mixes=True,
+                                                                          train=True)),
+        head=Op("regress", bias=False, reduction="mean"), clip="median", seed=0)),
+    ("bf16-conv-batchnorm-train", TorchSpec(
+        dtype="bf16", batch_axis=0, b=4, t=3,
+        stem=Op("image", affine=False, as_seq=False, cin=2,
+                conv=Op("conv", bias=True, cout=4, dilation=1, dims=2, groups=2, k=1, padding=0,
+                        padding_mode="replicate", stride=2),
+                dims=2, mixes=True, norm="batch-train", norm_groups=0, sizes=(4, 3)),
+        body=(Op("linear", act="tanh", bias=False, out=5), Op("groupnorm", affine=False, groups=5),
+              Op("shared_linear", bias=False)),
+        head=Op("classify", bias=False, classes=2, functional=False, ignore_index=None, reduction="mean"),
+        clip="above", seed=29623)),
+]
+
+
+@pytest.mark.parametrize("spec", [s for _, s in MIXING], ids=[n for n, _ in MIXING])
+def test_a_mixing_model_once_judged_is_refused_as_mixing(spec):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ms.run_torch(spec)
+    assert out.status == "refused", (out.status, out.failures)
+    assert "mixes examples" in out.message, out.message
+    assert out.ok, out.failures
 
 
 @pytest.mark.parametrize("spec", [s for _, s in FIXED], ids=[n for n, _ in FIXED])
