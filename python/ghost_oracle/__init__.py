@@ -27,6 +27,7 @@ from typing import Any
 from ._api import BUILTIN_CLIPPERS, MUTANTS, audit, check, mutants
 from ._failure import ClippingCheckFailed
 from ._native import __version__
+from .shadow import ShadowCheckFailed, shadow
 from ._report import (
     VERDICTS,
     CaseResult,
@@ -52,10 +53,12 @@ __all__ = [
     "Report",
     "StepResult",
     "SumCheck",
+    "ShadowCheckFailed",
     "__version__",
     "audit",
     "check",
     "mutants",
+    "shadow",
 ]
 
 

@@ -1,0 +1,78 @@
+"""One per-example-gradient computation a library made, as shadow mode captured it, and the
+outcome the oracle gave it. Framework-neutral: a capture (one per library and mode) fills a
+`Computation`; the judge turns it into an `Outcome`."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+#: judged: the exporter traced it and the judge gave a verdict; refused: the exporter cannot
+#: trace it faithfully (a layer it cannot model, examples that mix), with its reason; skipped:
+#: not judged, by a rule stated in the reason (an empty batch, over a budget, every=N).
+OutcomeKind = Literal["judged", "refused", "skipped"]
+
+
+@dataclass
+class Computation:
+    """What the oracle needs to judge one computation, all of it observed from outside.
+
+    `model` is a copy of the module the library wrapped, taken at forward time (a later optimizer
+    step does not change it); `per_example_loss(model, inputs)` is the surrogate whose
+    per-example gradients are the ones the library computed; `claimed_norms` are the norms the
+    library clips with. `skip_reason` set: the computation is recorded as skipped, not judged."""
+
+    library: str
+    mode: str
+    module: str
+    wrapped: bool
+    batch_size: int
+    num_params: int
+    model: Any = None
+    inputs: Any = None
+    per_example_loss: Callable[[Any, Any], Any] | None = None
+    batch_axis: int = 0
+    claimed_norms: Any = None
+    max_grad_norm: float = 1.0
+    skip_reason: str | None = None
+    refuse_reason: str | None = None
+    complete: bool = False  # the backward pass the claims come from has finished
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    """The record of one computation: one line of the JSONL report."""
+
+    test: str | None
+    call: int
+    library: str
+    mode: str
+    module: str
+    outcome: OutcomeKind
+    wrapped: bool = True
+    batch_size: int = 0
+    verdict: str | None = None
+    max_rel_err: float | None = None
+    message: str | None = None
+    explanation: str | None = None
+    seconds: float = 0.0
+    #: the judge's `Report` (judged only; not written to the JSONL report)
+    report: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def failed(self) -> bool:
+        """Judged and found wrong (a verdict that fails a gate; cannot-judge is not one)."""
+        return self.outcome == "judged" and self.verdict not in ("pass", "cannot-judge")
+
+    def to_json(self) -> dict[str, Any]:
+        """The report's line: JSON has no NaN or infinity, so an undefined error is null."""
+        err = self.max_rel_err
+        return {
+            "test": self.test, "call": self.call, "library": self.library, "mode": self.mode,
+            "module": self.module, "wrapped": self.wrapped, "batch_size": self.batch_size,
+            "outcome": self.outcome, "verdict": self.verdict,
+            "max_rel_err": None if err is None or not math.isfinite(err) else err,
+            "message": self.message, "seconds": round(self.seconds, 6),
+        }
