@@ -195,7 +195,8 @@ class _Capture:
                 return None
             norms.append(ns)
         device = norms[0].device
-        return torch.stack([n.to(device) for n in norms], dim=0).norm(2, dim=0)
+        claims: torch.Tensor = torch.stack([n.to(device) for n in norms], dim=0).norm(2, dim=0)
+        return claims
 
     def _grad_sample_claims(self) -> torch.Tensor | None:
         """`DPOptimizer.clip_and_accumulate`'s norms: per parameter in the grad sample's dtype,
@@ -224,7 +225,8 @@ class _Capture:
             self.c.skip_reason = "no parameter received a per-sample gradient"
             return None
         device = per_param[0].device
-        return torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)
+        claims: torch.Tensor = torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)
+        return claims
 
 
 def _on_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -254,7 +256,7 @@ def _on_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
         c.refuse_reason = "PackedSequence inputs: the batch lives in the packing, which the exporter does not trace"
     elif b < 0:
         c.refuse_reason = f"the output of {c.module} has shape {list(first.shape)}: no batch axis {batch_dim}"
-    elif b == 0:
+    elif b == 0 or first.numel() == 0:
         c.skip_reason = "empty batch (0 examples)"
     elif not take:
         c.skip_reason = f"every={session.every}: not this computation"

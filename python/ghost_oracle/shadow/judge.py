@@ -41,6 +41,8 @@ def judge(c: Computation, outcome: Outcome, *, max_memory: int | str | None) -> 
     if c.refuse_reason is not None:
         outcome.outcome, outcome.message = "refused", c.refuse_reason
         return outcome
+    if c.per_example_loss is None:
+        raise ValueError("the computation was never completed by its backward pass")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{c.library}-{c.mode}-{c.module}")
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
@@ -66,8 +68,9 @@ def judge(c: Computation, outcome: Outcome, *, max_memory: int | str | None) -> 
             except ValueError as e:
                 if "memory" in str(e).lower():
                     outcome.outcome, outcome.message = "skipped", f"over max_memory: {e}"
-                    return outcome
-                raise
+                else:  # a trace the check cannot read is never a pass
+                    outcome.outcome, outcome.message = "refused", f"the check refused the trace: {e}"
+                return outcome
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     outcome.outcome = "judged"
