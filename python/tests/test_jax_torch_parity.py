@@ -71,11 +71,11 @@ def test_torch_and_jax_traces_are_judged_the_same(tmp_path):
     gtorch.export_trace(tmodel, torch_loss, torch.from_numpy(np.array(ids)).long(), tpath, claimed_norms=claimed,
                         max_grad_norm=0.1)
     jm, tm = meta(jpath), meta(tpath)
-    # The torch exporter measures the model's own rounding by replaying it at another precision
-    # (docs/trace-format.md, "model.rounding"); the Flax exporter does not measure it yet, and
-    # its traces are judged as every trace without that key is. Every other key is shared.
-    assert tm["model_rounding"] == "replay-float64" and "model_rounding" not in jm
-    assert set(jm) == set(tm) - {"model_rounding"}
+    # Both exporters measure the model's own rounding by replaying it at another precision
+    # (docs/trace-format.md, "model.rounding"), an f32 model in f64, under the same key and name
+    # (the torch exporter may add random-rounding replays to it: "replay-float64+...").
+    assert jm["model_rounding"] == "replay-float64" and tm["model_rounding"].startswith("replay-float64")
+    assert set(jm) == set(tm)
     assert {k: jm[k] for k in ("format", "max_grad_norm", "compute_dtype")} == \
         {k: tm[k] for k in ("format", "max_grad_norm", "compute_dtype")}
     jr, tr = ghost_oracle.check(str(jpath)), ghost_oracle.check(str(tpath))

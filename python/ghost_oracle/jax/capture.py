@@ -21,6 +21,7 @@ the loop cannot replay exactly is refused by name, as is a modelled call under a
 transformation inside the model (`nn.vmap`, `nn.remat`, a jit that `jax.disable_jit` does not reach)."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ from .scan import Layer, scans_as_loops
 from .sites import Call
 
 PerExampleLoss = Callable[[Callable[..., Any], Any], Any]
+# nn.intercept_methods' interceptor: (the method, its args, its kwargs, the context) -> its output
+Interceptor = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any], Any], Any]
 
 # what a tracer met in the first pass (which runs without any transformation) says about the
 # transformation inside the model that made it
@@ -132,8 +135,8 @@ class Captured:
     scans: dict[tuple[str, ...], int]  # the path of each module scanned over layers -> its length
 
 
-def _apply_fn(model: nn.Module, variables: dict[str, Any], recorder: _Recorder, applied: list[int]
-              ) -> Callable[..., Any]:
+def _apply_fn(model: nn.Module, variables: dict[str, Any], recorder: _Recorder, applied: list[int],
+              outer: Interceptor | None = None) -> Callable[..., Any]:
     def apply(*args: Any, **kwargs: Any) -> Any:
         mutable = kwargs.get("mutable", False)
         names = [mutable] if isinstance(mutable, str) else mutable
@@ -146,7 +149,13 @@ def _apply_fn(model: nn.Module, variables: dict[str, Any], recorder: _Recorder, 
         if applied:
             raise ValueError("per_example_loss called apply more than once; the exporter traces one forward")
         applied.append(1)
-        with nn.intercept_methods(recorder.intercept), scans_as_loops(recorder.layers):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(nn.intercept_methods(recorder.intercept))
+            if outer is not None:
+                # entered last, so it runs first: what it changes of a module (the replay's
+                # precision) is what the recorder and the module's method see
+                stack.enter_context(nn.intercept_methods(outer))
+            stack.enter_context(scans_as_loops(recorder.layers))
             return model.apply(variables, *args, **kwargs)
     return apply
 
@@ -185,9 +194,11 @@ def _output_batch_axis(call: Call) -> int:
 
 
 def capture(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any, batch: int,
-            weights: np.ndarray) -> Captured:
+            weights: np.ndarray, outer: Interceptor | None = None) -> Captured:
     """Records every modelled call on `inputs` and the gradients of Σ_i weights_i·loss_i; the
-    probes check that the examples do not mix (refused by name otherwise)."""
+    probes check that the examples do not mix (refused by name otherwise). `outer`, an
+    interceptor run around every module method before the capture's own (the replay's, which
+    sets each module's precision: `rounding.py`)."""
     first = _Recorder(batch, recording=True)
     # jit inside the model (the gemma package jits its Transformer's __call__) would hand the
     # interceptor traced values; the passes run eagerly, with the model's own arithmetic. Only
@@ -195,7 +206,7 @@ def capture(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inp
     # model's own jit left on, was measured no faster on the tiny Gemma 3 and jax_privacy tests
     # (compiling costs what eager dispatch saves) and rounds differently from the first pass
     with jax.disable_jit():
-        _losses(per_example_loss(_apply_fn(model, {"params": params}, first, []), inputs), batch)
+        _losses(per_example_loss(_apply_fn(model, {"params": params}, first, [], outer), inputs), batch)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(inputs)
     values = [v for _, v in flat]
@@ -206,7 +217,7 @@ def capture(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inp
         return jax.tree_util.tree_unflatten(treedef, [replaced.get(k, v) for k, v in enumerate(values)])
 
     def run(p: Any, rec: _Recorder, replaced: dict[int, Any]) -> jax.Array:
-        return _losses(per_example_loss(_apply_fn(model, {"params": p}, rec, []), with_values(replaced)), batch)
+        return _losses(per_example_loss(_apply_fn(model, {"params": p}, rec, [], outer), with_values(replaced)), batch)
 
     def forward(p: Any, perts: dict[str, Any], floats: list[Any]) -> jax.Array:
         return run(p, _Recorder(batch, recording=False, perturbations=perts), dict(zip(probed, floats, strict=True)))

@@ -19,6 +19,7 @@ from ..trace_file import PRECISION_NAMES, TraceExportError, number, step_rule, t
 from .capture import PerExampleLoss, capture, flat_params
 from .check import STORAGE, self_check, unit_roundoff
 from .kinds import handler_for
+from .rounding import model_rounding
 from .scan import split_layers
 from .sites import Site
 
@@ -195,9 +196,15 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
         if given is not None:
             tensors.update(_step_tensors(what, given, sites, parameters, captured.scans))
             has_step = True
+    # the rounding of the model's own forward and backward in the factors as written, measured
+    # by a replay at another precision (`rounding.py`); None, with a warning, where it cannot be
+    rounding = model_rounding(model, params, per_example_loss, inputs, b, keep, captured.calls, sites)
+    if rounding is not None:
+        tensors["model.rounding"] = rounding.rounding
     meta = trace_metadata(max_grad_norm=c, clipper=clipper, sites=specs, compute_dtype=coarsest,
                           parameters=parameters, noise_multiplier=noise_multiplier, batch_divisor=batch_divisor,
-                          clip_stabilizer=clip_stabilizer, clipping=clipping, has_step=has_step)
+                          clip_stabilizer=clip_stabilizer, clipping=clipping, has_step=has_step,
+                          model_rounding=None if rounding is None else rounding.method)
     write_atomically(path, "path", lambda tmp: _save(tensors, tmp, meta))
     return specs
 
