@@ -20,7 +20,10 @@ CLIPPING_RULES = ("flat", "automatic")
 # measured: the model replayed in float64 (the difference is the traced gradient's own rounding),
 # or a float64 model replayed in float32 (the difference times u64/u32 = 2⁻²⁹ estimates
 # float64's own).
-MODEL_ROUNDING = ("replay-float64", "replay-float32-scaled")
+# "+random-rounding": the largest of that and of replays in random rounding at the trace's
+# precision (ghost_oracle/export/rounding.py).
+MODEL_ROUNDING = ("replay-float64", "replay-float32-scaled", "replay-float64+random-rounding",
+                  "replay-float32-scaled+random-rounding")
 
 
 class TraceExportError(ValueError):

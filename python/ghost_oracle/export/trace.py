@@ -169,7 +169,7 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
             tensors[f"{spec['name']}.{k}"] = v
     progress.step("replaying the model at another precision (its own rounding)", 0, 1)
     rounding = model_rounding(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch,
-                              args.compute_dtype)
+                              args.compute_dtype, compute_dtype)
     if rounding is not None:
         tensors["model.rounding"] = rounding.rounding
     parameters = _manifest(model, names)
