@@ -60,6 +60,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
+    __tracebackhide__ = True  # the failure is the test's, not the plugin's
     session = item.config.stash.get(_SESSION, None)
     if session is None:
         return (yield)

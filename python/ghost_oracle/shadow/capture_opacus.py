@@ -257,7 +257,7 @@ def _on_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     elif b < 0:
         c.refuse_reason = f"the output of {c.module} has shape {list(first.shape)}: no batch axis {batch_dim}"
     elif b == 0 or first.numel() == 0:
-        c.skip_reason = "empty batch (0 examples)"
+        c.skip_reason = "empty batch (no examples)"
     elif not take:
         c.skip_reason = f"every={session.every}: not this computation"
     elif session.max_params is not None and c.num_params > session.max_params:

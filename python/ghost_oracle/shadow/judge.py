@@ -49,7 +49,8 @@ def judge(c: Computation, outcome: Outcome, *, max_memory: int | str | None) -> 
     try:
         # the library's test may run in deterministic mode; the exporter's own scatter-adds on
         # CUDA have no deterministic kernel, and its arithmetic is f64 and checked against autograd
-        torch.use_deterministic_algorithms(False)
+        if deterministic:
+            torch.use_deterministic_algorithms(False)
         with tempfile.TemporaryDirectory(prefix="ghost-oracle-shadow-") as d, torch.enable_grad():
             path = os.path.join(d, f"{name}.safetensors")
             try:
@@ -72,7 +73,8 @@ def judge(c: Computation, outcome: Outcome, *, max_memory: int | str | None) -> 
                     outcome.outcome, outcome.message = "refused", f"the check refused the trace: {e}"
                 return outcome
     finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        if deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=warn_only)
     outcome.outcome = "judged"
     outcome.verdict = str(report.verdict)
     outcome.max_rel_err = _max_rel_err(np.asarray(report.true_norms, dtype=np.float64),
