@@ -288,3 +288,32 @@ def test_bad_arguments_are_named():
         ghost_oracle.shadow(every=0)
     with pytest.raises(ValueError, match="max_params"):
         ghost_oracle.shadow(max_params=-1)
+
+
+def test_ghost_clipping_through_the_privacy_engine_is_one_computation_a_step():
+    """make_private(grad_sample_mode="ghost"): the loss's backward() runs two backward passes (the
+    norms, then the rescaled sum with Opacus's hooks off); the first is the computation."""
+    from opacus import PrivacyEngine
+
+    factory, x = models()["mlp"]
+    model = factory()
+    y = torch.randint(0, 2, (B,), generator=torch.Generator().manual_seed(3))
+    m64 = copy.deepcopy(model).double()
+    truth = []
+    for i in range(B):  # each example's own loss
+        m64.zero_grad()
+        nn.functional.cross_entropy(m64(x[i:i + 1].double()), y[i:i + 1]).backward()
+        truth.append(torch.sqrt(sum(p.grad.pow(2).sum() for p in m64.parameters())).item())
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=B)
+    with ghost_oracle.shadow(on_failure="record") as session:
+        gsm, opt, criterion, data = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=data,
+            criterion=nn.CrossEntropyLoss(), noise_multiplier=0.0, max_grad_norm=1.0, grad_sample_mode="ghost",
+            poisson_sampling=False)
+        for xb, yb in data:
+            criterion(gsm(xb), yb).backward()
+            opt.step()
+    o = judged(session)
+    assert (o.mode, o.verdict) == ("ghost", "pass")
+    torch.testing.assert_close(torch.as_tensor(o.report.true_norms), torch.tensor(truth, dtype=torch.float64),
+                               rtol=2e-5, atol=1e-7)
