@@ -14,6 +14,9 @@
     import ghost_oracle.opacus                            # claimed norms straight from Opacus
     norms = ghost_oracle.opacus.norms(gsm, per_example_loss, batch)
 
+    with ghost_oracle.shadow(report="shadow.jsonl"):       # judge every Opacus computation, unedited
+        train_or_test()                                   # (also: pytest --ghost-oracle)
+
 `check`, `audit` and `mutants` return a `Report`; bad input raises `ValueError` (or
 `FileNotFoundError`) with the message the `ghost-oracle` CLI prints. The submodules `torch` and
 `opacus` need PyTorch (and Opacus), `jax` and `jax_privacy` need JAX and Flax (and
@@ -27,7 +30,6 @@ from typing import Any
 from ._api import BUILTIN_CLIPPERS, MUTANTS, audit, check, mutants
 from ._failure import ClippingCheckFailed
 from ._native import __version__
-from .shadow import ShadowCheckFailed, shadow
 from ._report import (
     VERDICTS,
     CaseResult,
@@ -39,6 +41,7 @@ from ._report import (
     StepResult,
     SumCheck,
 )
+from .shadow import ShadowCheckFailed, shadow
 
 __all__ = [
     "BUILTIN_CLIPPERS",
