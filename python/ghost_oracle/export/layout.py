@@ -324,6 +324,7 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
         candidates = list(status)
         if candidates:
             e["layout"] = candidates[0]
+            e["layout_unprobed"] = True  # any layout: no probe reached the use to say which
         else:
             e["grad"] = None
         return
@@ -396,11 +397,26 @@ def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Seque
     owners = {name: own for name, t in leaves for x, own in declared
               if x.shape == t.shape and x.data_ptr() == t.data_ptr()}
     order = _probe_order(b)[:b if b <= PROBE_ALL_UP_TO else 4]  # as many as the recorded pass needs at least
+    # A use no probe reached at the model's precision has a layout chosen for want of one: its
+    # candidates are tried as the recorded pass tries them, and it mixes if none keeps every
+    # probed example apart.
+    unprobed = {id(e): {lay: [True, False] for lay in _layouts(tuple(e["output"].shape), b)}
+                for r, e in uses if r.get("layout_unprobed")}
+    spills: dict[int, tuple[int, list[int], Layout]] = {}
     for i in order:
         grads = torch.autograd.grad(losses[i], [e["output"] for _, e in uses] + [t for _, t in leaves],
                                     retain_graph=True, allow_unused=True)
         for (r, e), g in zip(uses, grads[:len(uses)], strict=True):
             if g is None:
+                continue
+            if id(e) in unprobed:
+                for lay, st in unprobed[id(e)].items():
+                    nz = _batch_first(g, lay, b).ne(0).reshape(b, -1).any(1)
+                    others = [j for j in nz.nonzero().flatten().tolist() if j != i]
+                    if others:
+                        st[0] = False
+                        spills.setdefault(id(e), (i, others, lay))
+                    st[1] = st[1] or bool(nz[i])
                 continue
             nz = _batch_first(g, r["layout"], b).ne(0).reshape(b, -1).any(1)
             others = [j for j in nz.nonzero().flatten().tolist() if j != i]
@@ -422,3 +438,16 @@ def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Seque
                     f"{shown} (along axis {batch_axis}), seen when the model is replayed at {precision} (at the "
                     "model's own precision that gradient rounds to zero), so example i's gradient changes with "
                     "the other examples of the batch and no per-example norm is defined")
+    for r, e in uses:
+        status = unprobed.get(id(e))
+        if status is None or id(e) not in spills or _fits(status):
+            continue
+        i, others, lay = spills[id(e)]
+        shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
+        raise TraceExportError(
+            f"the model mixes examples: the loss of example {i} alone sends gradient into the output of module "
+            f"`{r['name']}` ({r['cls']}) ({list(e['output'].shape)}) at example(s) {shown} along {_describe(lay)}, "
+            f"and along every other axis that could hold the examples, seen when the model is replayed at "
+            f"{precision} (at the model's own precision that gradient rounds to zero). Example i's gradient then "
+            "depends on the other examples of the batch (normalization or attention across the batch, BatchNorm "
+            "in training mode), so per-example clipping bounds nothing and no per-example norm is defined")

@@ -370,13 +370,20 @@ class _RandomRounding(TorchDispatchMode):  # type: ignore[no-untyped-call]  # to
         self.u, self.seed = u, seed
         self.generators: dict[torch.device, torch.Generator] = {}
 
-    def _perturbed(self, t: Any) -> Any:
-        if not torch.is_tensor(t) or not t.is_floating_point() or t.numel() == 0:
-            return t
+    def _eps(self, t: torch.Tensor) -> torch.Tensor:
         gen = self.generators.get(t.device)
         if gen is None:
             gen = self.generators[t.device] = torch.Generator(device=t.device).manual_seed(self.seed)
-        eps = torch.rand(t.shape, generator=gen, dtype=t.dtype, device=t.device).mul_(2.0).sub_(1.0)
+        return torch.rand(t.shape, generator=gen, dtype=t.dtype, device=t.device).mul_(2.0).sub_(1.0)
+
+    def _perturbed(self, t: Any, size: Any = None) -> Any:
+        """`t` rounded at random: t·(1 + u·ε), or, for a sum whose terms' absolute values sum
+        to `size`, t + u·ε·size."""
+        if not torch.is_tensor(t) or not t.is_floating_point() or t.numel() == 0:
+            return t
+        eps = self._eps(t)
+        if torch.is_tensor(size):
+            return t + eps.mul_(self.u).mul_(size)
         return t * eps.mul_(self.u).add_(1.0)
 
     def __torch_dispatch__(self, func: Any, types: Sequence[type], args: Sequence[Any] = (),
@@ -390,9 +397,30 @@ class _RandomRounding(TorchDispatchMode):  # type: ignore[no-untyped-call]  # to
         if (func.overloadpacket.__name__ in _EXACT_OPS or schema.is_mutable
                 or any(r.alias_info is not None for r in schema.returns)):
             return out
+        sizes = _accumulated(func, args, kwargs or {}, out)
         if isinstance(out, (tuple, list)):
-            return type(out)(self._perturbed(t) for t in out)
-        return self._perturbed(out)
+            return type(out)(self._perturbed(t, sz) for t, sz in zip(out, sizes or [None] * len(out), strict=True))
+        return self._perturbed(out, sizes[0] if sizes else None)
+
+
+def _abs(v: Any) -> Any:
+    return v.abs() if torch.is_tensor(v) and v.is_floating_point() else v
+
+
+def _accumulated(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> list[Any] | None:
+    """For an operation that sums many products (matrix products, convolutions and their
+    backward, sums and means): the same operation on the absolute values of its operands, per
+    result, the scale of its partial sums' rounding (a sum of k terms rounds each partial sum,
+    whose size is that of the terms', not the result's where they cancel); None for any other
+    operation."""
+    name = func.overloadpacket.__name__
+    if name not in ("mm", "bmm", "addmm", "convolution", "convolution_backward", "sum", "mean"):
+        return None
+    a = [_abs(v) for v in args]
+    kw = {k: (abs(v) if k in ("alpha", "beta") and isinstance(v, (int, float)) else _abs(v))
+          for k, v in kwargs.items()}
+    sized = func(*a, **kw)
+    return list(sized) if isinstance(sized, (tuple, list)) else [sized]
 
 
 class _GiveUp(Exception):

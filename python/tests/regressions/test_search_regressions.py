@@ -170,4 +170,6 @@ def test_a_bf16_pass_on_an_example_c_barely_clips_is_honest():
         warnings.simplefilter("ignore")
         out = ms.run_torch(spec)
     assert out.ok, out.failures
-    assert out.verdicts["0.5% low"] == "pass"
+    # pass (the judge's rule 2), or cannot-judge where the measured model rounding puts some
+    # example's bound over a tenth of its norm; never a violation of the exact or a wrong pass
+    assert out.verdicts["0.5% low"] in ("pass", "cannot-judge"), out.verdicts
