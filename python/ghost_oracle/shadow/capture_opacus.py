@@ -34,6 +34,7 @@ from opacus.grad_sample.gsm_exp_weights import GradSampleModuleExpandedWeights
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import capture_opacus_optimizer
 from . import session as sessions
 from .computation import Computation, Outcome
 from .surrogate import SurrogateLoss
@@ -248,16 +249,19 @@ def _on_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     first = leaves[live[0]]
     b = int(first.shape[batch_dim]) if first.dim() > batch_dim else -1
     trainable = [p for p in root.parameters() if p.requires_grad]
+    params = frozenset(id(p) for p in trainable)
     c = Computation(library=LIBRARY, mode=mode, module=type(root).__name__, wrapped=wrapped, batch_size=max(b, 0),
                     num_params=sum(p.numel() for p in trainable), batch_axis=batch_dim,
-                    max_grad_norm=float(getattr(owner, "max_grad_norm", session.max_grad_norm)))
-    o, take = session.start(LIBRARY, mode, c.module, wrapped, c.batch_size)
+                    max_grad_norm=float(getattr(owner, "max_grad_norm", session.max_grad_norm)),
+                    step_key=id(root), params=params,
+                    names={id(p): n for n, p in root.named_parameters() if p.requires_grad})
+    o, take = session.start(LIBRARY, mode, c.module, wrapped, c.batch_size, key=id(root), params=params)
     if _has_packed(args) or _has_packed(kwargs):
         c.refuse_reason = "PackedSequence inputs: the batch lives in the packing, which the exporter does not trace"
     elif b < 0:
         c.refuse_reason = f"the output of {c.module} has shape {list(first.shape)}: no batch axis {batch_dim}"
     elif b == 0 or first.numel() == 0:
-        c.skip_reason = "empty batch (no examples)"
+        c.skip_reason, c.empty = "empty batch (no examples)", True
     elif not take:
         c.skip_reason = f"every={session.every}: not this computation"
     elif session.max_params is not None and c.num_params > session.max_params:
@@ -289,8 +293,9 @@ def _on_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
 
 
 def install() -> Callable[[], None]:
-    """Hooks Opacus (a global module forward hook, and `torch.autograd.backward` wrapped so that
-    the session judges after each backward pass); returns the function that undoes both."""
+    """Hooks Opacus (a global module forward hook, `torch.autograd.backward` wrapped so that the
+    session judges after each backward pass, and the DP optimizers' `pre_step`/`zero_grad`
+    wrapped, `capture_opacus_optimizer`); returns the function that undoes them."""
     handle = torch.nn.modules.module.register_module_forward_hook(_on_forward, with_kwargs=True)
     original = torch.autograd.backward
 
@@ -302,8 +307,10 @@ def install() -> Callable[[], None]:
 
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     torch.autograd.backward = backward
+    uninstall_optimizers = capture_opacus_optimizer.install()
 
     def uninstall() -> None:
+        uninstall_optimizers()
         handle.remove()
         if torch.autograd.backward is backward:
             torch.autograd.backward = original

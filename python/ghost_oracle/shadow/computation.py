@@ -38,7 +38,37 @@ class Computation:
     skip_reason: str | None = None
     refuse_reason: str | None = None
     complete: bool = False  # the backward pass the claims come from has finished
+    empty: bool = False  # a batch of no examples: skipped, and adds nothing to a step
+    #: the module's identity and its trainable parameters' (ids), which tie the computation to
+    #: the optimizer step that clips it; `names`: id → the parameter's name in the module
+    step_key: int | None = None
+    params: frozenset[int] = frozenset()
+    names: dict[int, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepClaims:
+    """What a DP optimizer's step claims, read from it right after it clipped, noised and divided
+    (before the weights move): per parameter (by id) the clipped sum before noise and the
+    update; the run's C, σ and γ; and what the divisor it states is made of (the expected batch
+    size it was given, the passes it accumulated, its loss reduction). `refuse_reason` set: an optimizer whose
+    step is not flat DP-SGD as `assert_update` judges it."""
+
+    library: str
+    optimizer: str
+    params: frozenset[int]
+    clipped_sum: dict[int, Any]
+    update: dict[int, Any]
+    max_grad_norm: float
+    noise_multiplier: float
+    clip_stabilizer: float
+    expected_batch_size: int | None
+    loss_reduction: str
+    #: the backward passes the optimizer says it accumulated (Opacus's `accumulated_iterations`,
+    #: read before it clipped): the divisor it states is expected_batch_size times this
+    accumulated_iterations: int | None = None
+    refuse_reason: str | None = None
 
 
 @dataclass
@@ -53,6 +83,9 @@ class Outcome:
     outcome: OutcomeKind
     wrapped: bool = True
     batch_size: int = 0
+    #: "norms": one backward pass's per-example norms; "step": a DP optimizer's step (the
+    #: clipped sum, the noise and the divisor, over every micro-batch it accumulated)
+    what: str = "norms"
     verdict: str | None = None
     max_rel_err: float | None = None
     message: str | None = None
@@ -72,7 +105,7 @@ class Outcome:
         return {
             "test": self.test, "call": self.call, "library": self.library, "mode": self.mode,
             "module": self.module, "wrapped": self.wrapped, "batch_size": self.batch_size,
-            "outcome": self.outcome, "verdict": self.verdict,
+            "what": self.what, "outcome": self.outcome, "verdict": self.verdict,
             "max_rel_err": None if err is None or not math.isfinite(err) else err,
             "message": self.message, "seconds": round(self.seconds, 6),
         }

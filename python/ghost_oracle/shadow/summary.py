@@ -37,7 +37,7 @@ class Summary:
         self.seconds += o.seconds
         if o.outcome == "judged":
             self.judged += 1
-            self.by_mode[o.mode] += 1
+            self.by_mode[o.mode if o.what == "norms" else f"{o.mode} step"] += 1
             if o.verdict == "pass":
                 self.passed += 1
             elif o.verdict == "cannot-judge":
