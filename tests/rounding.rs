@@ -187,8 +187,8 @@ fn is_violation(v: Verdict) -> bool {
 fn an_exact_claim_on_factors_carrying_the_model_rounding_is_never_a_violation_once_it_is_stated() {
     // Each factor off by up to 1e-4 or 1e-3 relative: the rounding of a deep f32 forward and
     // backward, five to fifty times the f32 bound of the norms' own arithmetic (about 2e-5
-    // here). The first the bound then covers; the second is past what f32 can judge (2·r/n* is
-    // 2e-3 to 3e-3 of the norm, over δ = 1e-3) wherever C clips.
+    // here). The first the bound then covers; the second is past what f32 can judge (3·r/n* is
+    // 3e-3 to 4.5e-3 of the norm, over δ = 1e-3) wherever C clips.
     for (rho, clipped_judgeable) in [(1e-4, true), (1e-3, false)] {
         let exact = tied_trace(1.0, 7);
         let traced = perturbed(&exact, rho, 8);
@@ -223,9 +223,9 @@ fn an_exact_claim_on_factors_carrying_the_model_rounding_is_never_a_violation_on
             };
             assert_eq!(told.verdict, want, "{case}: {:?}", told.examples);
             for (i, e) in told.examples.iter().enumerate() {
-                // The bound gained twice the rounding relative to the norm, and no more than
-                // the f32 bound it had without it.
-                let share = 2.0 * rounding[i] / traced_norms[i];
+                // The bound gained three times the rounding relative to the norm
+                // (docs/tolerances.md), and no more than the f32 bound it had without it.
+                let share = 3.0 * rounding[i] / traced_norms[i];
                 assert!(
                     (e.model_rounding - share).abs() <= 1e-12 * share,
                     "{case} {i}"
@@ -326,7 +326,7 @@ fn the_clipped_sum_bound_covers_the_model_rounding() {
         )
         .unwrap()
         .clipped_sum_bound_at(&coefs, &arithmetic);
-    let added: f64 = rounding.iter().zip(coefs).map(|(r, c)| 2.0 * r * c).sum();
+    let added: f64 = rounding.iter().zip(coefs).map(|(r, c)| 3.0 * r * c).sum();
     assert!((told - blind - added).abs() <= 1e-12 * told);
     assert!(diff2.sqrt() <= told);
 }
