@@ -14,6 +14,9 @@ after `backward()` returns, the exporter traces the copy with the surrogate loss
 s·⟨out_i, stopgrad(∂L/∂out_i)⟩ (`surrogate`) and the f64 judge gives the verdict (`judge`).
 What the exporter refuses (a layer it cannot model, examples that mix) is recorded as refused
 with its reason, an empty batch or a computation over `max_params`/`max_memory` as skipped.
+`DPOptimizer.step()` and the ghost-clipping optimizer's are judged too: the clipped sum, the
+noise and the divisor, over every micro-batch since the last `zero_grad()`, as `assert_update`
+judges them (`capture_opacus_optimizer`, `judge.judge_step`).
 See docs/shadow.md. This package imports no framework until a session is entered."""
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ def shadow(*, on_failure: OnFailure = "raise", report: str | os.PathLike[str] | 
             "record": nothing (read `session.outcomes` / `session.failures`).
         report: a path: one JSON line per computation seen (test, call, library, mode, module,
             outcome, verdict, max_rel_err, message, ...), each flushed as it is decided.
-        every: judge one computation in `every` (the others are recorded as skipped).
+        every: judge one in `every` (the others are recorded as skipped): computations until a
+            DP optimizer's step has been seen, then steps, each with all its computations.
         max_params: a computation on a module with more trainable parameters is skipped with
             the reason (default 20 M; None: no limit).
         max_memory: the most memory a computation's capture and check may take ("8G", "512M"
