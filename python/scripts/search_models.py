@@ -48,6 +48,8 @@ class Tally:
         self.examples: dict[str, dict[str, Any]] = {}  # failure class -> the smallest model showing it
         self.refusal_examples: dict[str, str] = {}
         self.verdicts: collections.Counter[str] = collections.Counter()
+        # the exact claims' verdicts by the model's dtype: what the model's own rounding costs
+        self.exact_by_dtype: collections.Counter[str] = collections.Counter()
         self.models_failing = 0
         self.failing: list[dict[str, Any]] = []  # every model failing the invariant, to classify
         self.truth_errors: list[float] = []
@@ -72,6 +74,8 @@ class Tally:
             self.cannot_judge[reason] += 1
         for what, verdict in out.verdicts.items():
             self.verdicts[f"{what}: {verdict}"] += 1
+            if what.startswith("exact"):
+                self.exact_by_dtype[f"{spec.dtype} {what}: {verdict}"] += 1
         if out.truth_rel_err == out.truth_rel_err:  # not NaN
             self.truth_errors.append(out.truth_rel_err)
         if out.failures:
@@ -108,6 +112,7 @@ class Tally:
             "failing_models": self.failing,
             "refusal_examples": self.refusal_examples,
             "verdicts": dict(sorted(self.verdicts.items())),
+            "exact_verdicts_by_dtype": dict(sorted(self.exact_by_dtype.items())),
             "truth_rel_err_median": errs[len(errs) // 2] if errs else None,
             "slowest_model": {"seconds": round(self.slowest[0], 2), "spec": self.slowest[1]},
         }
@@ -131,6 +136,7 @@ class Tally:
         block("crashes, by reason", self.crashes)
         block("failures of the invariant, by class", self.failures)
         block("verdicts", collections.Counter(dict(self.verdicts)))
+        block("exact claims' verdicts by dtype", collections.Counter(dict(self.exact_by_dtype)))
         if self.examples:
             out.append("  smallest model of each failure class:")
             for cls, ex in sorted(self.examples.items()):
