@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
+from .batch import Packing, packed_sequences
 from .errors import TraceExportError
 
 
@@ -40,18 +42,28 @@ def check_model(model: object) -> None:
 
 
 def _floating_tensors(inputs: Any) -> list[tuple[str, torch.Tensor]]:
-    if torch.is_tensor(inputs):
-        return [("inputs", inputs)]
+    """The batch's tensors of values, by name: a `PackedSequence`'s data, not its packing (its
+    batch sizes and indices are integers that describe the batch, not inputs of the model)."""
+    def named(name: str, v: Any) -> list[tuple[str, torch.Tensor]]:
+        if isinstance(v, PackedSequence):
+            return [(f"{name}.data", v.data)]
+        return [(name, v)] if torch.is_tensor(v) else []
+
+    if torch.is_tensor(inputs) or isinstance(inputs, PackedSequence):
+        return named("inputs", inputs)
     if isinstance(inputs, Mapping):
-        return [(f"inputs[{k!r}]", v) for k, v in inputs.items() if torch.is_tensor(v)]
+        return [pair for k, v in inputs.items() for pair in named(f"inputs[{k!r}]", v)]
     if isinstance(inputs, (tuple, list)):
-        return [(f"inputs[{k}]", v) for k, v in enumerate(inputs) if torch.is_tensor(v)]
+        return [pair for k, v in enumerate(inputs) for pair in named(f"inputs[{k}]", v)]
     return []
 
 
 def check_inputs(inputs: Any, b: int | None, batch_axis: int) -> None:
     """Raises for an empty batch (named as such, whatever the loss would do with it), for
-    inputs on the meta device, and for floating-point inputs holding NaN or ±inf."""
+    inputs on the meta device, for floating-point inputs holding NaN or ±inf, and for a
+    `PackedSequence` whose packing is not one (`batch.Packing.of` names what is wrong)."""
+    for packed in packed_sequences(inputs):
+        Packing.of(packed)
     if b == 0:
         raise ValueError(f"inputs: the batch is empty (0 examples along batch_axis {batch_axis}): there is no "
                          "example to trace")

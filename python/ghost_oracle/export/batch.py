@@ -1,12 +1,87 @@
-"""The batch as the user passes it: its examples' axis, its micro-batches, and per-example
-values (claimed norms and coefficients)."""
+"""The batch as the user passes it: its examples' axis, its micro-batches, its packings, and
+per-example values (claimed norms and coefficients).
+
+A `PackedSequence` holds its examples in the packing, not along an axis: its `data` is the rows
+of every time step one after the other, and time step t holds the first `batch_sizes[t]`
+examples in sorted order (`sorted_indices[k]` is the example at sorted position k; the
+identity where it is None). It is kept whole wherever the batch is handled (a model's forward
+tests `isinstance(x, PackedSequence)`), and `Packing` says which example each row is."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import PackedSequence
+
+
+@dataclass(frozen=True, eq=False)
+class Packing:
+    """The examples of one `PackedSequence`'s rows: B, the batch sizes of its time steps, the
+    example at each sorted position (`order`), and the example of each row of its data
+    (`owners`, one per row)."""
+
+    data: torch.Tensor
+    b: int
+    batch_sizes: tuple[int, ...]
+    order: tuple[int, ...]
+    owners: torch.Tensor
+
+    @staticmethod
+    def of(packed: PackedSequence) -> Packing:
+        sizes = tuple(int(n) for n in packed.batch_sizes.tolist())
+        if not sizes or any(n <= 0 for n in sizes) or any(a < z for a, z in zip(sizes, sizes[1:], strict=False)):
+            raise ValueError(f"a PackedSequence input has batch_sizes {list(sizes)}: a packing's batch sizes are "
+                             "positive and non-increasing")
+        b = sizes[0]
+        order = tuple(range(b)) if packed.sorted_indices is None else \
+            tuple(int(i) for i in packed.sorted_indices.tolist())
+        if sorted(order) != list(range(b)):
+            raise ValueError(f"a PackedSequence input's sorted_indices {list(order)} is not a permutation of its "
+                             f"{b} examples")
+        if packed.data.dim() < 1 or packed.data.shape[0] != sum(sizes):
+            raise ValueError(f"a PackedSequence input's data has shape {list(packed.data.shape)}; its batch_sizes "
+                             f"say {sum(sizes)} rows")
+        owners = torch.tensor([order[k] for n in sizes for k in range(n)], dtype=torch.long)
+        return Packing(packed.data, b, sizes, order, owners)
+
+    def row_owners(self, n: int) -> tuple[int, ...] | None:
+        """The example of each of `n` rows computed row by row from this packing: its data (every
+        row), or one time step (the first n examples in sorted order); None for another n."""
+        if n == len(self.owners):
+            return tuple(int(i) for i in self.owners.tolist())
+        if n in self.batch_sizes:
+            return self.order[:n]
+        return None
+
+
+def packed_sequences(inputs: Any, depth: int = 3) -> Iterator[PackedSequence]:
+    """The `PackedSequence`s the batch holds: itself, or those in its tuple, list or dict."""
+    if isinstance(inputs, PackedSequence):
+        yield inputs
+    elif depth > 0 and isinstance(inputs, (tuple, list)):
+        for v in inputs:
+            yield from packed_sequences(v, depth - 1)
+    elif depth > 0 and isinstance(inputs, Mapping):
+        for v in inputs.values():
+            yield from packed_sequences(v, depth - 1)
+
+
+def packings(inputs: Any) -> list[Packing]:
+    """The packing of every `PackedSequence` of the batch (see the module's docstring)."""
+    return [Packing.of(p) for p in packed_sequences(inputs)]
+
+
+def _packed_batch_size(inputs: Any) -> int | None:
+    """B of a batch holding `PackedSequence`s (all of one B, else a ValueError); None where it
+    holds none."""
+    found = {int(p.batch_sizes[0]) if len(p.batch_sizes) else 0 for p in packed_sequences(inputs)}
+    if len(found) > 1:
+        raise ValueError(f"inputs hold PackedSequences of different batch sizes {sorted(found)}: one batch's "
+                         "examples are in every one of them")
+    return found.pop() if found else None
 
 
 def _batch_shape(inputs: object, batch_axis: int = 0) -> tuple[int, int]:
@@ -35,7 +110,12 @@ def _batch_shape(inputs: object, batch_axis: int = 0) -> tuple[int, int]:
 def _batch_size(inputs: object, batch_axis: int = 0) -> int | None:
     """B as the inputs show it: the size of `batch_axis` of the tensor (of a dict's `input_ids`,
     else of its first tensor with that axis); None for other inputs (a tuple of arguments, whose
-    tensors need not be per example: ids and offsets), for which the per-example loss says B."""
+    tensors need not be per example: ids and offsets), for which the per-example loss says B. A
+    `PackedSequence` (alone or in a tuple, list or dict) says B by its packing: its first time
+    step's batch size, whatever `batch_axis`."""
+    packed = _packed_batch_size(inputs)
+    if packed is not None:
+        return packed
     if torch.is_tensor(inputs):
         return inputs.shape[batch_axis] if inputs.dim() > batch_axis else None
     if isinstance(inputs, Mapping):
@@ -48,7 +128,10 @@ def _batch_size(inputs: object, batch_axis: int = 0) -> int | None:
 
 
 def _input_tensors(inputs: object) -> list[torch.Tensor]:
-    """The tensors the batch holds, for telling which uses are fed them directly."""
+    """The tensors the batch holds, for telling which uses are fed them directly (a
+    `PackedSequence`'s rows are not along an axis: none of its own)."""
+    if isinstance(inputs, PackedSequence):
+        return []
     if torch.is_tensor(inputs):
         return [inputs]
     if isinstance(inputs, Mapping):
@@ -147,17 +230,28 @@ def input_leaves(inputs: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     """(the inputs with every floating-point tensor replaced by a detached copy that requires
     gradients, [(name, leaf)]): what the recorded forward and its replay run on, so that the
     probes see each example's inputs and both capture the same uses (a parameter-free norm on
-    the batch is on a path to a gradient only through them)."""
+    the batch is on a path to a gradient only through them). A `PackedSequence`, alone or an
+    element of the tuple or dict, stays one, its data the leaf."""
     def leaf(t: Any) -> Any:
+        if isinstance(t, PackedSequence):
+            return PackedSequence(leaf(t.data), t.batch_sizes, t.sorted_indices, t.unsorted_indices)
         return t.detach().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t
 
+    def named(name: str, old: Any, new: Any) -> list[tuple[str, torch.Tensor]]:
+        if isinstance(new, PackedSequence):
+            return [(f"{name} (packed data)", new.data)] if new.data is not old.data else []
+        return [(name, new)] if new is not old else []
+
+    if isinstance(inputs, PackedSequence):
+        out = leaf(inputs)
+        return out, named("the inputs", inputs, out)
     if torch.is_tensor(inputs):
         out = leaf(inputs)
         return out, [("the inputs", out)] if out is not inputs else []
     if isinstance(inputs, Mapping):
         out = {k: leaf(v) for k, v in inputs.items()}
-        return out, [(f"input `{k}`", out[k]) for k in out if out[k] is not inputs[k]]
+        return out, [pair for k in out for pair in named(f"input `{k}`", inputs[k], out[k])]
     if isinstance(inputs, tuple):
         out = tuple(leaf(v) for v in inputs)
-        return out, [(f"input {k}", v) for k, v in enumerate(out) if v is not inputs[k]]
+        return out, [pair for k, v in enumerate(out) for pair in named(f"input {k}", inputs[k], v)]
     return inputs, []

@@ -79,6 +79,11 @@ def _why_no_site(p: torch.nn.Parameter, modules: Mapping[str, torch.nn.Module],
     the exporter models (which is not traced as its base), or it was used in a way no handler or
     captured call describes."""
     for mod_name, cls in owners.get(id(p), []):
+        if isinstance(modules.get(mod_name), torch.nn.RNNBase):
+            return (f"module `{mod_name}` is torch's {cls}, whose fused kernel (one call for every layer and time "
+                    "step, padded or packed) uses its weights where the exporter cannot see the per-step products; "
+                    "Opacus's DPLSTM, DPGRU and DPRNN (opacus.layers) compute the same recurrences with a linear "
+                    "layer per step, which the exporter traces, on padded and packed batches alike")
         found = modelled_base(modules[mod_name]) if mod_name in modules else None
         if found is not None:
             base, kind = found

@@ -25,6 +25,15 @@ gradients ∂L_i/∂out, one backward per example (batched by `is_grads_batched`
 can, else one at a time). A use whose output was computed from the examples and splits along
 no axis mixes them, and is refused, whatever its shape; nothing else is ever broadcast to the
 batch.
+
+A batch of `PackedSequence`s holds its examples in the packing, not along an axis
+(`batch.Packing`): a recurrent layer run on one computes each time step on the first
+`batch_sizes[t]` examples in sorted order, and a layer run on the packed data on every row. Such
+an output's rows are candidates too, each row its example by the packing ("rows" layouts: the
+packed data's rows, one time step's, which are also B rows in sorted order), and the probes
+decide among them and the axes as among any candidates. Its factors are B × (rows of the
+example) with zero rows where an example has fewer (a time step an example is not in, a
+shorter sequence): a zero row contributes nothing to any gradient, so the padding is exact.
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from typing import Any, cast
 
 import torch
 
+from .batch import Packing
 from .errors import TraceExportError
 
 # Examples probed: every one up to this batch size; above it, this many, a seeded choice, and
@@ -41,31 +51,72 @@ from .errors import TraceExportError
 PROBE_ALL_UP_TO = 8
 PROBE_SEED = 20260612
 
-#: A batch layout: ("axis" | "major" | "minor", the axis).
-Layout = tuple[str, int]
+#: A batch layout: ("axis" | "major" | "minor", the axis), or ("rows", the axis, the example of
+#: each of its rows) for rows a packing says the examples of.
+Layout = tuple[str, int] | tuple[str, int, tuple[int, ...]]
 
 
-def _layouts(shape: Sequence[int], b: int) -> list[Layout]:
+def _implied_owners(layout: Layout, n: int, b: int) -> tuple[int, ...]:
+    """The example of each of the `n` entries of the layout's axis."""
+    form = layout[0]
+    if form == "axis":
+        return tuple(range(n))
+    if form == "major":
+        return tuple(r // (n // b) for r in range(n))
+    if form == "minor":
+        return tuple(r % b for r in range(n))
+    return layout[2] if len(layout) == 3 else ()
+
+
+def _layouts(shape: Sequence[int], b: int, packings: Sequence[Packing] = ()) -> list[Layout]:
     """The candidate batch layouts of an output of `shape`, as (form, axis): ("axis", a), the
     examples along axis a (its size B); ("major", a), axis a of B·k rows, example-major (each
     example's k rows together); ("minor", a), axis a of k·B rows, example-minor (rows i, i + B,
-    ...). The last axis holds features and is never the batch, unless it is the only one."""
+    ...); ("rows", a, owners), axis a of rows a packing of the batch says the examples of (its
+    data's, or one time step's), where they differ from the others'. The last axis holds
+    features and is never the batch, unless it is the only one."""
     last = len(shape) - 1 if len(shape) > 1 else len(shape)
     out: list[Layout] = []
     for a in range(last):
         n = shape[a]
+        here: list[Layout] = []
         if n == b:
-            out.append(("axis", a))
+            here.append(("axis", a))
         elif b > 1 and n > b and n % b == 0:
-            out += [("major", a), ("minor", a)]
+            here += [("major", a), ("minor", a)]
+        seen = {_implied_owners(lay, n, b) for lay in here} if packings else set()
+        for packing in packings:
+            owners = packing.row_owners(n) if packing.b == b else None
+            if owners is not None and owners not in seen:
+                seen.add(owners)
+                here.append(("rows", a, owners))
+        out += here
+    return out
+
+
+def _unpacked(t: torch.Tensor, a: int, owners: tuple[int, ...], b: int) -> torch.Tensor:
+    """`t`'s axis `a` of rows, each its example's by `owners`, as B × (most rows of an example),
+    each example's rows in their order and zero rows after them."""
+    rows = t.movedim(a, 0)
+    example = torch.tensor(owners, dtype=torch.long, device=t.device)
+    rank = [0] * len(owners)
+    count = [0] * b
+    for r, i in enumerate(owners):
+        rank[r] = count[i]
+        count[i] += 1
+    out = rows.new_zeros(b, max(count), *rows.shape[1:])
+    out[example, torch.tensor(rank, dtype=torch.long, device=t.device)] = rows
     return out
 
 
 def _batch_first(t: torch.Tensor, layout: Layout, b: int) -> torch.Tensor:
     """`t` with the examples on a leading axis of size B."""
-    form, a = layout
+    form, a = layout[0], layout[1]
     if a >= t.dim():
         return t
+    if form == "rows":
+        owners = layout[2] if len(layout) == 3 else ()
+        return _unpacked(t, a, owners, b) if t.shape[a] == len(owners) else t
     if form == "axis":
         return t.movedim(a, 0)
     if t.shape[a] % b != 0:  # a per-batch input of a flattened use: left for the shape checks
@@ -76,7 +127,9 @@ def _batch_first(t: torch.Tensor, layout: Layout, b: int) -> torch.Tensor:
 
 
 def _describe(layout: Layout) -> str:
-    form, a = layout
+    form, a = layout[0], layout[1]
+    if form == "rows":
+        return f"axis {a} (the rows of a packed sequence, {len(layout[2]) if len(layout) == 3 else 0} rows)"
     return {"axis": f"axis {a}", "major": f"axis {a} (example-major flattened rows)",
             "minor": f"axis {a} (example-minor flattened rows)"}[form]
 
@@ -124,7 +177,7 @@ def _probe_order(b: int) -> list[int]:
 
 def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: int, batch_axis: int,
                   direct_inputs: Sequence[torch.Tensor], leaves: Sequence[tuple[str, torch.Tensor]] = (),
-                  progress: Any = None) -> None:
+                  progress: Any = None, packings: Sequence[Packing] = ()) -> None:
     """Sets `entry["layout"]` for every use whose output received a gradient in the batch's
     backward, from the gradients of single examples' losses (the graph must still be alive).
     A use shared by every example (see the module's docstring) gets its per-example factors:
@@ -135,18 +188,21 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
 
     `leaves` are (name, tensor) pairs of floating-point inputs made to require gradients: an
     example's loss must not reach another example's inputs either (batch statistics taken of
-    the inputs before any parameter is used show there and nowhere else)."""
+    the inputs before any parameter is used show there and nowhere else).
+
+    `packings` are those of the batch's `PackedSequence`s (`batch.Packing`): their rows are
+    candidate layouts of every use, and their data's rows are held to their examples."""
     live = [e for e in entries if e["grad"] is not None]
     if not live and not leaves:
         return
     if b == 1:  # one example: the batch is the example, any axis of size 1 holds it
         for e in live:
             dims = tuple(e["output"].shape)
-            fits = [lay for lay in [("axis", batch_axis)] + _layouts(dims, 1)
+            fits = [lay for lay in [cast(Layout, ("axis", batch_axis))] + _layouts(dims, 1)
                     if lay[1] < len(dims) - 1 and dims[lay[1]] == 1]
             e["layout"] = fits[0] if fits else ("major", 0)
         return
-    status = {id(e): {lay: [True, False] for lay in _layouts(tuple(e["output"].shape), b)} for e in live}
+    status = {id(e): {lay: [True, False] for lay in _layouts(tuple(e["output"].shape), b, packings)} for e in live}
     reached_any = bool(live)  # with no use to reach, every example is probed for the inputs alone
     # The first probe that reached another example, for the message.
     spill: dict[int, tuple[int, list[int], Layout] | None] = {id(e): None for e in live}
@@ -158,6 +214,7 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
     declared = [pair for e in entries for pair in e["handler"].input_examples(e)]
     owners = {name: own for name, t in leaves for x, own in declared
               if x.shape == t.shape and x.data_ptr() == t.data_ptr()}
+    owners.update(_packed_owners(leaves, packings))
     for name in owners:
         input_axes[name] = {}
     reached = {id(e): False for e in live}  # whether any probe's gradient reached the use's output
@@ -218,6 +275,12 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
     for name, (i, others) in input_spill.items():
         apart = [a for a, (confined, hit) in input_axes[name].items() if confined and hit]
         _refuse_spilled_input(name, i, others, batch_axis, apart)
+
+
+def _packed_owners(leaves: Sequence[tuple[str, torch.Tensor]],
+                   packings: Sequence[Packing]) -> dict[str, torch.Tensor]:
+    """The example of each row of the inputs that are a packing's data, by the leaf's name."""
+    return {name: packing.owners for name, t in leaves for packing in packings if t is packing.data}
 
 
 def _fits(status: dict[Layout, list[bool]]) -> list[Layout]:
@@ -379,7 +442,8 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
 
 def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]],
                              losses: torch.Tensor, b: int, batch_axis: int,
-                             leaves: Sequence[tuple[str, torch.Tensor]], precision: str) -> None:
+                             leaves: Sequence[tuple[str, torch.Tensor]], precision: str,
+                             packings: Sequence[Packing] = ()) -> None:
     """For a replay of the recorded forward at a finer precision (its graph kept): the same
     single-example probes again, along the layouts the recorded pass found. At the model's own
     precision a gradient that crosses examples can round to exactly zero (bf16 through a
@@ -396,11 +460,12 @@ def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Seque
     declared = [pair for _, e in uses for pair in e["handler"].input_examples(e)]
     owners = {name: own for name, t in leaves for x, own in declared
               if x.shape == t.shape and x.data_ptr() == t.data_ptr()}
+    owners.update(_packed_owners(leaves, packings))
     order = _probe_order(b)[:b if b <= PROBE_ALL_UP_TO else 4]  # as many as the recorded pass needs at least
     # A use no probe reached at the model's precision has a layout chosen for want of one: its
     # candidates are tried as the recorded pass tries them, and it mixes if none keeps every
     # probed example apart.
-    unprobed = {id(e): {lay: [True, False] for lay in _layouts(tuple(e["output"].shape), b)}
+    unprobed = {id(e): {lay: [True, False] for lay in _layouts(tuple(e["output"].shape), b, packings)}
                 for r, e in uses if r.get("layout_unprobed")}
     spills: dict[int, tuple[int, list[int], Layout]] = {}
     for i in order:

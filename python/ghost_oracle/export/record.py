@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from .errors import TraceExportError
 from .functions import function_capture
@@ -119,7 +120,8 @@ class _Recorder:
         tensor without that axis (a 1×T `position_ids` given once for the batch) holds no
         example's content. Inputs the recorder cannot see into (an object other than a tensor,
         list, tuple or mapping, holding who knows what) leave the batch unfollowed, and then no
-        use is taken as shared."""
+        use is taken as shared. Every tensor of a `PackedSequence` is marked: its data's rows
+        are the examples' (`batch.Packing`)."""
         b, a = self.batch_size, self.batch_axis
         found: list[torch.Tensor] = []
         stack, seen = [inputs], set()
@@ -127,6 +129,12 @@ class _Recorder:
             v = stack.pop()
             if torch.is_tensor(v):
                 found.append(v)
+            elif isinstance(v, PackedSequence):
+                # its rows are the examples whatever their number, and its batch sizes and
+                # order are of the batch too (a forward that reads them into Python is recorded)
+                for t in v:
+                    if torch.is_tensor(t):
+                        self._mark(t)
             elif isinstance(v, (list, tuple, Mapping)):
                 if id(v) not in seen:
                     seen.add(id(v))

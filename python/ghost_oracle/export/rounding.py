@@ -58,10 +58,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .batch import input_leaves
+from .batch import input_leaves, packings
 from .errors import TraceExportError
 from .kinds import Use
 from .layout import refuse_mixing_seen_finer, share_as_recorded
@@ -305,6 +306,8 @@ def _copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 def _converted(inputs: Any, dtype: torch.dtype) -> Any:
     """The batch with its floating-point tensors in `dtype` (integer ones as they are)."""
     def conv(v: Any) -> Any:
+        if isinstance(v, PackedSequence):  # kept whole: the packing is the batch's examples
+            return PackedSequence(conv(v.data), v.batch_sizes, v.sorted_indices, v.unsorted_indices)
         if torch.is_tensor(v):
             return v.detach().to(dtype) if v.is_floating_point() else v
         if isinstance(v, Mapping):
@@ -512,7 +515,8 @@ def _replay(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module,
                 share_as_recorded(entries, rec.entries, losses, b)
             if probe_mixing:
                 try:
-                    refuse_mixing_seen_finer(entries, rec.entries, losses, b, batch_axis, leaves, name)
+                    refuse_mixing_seen_finer(entries, rec.entries, losses, b, batch_axis, leaves, name,
+                                             packings(twin_inputs))
                 except TraceExportError as e:
                     mixing = e
         except _GiveUp:

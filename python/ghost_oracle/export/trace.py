@@ -77,7 +77,15 @@ from .._atomic import check_target, sort_safetensors_metadata, write_atomically
 from ..trace_file import FORMAT as FORMAT  # re-exported; the header is framework-neutral
 from ..trace_file import step_rule, trace_metadata
 from .arguments import check_inputs, check_model, integer_input_error
-from .batch import _batch_size, _check_batch_axis, _concat_micro_batches, _input_tensors, _per_example, input_leaves
+from .batch import (
+    _batch_size,
+    _check_batch_axis,
+    _concat_micro_batches,
+    _input_tensors,
+    _per_example,
+    input_leaves,
+    packings,
+)
 from .check import self_check
 from .errors import TraceExportError
 from .kinds import Use
@@ -275,7 +283,8 @@ def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.M
                              f"example{hint}")
         losses.sum().backward(retain_graph=b > 1)
         rec.probing = True
-        _find_layouts(entries, losses, b, batch_axis, _input_tensors(inputs), leaves, progress)
+        _find_layouts(entries, losses, b, batch_axis, _input_tensors(inputs), leaves, progress,
+                      packings(traced_inputs))
     finally:
         for e in entries:  # the outputs hold the graph alive
             e.pop("output", None)
