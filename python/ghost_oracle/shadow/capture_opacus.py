@@ -31,9 +31,9 @@ from opacus.grad_sample.grad_sample_module import GradSampleHooks
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleHooksFastGradientClipping
 from opacus.grad_sample.gsm_base import AbstractGradSampleHooks, AbstractGradSampleModule
 from opacus.grad_sample.gsm_exp_weights import GradSampleModuleExpandedWeights
-from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..export.batch import Packing, packed_sequences
 from . import capture_opacus_optimizer
 from . import session as sessions
 from .computation import Computation, Outcome
@@ -103,14 +103,16 @@ def _tensor_bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if torch.is_tensor(t))
 
 
-def _has_packed(tree: Any) -> bool:
-    if isinstance(tree, PackedSequence):
-        return True
-    if isinstance(tree, (tuple, list)):
-        return any(_has_packed(t) for t in tree)
-    if isinstance(tree, dict):
-        return any(_has_packed(t) for t in tree.values())
-    return False
+def _packed_outputs(output: Any, leaves: list[Any]) -> dict[int, tuple[torch.Tensor, int]]:
+    """For an output holding `PackedSequence`s: the index of each one's data among the output's
+    leaves -> (the example of each of its rows, B), for the surrogate loss's segment sum."""
+    out: dict[int, tuple[torch.Tensor, int]] = {}
+    for p in packed_sequences(output):
+        packing = Packing.of(p)
+        for i, t in enumerate(leaves):
+            if t is p.data:
+                out[i] = (packing.owners, packing.b)
+    return out
 
 
 def _autocast_state() -> list[tuple[str, torch.dtype]]:
@@ -125,8 +127,14 @@ class _Capture:
     """One forward's capture, completed by its backward."""
 
     def __init__(self, session: sessions.Shadow, c: Computation, o: Outcome, owner: Any, root: torch.nn.Module,
-                 leaves: list[Any], batch_dim: int, kwargs: dict[str, Any]) -> None:
+                 leaves: list[Any], batch_dim: int, kwargs: dict[str, Any],
+                 packed: dict[int, tuple[torch.Tensor, int]], order: tuple[int, ...] | None) -> None:
         self.session, self.c, self.o, self.owner, self.root = session, c, o, owner, root
+        # a packed output's data by leaf (`_packed_outputs`), and the packed input's sorted order:
+        # Opacus accumulates a packed batch's per-sample gradients by time step, each step's
+        # rows the first batch_sizes[t] examples in that order (`create_or_accumulate_grad_sample`;
+        # its own tests compare them so), so its claims are in sorted order
+        self.packed, self.order = packed, order
         self.leaves_shapes = [tuple(t.shape) if torch.is_tensor(t) else None for t in leaves]
         self.batch_dim = batch_dim
         self.kwargs = kwargs
@@ -170,6 +178,9 @@ class _Capture:
         for index, g in sorted(self.grads.items()):
             shape = self.leaves_shapes[index]
             assert shape is not None
+            if index in self.packed:
+                grads.append((index, g, 0))
+                continue
             if len(shape) <= self.batch_dim or shape[self.batch_dim] != b:
                 c.refuse_reason = (f"output {index} of {c.module} has shape {list(shape)}: no axis {self.batch_dim} "
                                    f"of the batch's {b} examples (batch_first={self.batch_dim == 0})")
@@ -180,8 +191,11 @@ class _Capture:
             c.refuse_reason = f"loss_reduction={reduction!r}: Opacus supports 'mean' and 'sum'"
             return
         scale = float(b) if reduction == "mean" else 1.0
-        c.per_example_loss = SurrogateLoss(grads, scale, self.kwargs, c.extra.pop("autocast", []))
+        c.per_example_loss = SurrogateLoss(grads, scale, self.kwargs, c.extra.pop("autocast", []),
+                                           {i: self.packed[i] for i, _, _ in grads if i in self.packed})
         claims = self._ghost_claims() if c.mode in ("ghost", "ghost_fsdp", "fast") else self._grad_sample_claims()
+        if claims is not None and self.order is not None:  # sorted position k is example order[k]
+            claims = claims[torch.argsort(torch.tensor(self.order, device=claims.device))]
         if claims is not None:
             c.claimed_norms = claims.detach().to(device="cpu", dtype=torch.float64)
 
@@ -248,6 +262,16 @@ def _on_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     batch_dim = 0 if getattr(owner, "batch_first", True) else 1
     first = leaves[live[0]]
     b = int(first.shape[batch_dim]) if first.dim() > batch_dim else -1
+    packed_input = next(packed_sequences((args, kwargs)), None)
+    order: tuple[int, ...] | None = None
+    packed: dict[int, tuple[torch.Tensor, int]] = {}
+    packed_error = None
+    if packed_input is not None:  # the batch lives in the packing, not on an axis
+        try:
+            packing = Packing.of(packed_input)
+            b, order, packed = packing.b, packing.order, _packed_outputs(output, leaves)
+        except ValueError as e:
+            packed_error = str(e)
     trainable = [p for p in root.parameters() if p.requires_grad]
     params = frozenset(id(p) for p in trainable)
     c = Computation(library=LIBRARY, mode=mode, module=type(root).__name__, wrapped=wrapped, batch_size=max(b, 0),
@@ -256,8 +280,8 @@ def _on_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
                     step_key=id(root), params=params,
                     names={id(p): n for n, p in root.named_parameters() if p.requires_grad})
     o, take = session.start(LIBRARY, mode, c.module, wrapped, c.batch_size, key=id(root), params=params)
-    if _has_packed(args) or _has_packed(kwargs):
-        c.refuse_reason = "PackedSequence inputs: the batch lives in the packing, which the exporter does not trace"
+    if packed_error is not None:
+        c.refuse_reason = packed_error
     elif b < 0:
         c.refuse_reason = f"the output of {c.module} has shape {list(first.shape)}: no batch axis {batch_dim}"
     elif b == 0 or first.numel() == 0:
@@ -285,7 +309,7 @@ def _on_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     copied_kwargs = tree_map(detached, dict(kwargs))
     c.inputs = copied_args[0] if len(copied_args) == 1 and torch.is_tensor(copied_args[0]) else copied_args
     c.extra["autocast"] = _autocast_state()
-    cap = _Capture(session, c, o, owner, root, leaves, batch_dim, copied_kwargs)
+    cap = _Capture(session, c, o, owner, root, leaves, batch_dim, copied_kwargs, packed, order)
     for i in live:
         leaves[i].register_hook(cap.hook(i))
     o.seconds += time.perf_counter() - t0

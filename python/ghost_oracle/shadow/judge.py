@@ -140,6 +140,9 @@ def _logical_batch(parts: list[Computation]) -> tuple[Any, Any, Any]:
     losses = [c.per_example_loss for c in parts]
     if any(not isinstance(loss, SurrogateLoss) for loss in losses) or any(c.batch_axis != axis for c in parts):
         raise _StepRefused("the micro-batches were captured differently")
+    if any(isinstance(loss, SurrogateLoss) and loss.segments for loss in losses):
+        raise _StepRefused("several micro-batches of PackedSequences: their packings are not joined into one "
+                           "logical batch (each micro-batch's norms are judged)")
     first = losses[0]
     assert isinstance(first, SurrogateLoss)
     grads = []
