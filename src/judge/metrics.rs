@@ -445,16 +445,17 @@ impl UnjudgeableBound<'_> {
             )
         };
         let model = e.model_rounding / super::tolerance::MODEL_ROUNDING_FACTOR;
+        let times = super::tolerance::MODEL_ROUNDING_FACTOR;
         match self.method {
             Some(method) if e.model_rounding > 0.0 && 2.0 * e.model_rounding >= e.bound => {
                 format!(
-                    "example {i}: the model's own rounding, measured by `{method}`, is {} of its norm: above what {p} can judge (counted twice, the bound is {} of the norm: {consequence})",
+                    "example {i}: the model's own rounding, measured by `{method}`, is {} of its norm: above what {p} can judge (counted {times} times, the bound is {} of the norm: {consequence})",
                     share(model),
                     share(e.bound)
                 )
             }
             Some(method) if e.model_rounding > 0.0 => format!(
-                "example {i}: the rounding bound at {p} is {} of its norm ({} of it the model's own rounding, measured by `{method}`, counted twice): {consequence}",
+                "example {i}: the rounding bound at {p} is {} of its norm ({} of it the model's own rounding, measured by `{method}`, counted {times} times): {consequence}",
                 share(e.bound),
                 share(e.model_rounding)
             ),

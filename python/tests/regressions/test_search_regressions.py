@@ -112,7 +112,9 @@ SEARCH_ERRORS = [
     ("bf16-hf-rmsnorm-low-claim", TorchSpec(dtype="bf16", batch_axis=0, b=4, t=4,
                                             stem=Op("float", d=6, rank=2, t2=4), body=(Op("hf_rmsnorm"),),
                                             head=_REGRESS, clip="below", seed=4),
-     {"0.5% low": "pass", "7.5% low (clipped)": "privacy-violation"}),
+     # the model's own bf16 rounding, measured with random rounding and counted three times,
+     # now puts the clipped example's bound past what bf16 can judge: cannot-judge, not a pass
+     {"0.5% low": "cannot-judge", "7.5% low (clipped)": "privacy-violation"}),
     # RMSNorm's default eps is the dtype's epsilon: the f64 brute force differentiated another
     # function (8.4e-6 off an f32 model's norms) until the generator gave eps
     ("f32-rmsnorm-eps", TorchSpec(dtype="f32", batch_axis=0, b=2, t=5, stem=Op("float", d=2, rank=3, t2=5),
