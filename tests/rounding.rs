@@ -553,6 +553,66 @@ fn an_f32_bound_of_a_few_percent_never_passes_a_claim_two_percent_low() {
     assert!(m.examples.iter().all(|e| e.allowed_contribution < 1.0));
 }
 
+/// A claim off beyond the bound of an example the judge can judge is a failure, whatever the
+/// bounds of the others: cannot-judge is for what cannot be told, not for a batch in which some
+/// of it can. Only where every wrong claim lies in an unjudgeable example is the case
+/// cannot-judge.
+#[test]
+fn a_wrong_claim_on_a_judgeable_example_fails_beside_an_unjudgeable_one() {
+    let t = tied_trace(0.02, 21);
+    let truth = norms(&t);
+    let judge = Judge::from_trace(t).unwrap();
+    // C just above the smallest norm: that example is not clipped (judged whatever its bound
+    // under a tenth), the others are, with bounds that could clip them past C·(1 + δ)
+    let c = 1.01 * truth.iter().cloned().fold(f64::INFINITY, f64::min);
+    let exact = judge
+        .evaluate(
+            "mixed",
+            &flat_claim(&truth, c),
+            cn(c),
+            nm(1.0),
+            Precision::F32,
+        )
+        .unwrap();
+    assert_eq!(exact.verdict, Verdict::CannotJudge, "{:?}", exact.examples);
+    let judgeable: Vec<usize> = (0..truth.len())
+        .filter(|i| !exact.unjudgeable_examples.contains(i))
+        .collect();
+    assert!(
+        !exact.unjudgeable_examples.is_empty() && !judgeable.is_empty(),
+        "set-up: some examples judgeable, some not: {:?}",
+        exact.unjudgeable_examples
+    );
+    // A claim high by three times its bound on a judgeable example (high: it clips more, so no
+    // privacy is lost): utility-distortion, naming that example.
+    let k = judgeable[0];
+    let high = scaled(&truth, Some(k), 1.0 + 3.0 * exact.examples[k].bound);
+    let m = judge
+        .evaluate(
+            "mixed",
+            &flat_claim(&high, c),
+            cn(c),
+            nm(1.0),
+            Precision::F32,
+        )
+        .unwrap();
+    assert_eq!(m.verdict, Verdict::UtilityDistortion, "{:?}", m.examples);
+    assert_eq!(m.worst_example, k);
+    // The same error on an unjudgeable example leaves the case cannot-judge.
+    let u = exact.unjudgeable_examples[0];
+    let high = scaled(&truth, Some(u), 1.0 + 0.5 * exact.examples[u].bound);
+    let m = judge
+        .evaluate(
+            "mixed",
+            &flat_claim(&high, c),
+            cn(c),
+            nm(1.0),
+            Precision::F32,
+        )
+        .unwrap();
+    assert_eq!(m.verdict, Verdict::CannotJudge, "{:?}", m.examples);
+}
+
 /// On well-conditioned f32 traces the new rule judges every example, and a claim 0.5 % low on a
 /// clipped example still fails.
 #[test]

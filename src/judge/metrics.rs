@@ -357,22 +357,24 @@ fn case_verdict(
     let privacy = examples
         .iter()
         .any(|e| e.sensitivity > 1.0 + e.bound && e.sensitivity * (1.0 - e.model_rounding) > 1.0);
-    let coef_off = examples.iter().any(|e| {
+    // Off beyond its bound, on an example whose bound can judge it: a definite finding, which
+    // another example's bound being too loose to judge does not make any less so (a claim
+    // 1e-3 high on two examples is wrong beside a third whose norm is rounding noise).
+    let off = |e: &ExampleMetrics| {
         let d = (e.coefficient - e.true_coefficient).abs();
-        d.is_nan() || d > e.true_coefficient * 2.0 * e.bound + f64::EPSILON
-    });
-    // NaN counts as off: it is never within the bound.
-    let norms_off = examples
-        .iter()
-        .any(|e| e.err_units > 1.0 || e.err_units.is_nan());
+        let coef_off = d.is_nan() || d > e.true_coefficient * 2.0 * e.bound + f64::EPSILON;
+        // NaN counts as off: it is never within the bound.
+        coef_off || e.err_units > 1.0 || e.err_units.is_nan()
+    };
+    let judged_off = |i: usize| off(&examples[i]) && !unjudgeable_examples.contains(&i);
     let verdict = if !invalid_examples.is_empty() {
         Verdict::InvalidNorm
     } else if privacy {
         Verdict::PrivacyViolation
+    } else if (0..examples.len()).any(judged_off) {
+        Verdict::UtilityDistortion
     } else if !unjudgeable_examples.is_empty() {
         Verdict::CannotJudge
-    } else if norms_off || coef_off {
-        Verdict::UtilityDistortion
     } else {
         Verdict::Pass
     };
@@ -382,7 +384,14 @@ fn case_verdict(
         Verdict::CannotJudge => {
             loosest(examples, unjudgeable_examples).expect("an unjudgeable example")
         }
-        Verdict::Pass | Verdict::UtilityDistortion => argmax(examples.iter().map(|e| e.err_units)),
+        Verdict::UtilityDistortion => argmax(examples.iter().enumerate().map(|(i, e)| {
+            if unjudgeable_examples.contains(&i) {
+                f64::NEG_INFINITY
+            } else {
+                e.err_units
+            }
+        })),
+        Verdict::Pass => argmax(examples.iter().map(|e| e.err_units)),
     };
     (verdict, worst_example)
 }
