@@ -42,10 +42,62 @@ from .surrogate import SurrogateLoss
 LIBRARY = "opacus"
 
 # Opacus's per-module attributes (lists of activations, the functorch per-sample function, the
-# hook handles): not part of the function, and not to be deep-copied.
-_OPACUS_MODULE_ATTRS = ("activations", "ft_compute_sample_grad", "autograd_grad_sample_hooks")
+# hook handles, the FSDP class's per-module norms): not part of the function, and not to be deep-copied.
+_OPACUS_MODULE_ATTRS = ("activations", "ft_compute_sample_grad", "autograd_grad_sample_hooks", "norm_sample")
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+# what FSDP2's `fully_shard` keeps on a module (its composable state, keyed by a prefix and a
+# uuid, and two flags): not part of the function
+_FSDP_STATE_PREFIX = "__composable_api_state_key"
+_FSDP_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return None
+    return FSDPModule
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """A DTensor's whole value (a collective: one process only, `_sharded_refusal`); None for a
+    plain tensor."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return t.full_tensor() if isinstance(t, DTensor) else None
+
+
+def _sharded_refusal(root: torch.nn.Module) -> str | None:
+    """Why a module sharded by FSDP2 cannot be copied whole here, or None. On one process its
+    DTensor parameters hold every value (`full_tensor()` gathers from itself alone); on more,
+    each process holds a shard and its own examples, and gathering from inside one process's
+    forward hook is a collective the others never join."""
+    fsdp = _fsdp_module_class()
+    sharded = any(_is_dtensor(p) for p in root.parameters()) or (
+        fsdp is not None and any(isinstance(m, fsdp) for m in root.modules()))
+    if not sharded:
+        return None
+    import torch.distributed as dist
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world != 1:
+        return (f"{type(root).__name__} is sharded by FSDP over {world} processes: each holds a shard of the "
+                "parameters and its own examples (shadow mode judges FSDP on one process)")
+    if fsdp is not None:
+        for m in root.modules():
+            if isinstance(m, fsdp) and len([c for c in type(m).__bases__ if not issubclass(c, fsdp)]) != 1:
+                return f"{type(m).__name__}: not a class FSDP's fully_shard derived from one module class"
+    return None
 
 
 def _mode(owner: AbstractGradSampleHooks) -> str | None:
@@ -80,7 +132,11 @@ def _owner_of(module: torch.nn.Module) -> tuple[Any, torch.nn.Module, str, bool]
 
 def _clean_copy(root: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of `root` without its module hooks and Opacus's attributes (parameters are
-    copied without `grad_sample` and the like: `Parameter.__deepcopy__` copies the values)."""
+    copied without `grad_sample` and the like: `Parameter.__deepcopy__` copies the values).
+
+    A module sharded by FSDP2 (one process, `_sharded_refusal`) is copied unsharded: each
+    DTensor parameter as a plain one holding its full tensor, each FSDP module as an instance of
+    the class `fully_shard` derived it from, without FSDP's state (FSDP refuses `deepcopy`)."""
     memo: dict[int, Any] = {}
     for m in root.modules():
         for name in _HOOK_DICTS:
@@ -91,10 +147,28 @@ def _clean_copy(root: torch.nn.Module) -> torch.nn.Module:
             v = m.__dict__.get(name)
             if v is not None:
                 memo[id(v)] = None  # lists and functions only: never an int, which Python shares
+        for name, v in m.__dict__.items():
+            if name.startswith(_FSDP_STATE_PREFIX):
+                memo[id(v)] = None
+    for p in root.parameters():
+        full = _full_tensor(p)
+        if full is not None:
+            memo[id(p)] = torch.nn.Parameter(full.detach().clone(), requires_grad=p.requires_grad)
+    fsdp = _fsdp_module_class()
+    if fsdp is not None:
+        # innermost first, so that an enclosing module's copy finds its FSDP children in the memo
+        for m in reversed(list(root.modules())):
+            if isinstance(m, fsdp):
+                [unsharded] = [c for c in type(m).__bases__ if not issubclass(c, fsdp)]  # `_sharded_refusal`
+                new = unsharded.__new__(unsharded)
+                memo[id(m)] = new
+                new.__dict__.update(copy.deepcopy(m.__dict__, memo))
     clone = copy.deepcopy(root, memo)
     for m in clone.modules():
-        for name in (*_OPACUS_MODULE_ATTRS, "max_batch_len"):
+        for name in (*_OPACUS_MODULE_ATTRS, "max_batch_len", "_forward_counter", *_FSDP_FLAGS):
             m.__dict__.pop(name, None)
+        for name in [k for k in m.__dict__ if k.startswith(_FSDP_STATE_PREFIX)]:
+            del m.__dict__[name]
     return clone
 
 
@@ -201,6 +275,8 @@ class _Capture:
 
     def _ghost_claims(self) -> torch.Tensor | None:
         """`get_norm_sample()`'s arithmetic, without calling it (it stores what it computes)."""
+        if self.c.mode == "ghost_fsdp":
+            return self._ghost_fsdp_claims()
         norms = []
         names = {id(p): n for n, p in self.root.named_parameters()}
         for p in self.owner.trainable_parameters:
@@ -209,6 +285,23 @@ class _Capture:
                 self.c.skip_reason = f"Opacus computed no norm sample for parameter `{names.get(id(p), '?')}`"
                 return None
             norms.append(ns)
+        device = norms[0].device
+        claims: torch.Tensor = torch.stack([n.to(device) for n in norms], dim=0).norm(2, dim=0)
+        return claims
+
+    def _ghost_fsdp_claims(self) -> torch.Tensor | None:
+        """The FSDP subclass's `get_norm_sample()`: its norms are kept per module (`norm_sample`,
+        one per trainable parameter), over the modules holding parameters of their own."""
+        norms = []
+        for m in self.owner.iterate_submodules(self.root):
+            ns = m.__dict__.get("norm_sample")
+            if ns is None:
+                self.c.skip_reason = f"Opacus computed no norm sample for module {type(m).__name__}"
+                return None
+            norms.extend(ns)
+        if not norms:
+            self.c.skip_reason = "no module received a norm sample"
+            return None
         device = norms[0].device
         claims: torch.Tensor = torch.stack([n.to(device) for n in norms], dim=0).norm(2, dim=0)
         return claims
@@ -280,8 +373,11 @@ def _on_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
                     step_key=id(root), params=params,
                     names={id(p): n for n, p in root.named_parameters() if p.requires_grad})
     o, take = session.start(LIBRARY, mode, c.module, wrapped, c.batch_size, key=id(root), params=params)
+    sharded = _sharded_refusal(root)
     if packed_error is not None:
         c.refuse_reason = packed_error
+    elif sharded is not None:
+        c.refuse_reason = sharded
     elif b < 0:
         c.refuse_reason = f"the output of {c.module} has shape {list(first.shape)}: no batch axis {batch_dim}"
     elif b == 0 or first.numel() == 0:

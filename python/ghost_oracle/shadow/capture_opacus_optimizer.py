@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping, FSDPOptimizerFastGradientClipping
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
 from . import session as sessions
@@ -31,8 +31,12 @@ LIBRARY = "opacus"
 #: Opacus 1.6's γ in its clip factor min(1, C / (n + γ)), in both optimizers
 CLIP_STABILIZER = 1e-6
 #: the optimizers whose step is flat DP-SGD as `assert_update` judges it; their subclasses
-#: (per-layer and adaptive clipping, the distributed ones) are refused by name
+#: (per-layer and adaptive clipping, the distributed ones) are refused by name, except the FSDP
+#: ghost-clipping one on one process (its noise divided by a world size of 1: flat DP-SGD)
 JUDGED = (DPOptimizer, DPOptimizerFastGradientClipping)
+#: the classes whose `pre_step`/`zero_grad` are wrapped: the FSDP optimizer defines its own,
+#: calling neither of its parent's
+WRAPPED = (*JUDGED, FSDPOptimizerFastGradientClipping)
 
 _inside = threading.local()
 
@@ -48,13 +52,23 @@ def _accumulated(optimizer: Any) -> int | None:
         return None
 
 
+def _whole(t: Any) -> Any:
+    """A DTensor's full value (on one process, gathered from itself alone); any other tensor as is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
 def _claims(optimizer: Any, accumulated: int | None) -> StepClaims:
     name = type(optimizer).__name__
     params = _params(optimizer)
     refuse = None
-    if type(optimizer) not in JUDGED:
+    fsdp = type(optimizer) is FSDPOptimizerFastGradientClipping
+    if fsdp and int(optimizer.world_size) != 1:
+        refuse = (f"{name} over {optimizer.world_size} processes: each holds a shard and its own examples "
+                  "(its step is judged on one process)")
+    elif type(optimizer) not in JUDGED and not fsdp:
         refuse = (f"{name}: not flat per-example clipping with one C (DPOptimizer, "
-                  "DPOptimizerFastGradientClipping are judged)")
+                  "DPOptimizerFastGradientClipping, and FSDPOptimizerFastGradientClipping on one process are judged)")
     sigma = float(optimizer.noise_multiplier)
     adjusted = getattr(optimizer, "_adjusted_noise_multiplier", None)
     if refuse is None and adjusted is not None and float(adjusted) != sigma:
@@ -62,12 +76,14 @@ def _claims(optimizer: Any, accumulated: int | None) -> StepClaims:
     clipped_sum: dict[int, Any] = {}
     update: dict[int, Any] = {}
     for p in optimizer.params:
-        summed, grad = getattr(p, "summed_grad", None), p.grad
+        summed = optimizer.grad_state[p]["summed_grad"] if fsdp else getattr(p, "summed_grad", None)
+        grad = p.grad
         if summed is None or grad is None:
             refuse = refuse or f"{name}: a parameter of shape {list(p.shape)} has no clipped sum or update"
             continue
-        clipped_sum[id(p)] = summed.detach().reshape(p.shape).clone()
-        update[id(p)] = grad.detach().clone()
+        if refuse is None:  # a refused FSDP step's shards are never gathered (a collective)
+            clipped_sum[id(p)] = _whole(summed).detach().reshape(p.shape).clone()
+            update[id(p)] = _whole(grad).detach().clone()
     expected = optimizer.expected_batch_size
     return StepClaims(library=LIBRARY, optimizer=name, params=params, clipped_sum=clipped_sum, update=update,
                       max_grad_norm=float(optimizer.max_grad_norm), noise_multiplier=sigma,
@@ -118,7 +134,7 @@ def _wrap_zero_grad(original: Callable[..., Any]) -> Callable[..., Any]:
 def install() -> Callable[[], None]:
     """Wraps the optimizers' `pre_step` and `zero_grad`; returns the function that restores them."""
     saved: list[tuple[type, str, Any]] = []
-    for cls in JUDGED:
+    for cls in WRAPPED:
         for attr, wrap in (("pre_step", _wrap_pre_step), ("zero_grad", _wrap_zero_grad)):
             if attr in cls.__dict__:
                 original = cls.__dict__[attr]
