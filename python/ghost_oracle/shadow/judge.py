@@ -32,7 +32,6 @@ def judge(c: Computation, outcome: Outcome, *, max_memory: int | str | None) -> 
     """Fills `outcome` (its `test` and `call` already set) for computation `c`."""
     import torch
 
-    from .._api import check
     from ..export import TraceExportError, export_trace
 
     if c.skip_reason is not None:
@@ -64,26 +63,13 @@ def judge(c: Computation, outcome: Outcome, *, max_memory: int | str | None) -> 
                 outcome.outcome = "refused"
                 outcome.message = f"the exporter could not trace it: {type(e).__name__}: {e}"
                 return outcome
-            try:
-                report: Any = check(path, max_memory=max_memory)
-            except ValueError as e:
-                if "memory" in str(e).lower():
-                    outcome.outcome, outcome.message = "skipped", f"over max_memory: {e}"
-                else:  # a trace the check cannot read is never a pass
-                    outcome.outcome, outcome.message = "refused", f"the check refused the trace: {e}"
+            report: Any = _check_trace(outcome, path, max_memory)
+            if report is None:
                 return outcome
     finally:
         if deterministic:
             torch.use_deterministic_algorithms(True, warn_only=warn_only)
-    outcome.outcome = "judged"
-    outcome.verdict = str(report.verdict)
-    outcome.max_rel_err = _max_rel_err(np.asarray(report.true_norms, dtype=np.float64),
-                                       np.asarray(report.claimed_norms, dtype=np.float64))
-    if outcome.verdict != "pass":
-        outcome.explanation = report.explain()
-        outcome.message = outcome.explanation.splitlines()[0] if outcome.explanation else outcome.verdict
-    outcome.report = report
-    return outcome
+    return _judged(outcome, report)
 
 
 def _concat(values: list[Any], sizes: list[int], axis: int, what: str) -> Any:
@@ -175,7 +161,6 @@ def judge_step(parts: list[Computation], claims: StepClaims, divisor: float, out
     the surrogate losses, and judged by the f64 check."""
     import torch
 
-    from .._api import check
     from ..export import TraceExportError, export_trace
 
     if claims.refuse_reason is not None:
@@ -228,17 +213,32 @@ def judge_step(parts: list[Computation], claims: StepClaims, divisor: float, out
                 outcome.outcome = "refused"
                 outcome.message = f"the exporter could not trace the step: {type(e).__name__}: {e}"
                 return outcome
-            try:
-                report: Any = check(path, max_memory=max_memory)
-            except ValueError as e:
-                if "memory" in str(e).lower():
-                    outcome.outcome, outcome.message = "skipped", f"over max_memory: {e}"
-                else:
-                    outcome.outcome, outcome.message = "refused", f"the check refused the trace: {e}"
+            report: Any = _check_trace(outcome, path, max_memory)
+            if report is None:
                 return outcome
     finally:
         if deterministic:
             torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    return _judged(outcome, report)
+
+
+def _check_trace(outcome: Outcome, path: str, max_memory: int | str | None) -> Any:
+    """The check's report on a written trace, or None with `outcome` marked: skipped where the
+    check would pass `max_memory`, refused where it cannot read the trace (never a pass)."""
+    from .._api import check  # lazily, as the callers import the exporter
+
+    try:
+        return check(path, max_memory=max_memory)
+    except ValueError as e:
+        if "memory" in str(e).lower():
+            outcome.outcome, outcome.message = "skipped", f"over max_memory: {e}"
+        else:
+            outcome.outcome, outcome.message = "refused", f"the check refused the trace: {e}"
+        return None
+
+
+def _judged(outcome: Outcome, report: Any) -> Outcome:
+    """`outcome` as judged: the verdict, the largest relative error of a claim, the explanation."""
     outcome.outcome = "judged"
     outcome.verdict = str(report.verdict)
     outcome.max_rel_err = _max_rel_err(np.asarray(report.true_norms, dtype=np.float64),
