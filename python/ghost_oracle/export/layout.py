@@ -126,6 +126,18 @@ def _batch_first(t: torch.Tensor, layout: Layout, b: int) -> torch.Tensor:
     return cast(torch.Tensor, t.unflatten(a, (t.shape[a] // b, b))).movedim(a + 1, 0)
 
 
+def _reached(g: torch.Tensor, layout: Layout, b: int, i: int) -> tuple[list[int], bool]:
+    """Along `layout`, the examples other than i that example i's output gradient `g` reaches,
+    and whether it reaches example i's own part."""
+    nz = _batch_first(g, layout, b).ne(0).reshape(b, -1).any(1)
+    return [j for j in nz.nonzero().flatten().tolist() if j != i], bool(nz[i])
+
+
+def _shown(examples: Sequence[int]) -> str:
+    """Examples as a message lists them: the first six."""
+    return ", ".join(map(str, examples[:6])) + (", ..." if len(examples) > 6 else "")
+
+
 def _describe(layout: Layout) -> str:
     form, a = layout[0], layout[1]
     if form == "rows":
@@ -160,7 +172,7 @@ def _refuse_spilled_input(name: str, i: int, others: list[int], batch_axis: int,
             f"{name} were given with batch_axis={batch_axis}, but the loss of each example alone reaches them "
             f"along axis {a} only: the examples of these inputs lie along axis {a}. Pass batch_axis={a}"
             + (" (seq-first data: batch_first=False)" if a == 1 else ""))
-    shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
+    shown = _shown(others)
     raise TraceExportError(
         f"the model mixes examples: the loss of example {i} alone depends on {name} of example(s) {shown} (along "
         f"axis {batch_axis}), so example {i}'s gradient changes with the other examples of the batch (batch "
@@ -247,13 +259,12 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
             if bool(g.ne(0).any()):
                 reached[id(e)] = True
             for lay, st in status[id(e)].items():
-                nz = _batch_first(g, lay, b).ne(0).reshape(b, -1).any(1)
-                others = [j for j in nz.nonzero().flatten().tolist() if j != i]
+                others, hit = _reached(g, lay, b, i)
                 if others:
                     st[0] = False
                     if lay == ("axis", batch_axis) or spill[id(e)] is None:
                         spill[id(e)] = (i, others, lay)
-                if bool(nz[i]):
+                if hit:
                     st[1] = True
     shared = [e for e in batch_free if not _fits(status[id(e)]) and bool(e["grad"].ne(0).any())]
     for e in shared:
@@ -410,7 +421,7 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
                 "of several examples). Per-example clipping bounds nothing where an example's gradient depends "
                 "on the others: no per-example norm is defined")
         i, others, lay = spilled_at
-        shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
+        shown = _shown(others)
         raise TraceExportError(
             f"the model mixes examples: the loss of example {i} alone sends gradient into the output of "
             f"{where} ({shape}) at example(s) {shown} along {_describe(lay)}, and no axis of that output "
@@ -476,17 +487,15 @@ def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Seque
                 continue
             if id(e) in unprobed:
                 for lay, st in unprobed[id(e)].items():
-                    nz = _batch_first(g, lay, b).ne(0).reshape(b, -1).any(1)
-                    others = [j for j in nz.nonzero().flatten().tolist() if j != i]
+                    others, hit = _reached(g, lay, b, i)
                     if others:
                         st[0] = False
                         spills.setdefault(id(e), (i, others, lay))
-                    st[1] = st[1] or bool(nz[i])
+                    st[1] = st[1] or hit
                 continue
-            nz = _batch_first(g, r["layout"], b).ne(0).reshape(b, -1).any(1)
-            others = [j for j in nz.nonzero().flatten().tolist() if j != i]
+            others, _ = _reached(g, r["layout"], b, i)
             if others:
-                shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
+                shown = _shown(others)
                 raise TraceExportError(
                     f"the model mixes examples: the loss of example {i} alone sends gradient into the output of "
                     f"module `{r['name']}` ({r['cls']}) ({list(e['output'].shape)}) at example(s) {shown} along "
@@ -497,7 +506,7 @@ def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Seque
         for (name, t), g in zip(leaves, grads[len(uses):], strict=True):
             spilled = _input_spill(t, g, i, b, batch_axis, owners.get(name))
             if spilled:
-                shown = ", ".join(map(str, spilled[:6])) + (", ..." if len(spilled) > 6 else "")
+                shown = _shown(spilled)
                 raise TraceExportError(
                     f"the model mixes examples: the loss of example {i} alone depends on {name} of example(s) "
                     f"{shown} (along axis {batch_axis}), seen when the model is replayed at {precision} (at the "
@@ -508,7 +517,7 @@ def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Seque
         if status is None or id(e) not in spills or _fits(status):
             continue
         i, others, lay = spills[id(e)]
-        shown = ", ".join(map(str, others[:6])) + (", ..." if len(others) > 6 else "")
+        shown = _shown(others)
         raise TraceExportError(
             f"the model mixes examples: the loss of example {i} alone sends gradient into the output of module "
             f"`{r['name']}` ({r['cls']}) ({list(e['output'].shape)}) at example(s) {shown} along {_describe(lay)}, "
