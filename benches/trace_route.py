@@ -79,7 +79,7 @@ def per_example_loss(model, ids):
 
 def timed_stages():
     """Wraps the exporter's stages in timers (seconds each, in the dict returned)."""
-    import ghost_oracle.export.trace as trace
+    import ghost_oracle.torch.trace as trace
 
     stages = {}
 

@@ -1,6 +1,6 @@
 """The parts of writing a trace file (docs/trace-format.md) that do not depend on the framework
 the model lives in: the format's name, the exporters' error type and the header's keys. The
-PyTorch exporter (`ghost_oracle.export`) and the JAX one (`ghost_oracle.jax`) both build their
+PyTorch exporter (`ghost_oracle.torch`) and the JAX one (`ghost_oracle.jax`) both build their
 `__metadata__` here, so the two write the same keys in the same spelling."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ CLIPPING_RULES = ("flat", "automatic")
 # or a float64 model replayed in float32 (the difference times u64/u32 = 2⁻²⁹ estimates
 # float64's own).
 # "+random-rounding": the largest of that and of replays in random rounding at the trace's
-# precision (ghost_oracle/export/rounding.py).
+# precision (ghost_oracle/torch/rounding.py).
 MODEL_ROUNDING = ("replay-float64", "replay-float32-scaled", "replay-float64+random-rounding",
                   "replay-float32-scaled+random-rounding")
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 import ghost_oracle
 from ghost_oracle import _atomic
-from ghost_oracle.export import trace as torch_trace
 from ghost_oracle.torch import assert_norms, export_trace
+from ghost_oracle.torch import trace as torch_trace
 
 B, F, H = 5, 4, 3
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import ghost_oracle.export as E
-from ghost_oracle.export.kinds.embedding import ScaledEmbedding
+import ghost_oracle.torch as E
+from ghost_oracle.torch.kinds.embedding import ScaledEmbedding
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 
@@ -167,7 +167,7 @@ def test_a_parameter_without_a_site_is_refused_naming_it_and_its_class(tmp_path)
     # A subclass of nn.Linear is matched by exact type, so the module handler, which would miss
     # the doubling, does not take it; the F.linear its forward calls is captured instead, the
     # doubling after it is in the output's gradient, and the self-check holds.
-    from ghost_oracle.export.kinds import handler_for
+    from ghost_oracle.torch.kinds import handler_for
 
     assert handler_for(DoubledLinear(2, 2)) is None
     specs = export(Toy(linear=DoubledLinear), tmp_path / "ok.safetensors")
@@ -215,7 +215,7 @@ def test_family_models_pass_the_self_check(tmp_path, family):
 def test_the_self_check_in_blocks_of_a_few_rows_accepts_and_refuses_as_whole(tmp_path, monkeypatch, family):
     # Blocks of 7 entries: a tied table checked a vocabulary row (or less) at a time, blocks that
     # do not divide the rows. A correct model passes; a wrong embedding gradient is refused.
-    from ghost_oracle.export import check as C
+    from ghost_oracle.torch import check as C
 
     monkeypatch.setattr(C, "_BLOCK_ENTRIES", 7)
     model = F.build(family)
@@ -225,7 +225,7 @@ def test_the_self_check_in_blocks_of_a_few_rows_accepts_and_refuses_as_whole(tmp
     E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
                    claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
     assert max(len(b) for b in seen) > 10
-    from ghost_oracle.export.kinds.embedding import Embedding
+    from ghost_oracle.torch.kinds.embedding import Embedding
 
     monkeypatch.setattr(Embedding, "lookup_grad", lambda self, use, g: 1.001 * g)
     with pytest.raises(E.TraceExportError, match="differs from autograd"):
@@ -239,8 +239,8 @@ def test_the_sketched_self_check_accepts_right_traces_and_refuses_wrong_ones(tmp
     # in blocks of a few rows: the right trace passes, a lookup gradient 0.1 % off (the tied
     # table of GPT-2 and Gemma, where the head's sum dominates each probed row) and a missing
     # embedding scale are refused, naming the parameter.
-    from ghost_oracle.export import check as C
-    from ghost_oracle.export.kinds.embedding import Embedding
+    from ghost_oracle.torch import check as C
+    from ghost_oracle.torch.kinds.embedding import Embedding
 
     monkeypatch.setattr(C, "FULL_CHECK_PRODUCTS", 0)
     monkeypatch.setattr(C, "_BLOCK_ENTRIES", 40)
@@ -267,7 +267,7 @@ def test_the_sketched_self_check_accepts_right_traces_and_refuses_wrong_ones(tmp
 
 
 def test_small_parameters_are_checked_entry_by_entry(tmp_path, monkeypatch):
-    from ghost_oracle.export import check as C
+    from ghost_oracle.torch import check as C
 
     probe = C._probe_matrix
     sketched = []
@@ -301,7 +301,7 @@ def test_a_stock_float64_llama_records_the_float32_xhat_its_norms_use(tmp_path):
 
 
 def test_progress_is_silent_on_a_short_export_and_says_the_stage_and_time_left_on_a_long_one(monkeypatch):
-    from ghost_oracle.export import progress as P
+    from ghost_oracle.torch import progress as P
 
     clock = [100.0]
     monkeypatch.setattr(P.time, "monotonic", lambda: clock[0])

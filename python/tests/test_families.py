@@ -125,7 +125,7 @@ def test_a_stock_float64_gemma_passes_at_float32(tmp_path):
 def test_the_float32_island_is_what_the_self_check_sees(tmp_path, monkeypatch):
     # The x̂ of the old exporter (normalized in the input's float64) is off by float32 rounding
     # from the one Llama's norm used: the self-check refuses it at float64's tolerance.
-    import ghost_oracle.export.kinds.norm as X
+    import ghost_oracle.torch.kinds.norm as X
 
     def float64_xhat(entry, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + entry["module"].variance_epsilon), x.dtype
@@ -331,7 +331,7 @@ def test_a_declared_subclass_is_its_own_class(tmp_path, declared):
     # functional capture sees the matmul the subclass really runs, and the factor after it.
     from transformers.models.falcon.modeling_falcon import FalconLinear
 
-    from ghost_oracle.export.kinds import handler_for
+    from ghost_oracle.torch.kinds import handler_for
 
     class Sub(FalconLinear):
         def forward(self, x):

@@ -13,7 +13,7 @@ import transformers
 from safetensors import safe_open
 
 import ghost_oracle
-import ghost_oracle.export.rounding as R
+import ghost_oracle.torch.rounding as R
 from ghost_oracle.testing import causal_lm_loss, gpt2, gpt2_ids, llama, llama_ids, llama_loss
 from ghost_oracle.torch import UNCLAIMED, export_trace
 
@@ -226,7 +226,7 @@ def test_the_users_model_parameters_grads_hooks_mode_and_rng_are_untouched(tmp_p
     with_replay = len(calls)
     calls.clear()
     with pytest.MonkeyPatch.context() as mp:  # the same export without the replay
-        mp.setattr(importlib.import_module("ghost_oracle.export.trace"), "model_rounding", lambda *args: None)
+        mp.setattr(importlib.import_module("ghost_oracle.torch.trace"), "model_rounding", lambda *args: None)
         export(model, loss, x, tmp_path / "u.safetensors")
     assert len(calls) == with_replay  # the replay ran none of the user's hooks
     assert torch.equal(torch.get_rng_state(), rng)

@@ -20,9 +20,9 @@ from torch import nn  # noqa: E402
 from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence  # noqa: E402
 
 import ghost_oracle  # noqa: E402
-from ghost_oracle.export.batch import Packing, _batch_size, input_leaves  # noqa: E402
-from ghost_oracle.export.rounding import _converted  # noqa: E402
 from ghost_oracle.torch import TraceExportError, assert_norms, export_trace  # noqa: E402
+from ghost_oracle.torch.batch import Packing, _batch_size, input_leaves  # noqa: E402
+from ghost_oracle.torch.rounding import _converted  # noqa: E402
 
 SORTED = [5, 4, 4, 2, 1]
 UNSORTED = [2, 5, 1, 4, 3]

@@ -93,7 +93,7 @@ def test_a_nanogpt_position_table_is_judged(tmp_path, b, t):
 def test_per_example_gradients_of_a_shared_use_one_backward_at_a_time(tmp_path, monkeypatch):
     """B > 8 probes four examples; the shared table's other examples come from one batched
     backward, or, where autograd cannot batch it, one backward each: both give brute force's."""
-    import ghost_oracle.export.layout as layout
+    import ghost_oracle.torch.layout as layout
 
     grad = torch.autograd.grad
     batched = []

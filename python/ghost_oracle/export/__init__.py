@@ -1,8 +1,20 @@
-"""The trace exporter: a PyTorch model, a batch and a clipper's claim in, a checked trace file
-out (see `trace` for what is modelled and checked, `kinds` for the module handlers)."""
-from .errors import TraceExportError
-from .kinds import KINDS, Handler, Use, register_module, unregister_module
-from .trace import FORMAT, UNCLAIMED, export_trace
+"""Deprecated: the PyTorch exporter moved to `ghost_oracle.torch`. Its public names stay
+importable from here for one minor version, each with a `DeprecationWarning`."""
+from __future__ import annotations
 
-__all__ = ["FORMAT", "KINDS", "Handler", "TraceExportError", "Use", "export_trace", "register_module", "UNCLAIMED",
-           "unregister_module"]
+import importlib
+import warnings
+from typing import Any
+
+_MOVED = ("FORMAT", "KINDS", "UNCLAIMED", "Handler", "TraceExportError", "Use", "export_trace", "register_module",
+          "unregister_module")
+
+__all__ = list(_MOVED)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(f"ghost_oracle.export.{name} is deprecated; import it from ghost_oracle.torch",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("ghost_oracle.torch"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The self-check: nothing is written unless every parameter that received a gradient is
 accounted for by its sites, and the batch gradient rebuilt from their factors (as stored)
 equals `jax.grad`'s to rounding, each site at its own precision. The tolerance is the PyTorch
-exporter's (`ghost_oracle.export.precision.reduction_tolerance`), the same arithmetic in numpy."""
+exporter's (`ghost_oracle.torch.precision.reduction_tolerance`), the same arithmetic in numpy."""
 from __future__ import annotations
 
 import math

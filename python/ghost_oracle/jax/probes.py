@@ -1,5 +1,5 @@
 """Per-example probes: the capture's assumption that examples do not mix, checked rather than
-assumed (the JAX twin of `ghost_oracle.export.layout`).
+assumed (the JAX twin of `ghost_oracle.torch.layout`).
 
 A site's factors are per example only if its output's gradient splits into examples along
 axis 0: the gradient of example i's loss alone must reach example i's slice of every modelled

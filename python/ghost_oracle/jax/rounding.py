@@ -1,6 +1,6 @@
 """The rounding of the model's own forward and backward in the traced factors (the trace's
 `model.rounding`), measured by a replay at a second precision: the JAX twin of
-`ghost_oracle.export.rounding`, with the same tensor, header key and method names.
+`ghost_oracle.torch.rounding`, with the same tensor, header key and method names.
 
 The judge's bound covers a clipper's arithmetic on the traced factors. The factors themselves
 carry the rounding of the forward and backward that produced them, at the model's precision,

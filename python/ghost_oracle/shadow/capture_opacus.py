@@ -33,7 +33,7 @@ from opacus.grad_sample.gsm_base import AbstractGradSampleHooks, AbstractGradSam
 from opacus.grad_sample.gsm_exp_weights import GradSampleModuleExpandedWeights
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..export.batch import Packing, packed_sequences
+from ..torch.batch import Packing, packed_sequences
 from . import capture_opacus_optimizer
 from . import session as sessions
 from .computation import Computation, Outcome

@@ -32,7 +32,7 @@ def judge(c: Computation, outcome: Outcome, *, max_memory: int | str | None) -> 
     """Fills `outcome` (its `test` and `call` already set) for computation `c`."""
     import torch
 
-    from ..export import TraceExportError, export_trace
+    from ..torch import TraceExportError, export_trace
 
     if c.skip_reason is not None:
         outcome.outcome, outcome.message = "skipped", c.skip_reason
@@ -161,7 +161,7 @@ def judge_step(parts: list[Computation], claims: StepClaims, divisor: float, out
     the surrogate losses, and judged by the f64 check."""
     import torch
 
-    from ..export import TraceExportError, export_trace
+    from ..torch import TraceExportError, export_trace
 
     if claims.refuse_reason is not None:
         outcome.outcome, outcome.message = "refused", claims.refuse_reason

@@ -57,16 +57,18 @@ from typing import Any, TypeAlias
 
 import torch
 
-from ._failure import ClippingCheckFailed
-from ._gate import export_check_assert
-from ._report import Report
-from ._types import Clipping, Precision
-from .export import FORMAT, KINDS, UNCLAIMED, TraceExportError, export_trace, register_module, unregister_module
+from .._failure import ClippingCheckFailed
+from .._gate import export_check_assert
+from .._report import Report
+from .._types import Clipping, Precision
+from .errors import TraceExportError
+from .kinds import KINDS, Handler, Use, register_module, unregister_module
+from .trace import FORMAT, UNCLAIMED, export_trace
 
 Inputs: TypeAlias = torch.Tensor | Mapping[str, torch.Tensor]
 
-__all__ = ["FORMAT", "KINDS", "ClippingCheckFailed", "TraceExportError", "assert_norms", "assert_update",
-           "export_trace", "register_module", "unregister_module"]
+__all__ = ["FORMAT", "KINDS", "UNCLAIMED", "ClippingCheckFailed", "Handler", "TraceExportError", "Use",
+           "assert_norms", "assert_update", "export_trace", "register_module", "unregister_module"]
 
 
 def assert_norms(
