@@ -1,0 +1,46 @@
+"""A site: one use of one parameter, as a trace holds it (docs/trace-format.md). Both
+exporters hand their captures over as `Site`s; the self-check and the writer read nothing else.
+
+The tensors are numpy arrays with the batch first and every axis between the batch and the
+features a row (B×R×features; an embedding's `ids` B×R). A bfloat16 factor is held as its raw
+bits in a `uint16` array (numpy has no bfloat16 of its own), with `precision` "bf16"."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+#: The kinds of site a trace holds; the reader in Rust knows the same five.
+SiteKind = Literal["linear", "conv1d", "embedding", "layernorm", "bias"]
+SITE_KINDS: tuple[SiteKind, ...] = ("linear", "conv1d", "embedding", "layernorm", "bias")
+
+#: The precisions a trace records, finest first.
+Precision = Literal["f64", "f32", "f16", "bf16"]
+PRECISIONS: tuple[Precision, ...] = ("f64", "f32", "f16", "bf16")
+
+
+@dataclass
+class Site:
+    """One site: its name in the trace, the parameter it writes, its kind and factors, the
+    precision its use computed in, and where it came from (for messages)."""
+
+    name: str
+    param: str
+    kind: SiteKind
+    tensors: dict[str, np.ndarray]
+    precision: Precision
+    #: the module or call the site came from, as messages name it: "module `h.0.attn.c_attn` (Conv1D)"
+    origin: str
+    #: rows of an embedding's table (its layout's rows); None for every other kind
+    vocab: int | None = None
+    #: the rounding autograd's own backward adds where the site's factors are exact and autograd's
+    #: are not (GroupNorm with one value a group), absolute, in the parameter's layout; None: none
+    autograd_rounding: np.ndarray | None = None
+
+    def spec(self) -> dict[str, Any]:
+        """The site's entry in the trace header."""
+        s: dict[str, Any] = {"name": self.name, "param": self.param, "kind": self.kind}
+        if self.vocab is not None:
+            s["vocab"] = self.vocab
+        return s
