@@ -3,13 +3,15 @@ exporters hand their captures over as `Site`s; the self-check and the writer rea
 
 The tensors are numpy arrays with the batch first and every axis between the batch and the
 features a row (B×R×features; an embedding's `ids` B×R). A bfloat16 factor is held as its raw
-bits in a `uint16` array (numpy has no bfloat16 of its own), with `precision` "bf16"."""
+bits in a `uint16` array (numpy has no bfloat16 of its own), with `precision` "bf16".
+
+A front-end builds its sites over its own tensor type (`Site[torch.Tensor]` in the PyTorch
+handlers) and hands them over as `Site[np.ndarray]` (`with_tensors`)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import numpy as np
+from typing import Any, Generic, Literal, TypeVar
 
 #: The kinds of site a trace holds; the reader in Rust knows the same five.
 SiteKind = Literal["linear", "conv1d", "embedding", "layernorm", "bias"]
@@ -19,16 +21,19 @@ SITE_KINDS: tuple[SiteKind, ...] = ("linear", "conv1d", "embedding", "layernorm"
 Precision = Literal["f64", "f32", "f16", "bf16"]
 PRECISIONS: tuple[Precision, ...] = ("f64", "f32", "f16", "bf16")
 
+T = TypeVar("T")
+U = TypeVar("U")
+
 
 @dataclass
-class Site:
+class Site(Generic[T]):
     """One site: its name in the trace, the parameter it writes, its kind and factors, the
     precision its use computed in, and where it came from (for messages)."""
 
     name: str
     param: str
     kind: SiteKind
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, T]
     precision: Precision
     #: the module or call the site came from, as messages name it: "module `h.0.attn.c_attn` (Conv1D)"
     origin: str
@@ -36,7 +41,7 @@ class Site:
     vocab: int | None = None
     #: the rounding autograd's own backward adds where the site's factors are exact and autograd's
     #: are not (GroupNorm with one value a group), absolute, in the parameter's layout; None: none
-    autograd_rounding: np.ndarray | None = None
+    autograd_rounding: T | None = None
 
     def spec(self) -> dict[str, Any]:
         """The site's entry in the trace header."""
@@ -44,3 +49,10 @@ class Site:
         if self.vocab is not None:
             s["vocab"] = self.vocab
         return s
+
+    def with_tensors(self, convert: Callable[[T], U]) -> Site[U]:
+        """The same site over another tensor type (the handover to the self-check and writer)."""
+        return Site(name=self.name, param=self.param, kind=self.kind,
+                    tensors={k: convert(v) for k, v in self.tensors.items()}, precision=self.precision,
+                    origin=self.origin, vocab=self.vocab,
+                    autograd_rounding=None if self.autograd_rounding is None else convert(self.autograd_rounding))
