@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._report import Report
+from ._trace.format import number
 from ._types import Precision
 from .jax.capture import PerExampleLoss, flat_params
 from .jax.gate import assert_norms as _assert_norms
 from .jax.gate import assert_update as _assert_update
-from .trace_file import number
 
 __all__ = ["JaxPrivacyStep", "assert_norms", "assert_update", "dp_step"]
 

@@ -25,7 +25,7 @@ written as a wrong trace. So is a model that mixes examples (BatchNorm with
 losses are pulled back and must reach every modelled module's output, and the floating-point
 inputs, at their own example alone (`probes.py`). `apply` may make state collections other than
 'params' mutable (`apply(x, mutable=["batch_stats"])`)."""
-from ..trace_file import FORMAT, TraceExportError
+from .._trace.format import FORMAT, TraceExportError
 from .gate import assert_norms, assert_update
 from .trace import UNCLAIMED, export_trace
 

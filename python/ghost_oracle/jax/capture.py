@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..trace_file import TraceExportError
+from .._trace.format import TraceExportError
 from .kinds import handler_for
 from .probes import Inputs, Probe, check_examples, lifted
 from .scan import Layer, scans_as_loops

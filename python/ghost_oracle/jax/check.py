@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-from ..trace_file import TraceExportError
+from .._trace.format import TraceExportError
 from .sites import Site
 
 STORAGE = {"f64": np.dtype(np.float64), "f32": np.dtype(np.float32), "f16": np.dtype(np.float16),

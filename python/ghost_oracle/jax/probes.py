@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..trace_file import TraceExportError
+from .._trace.format import TraceExportError
 from .sites import Call
 
 # Examples probed: every one up to this batch size; above it, at least PROBE_AT_LEAST of a

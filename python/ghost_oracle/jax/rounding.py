@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ..trace_file import MODEL_ROUNDING, TraceExportError
+from .._trace.format import MODEL_ROUNDING, TraceExportError
 from .capture import PerExampleLoss, capture
 from .kinds import handler_for
 from .sites import Call, Site

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import axes_scan
 
-from ..trace_file import TraceExportError
+from .._trace.format import TraceExportError
 
 _LAYER = re.compile(r"\[\d+\]$")
 

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..trace_file import TraceExportError
+from .._trace.format import TraceExportError
 
 # numpy dtype name -> the trace's precision name
 PRECISION_OF = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}

@@ -1,6 +1,6 @@
 """`export_trace` for Flax linen models: capture (`capture`), sites per module kind (`kinds/`),
 the self-check against `jax.grad` (`check`), and the file, written with numpy and
-`safetensors.numpy` under the header `ghost_oracle.trace_file` builds for both exporters."""
+`safetensors.numpy` under the header `ghost_oracle._trace.format` builds for both exporters."""
 from __future__ import annotations
 
 import os
@@ -15,17 +15,14 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from .._atomic import check_target, sort_safetensors_metadata, write_atomically
-from ..trace_file import PRECISION_NAMES, TraceExportError, number, step_rule, trace_metadata
+from .._trace.format import PRECISION_NAMES, TraceExportError, number, step_rule, trace_metadata
+from .._trace.format import UNCLAIMED as UNCLAIMED  # re-exported: one placeholder for both exporters
 from .capture import PerExampleLoss, capture, flat_params
 from .check import STORAGE, self_check, unit_roundoff
 from .kinds import handler_for
 from .rounding import model_rounding
 from .scan import split_layers
 from .sites import Site
-
-# `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
-# has computed the true ones.
-UNCLAIMED: Any = object()
 
 STEP_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 

@@ -1,4 +1,4 @@
-"""The exporter's one error type, shared with the JAX exporter (`ghost_oracle.trace_file`)."""
-from ..trace_file import TraceExportError
+"""The exporter's one error type, shared with the JAX exporter (`ghost_oracle._trace.format`)."""
+from .._trace.format import TraceExportError
 
 __all__ = ["TraceExportError"]

@@ -74,8 +74,9 @@ import torch
 from safetensors.torch import save_file
 
 from .._atomic import check_target, sort_safetensors_metadata, write_atomically
-from ..trace_file import FORMAT as FORMAT  # re-exported; the header is framework-neutral
-from ..trace_file import step_rule, trace_metadata
+from .._trace.format import FORMAT as FORMAT  # re-exported; the header is framework-neutral
+from .._trace.format import UNCLAIMED as UNCLAIMED  # re-exported: one placeholder for both exporters
+from .._trace.format import step_rule, trace_metadata
 from .arguments import check_inputs, check_model, integer_input_error
 from .batch import (
     _batch_size,
@@ -97,11 +98,6 @@ from .progress import Progress
 from .record import param_names, param_owners, record
 from .rounding import CastWatch, model_rounding
 from .step import _resolve_step
-
-# `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
-# has computed the true ones.
-UNCLAIMED = object()
-
 
 def _sites(entry: dict[str, Any], names: Mapping[int, str], dtype: torch.dtype | None, b: int) -> list[Site]:
     """The (spec, tensors) pairs of one use, from its module's handler; stored in `dtype` (None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ...trace_file import TraceExportError
+from ..._trace.format import TraceExportError
 from ..sites import Call, Site, grad_of, precision_of, rows
 
 

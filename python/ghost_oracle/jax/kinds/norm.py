@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...trace_file import TraceExportError
+from ..._trace.format import TraceExportError
 from ..sites import Call, Site, grad_of, precision_of, rows
 
 

@@ -1,7 +1,8 @@
 """The parts of writing a trace file (docs/trace-format.md) that do not depend on the framework
-the model lives in: the format's name, the exporters' error type and the header's keys. The
-PyTorch exporter (`ghost_oracle.torch`) and the JAX one (`ghost_oracle.jax`) both build their
-`__metadata__` here, so the two write the same keys in the same spelling."""
+the model lives in: the format's name, the exporters' error type, the placeholder for unclaimed
+norms, the checks of the header's numbers and the header's keys. The PyTorch exporter
+(`ghost_oracle.torch`) and the JAX one (`ghost_oracle.jax`) both build their `__metadata__`
+here and write it through `writer.py`, so the two write the same keys in the same spelling."""
 from __future__ import annotations
 
 import json
@@ -9,10 +10,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .site import PRECISIONS
+
 FORMAT = "ghost-oracle-trace/1"
 
 # Names of the precisions a trace records, finest first.
-PRECISION_NAMES = ("f64", "f32", "f16", "bf16")
+PRECISION_NAMES = PRECISIONS
 
 CLIPPING_RULES = ("flat", "automatic")
 
@@ -24,6 +27,19 @@ CLIPPING_RULES = ("flat", "automatic")
 # precision (ghost_oracle/torch/rounding.py).
 MODEL_ROUNDING = ("replay-float64", "replay-float32-scaled", "replay-float64+random-rounding",
                   "replay-float32-scaled+random-rounding")
+
+
+class _Unclaimed:
+    """The type of `UNCLAIMED`: one object, named in reprs."""
+
+    def __repr__(self) -> str:
+        return "UNCLAIMED"
+
+
+#: `claimed_norms=UNCLAIMED` writes norms of 1, for a caller that replaces them once the check
+#: has computed the true ones (the gates do, to judge a step alone). One object for both
+#: exporters: `ghost_oracle.torch.UNCLAIMED is ghost_oracle.jax.UNCLAIMED`.
+UNCLAIMED: Any = _Unclaimed()
 
 
 class TraceExportError(ValueError):
