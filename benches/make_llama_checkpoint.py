@@ -98,11 +98,10 @@ if a.expected:
 
     del tensors
     torch.set_default_dtype(torch.float64)
-    make_golden.float64_llama_family()
-    make_golden.float64_families()
+    make_golden.float64_modules()
     model = model_cls.from_pretrained(a.out, dtype=torch.float64, attn_implementation="eager").eval()
     with torch.no_grad():
-        model.model.rotary_emb.inv_freq = make_golden.inv_freq_f64(model.config)
+        make_golden.use_exact_rotary(model)
     params = {k: v.detach() for k, v in model.named_parameters()}
     def loss(p, x, y):
         return make_golden.per_example_loss(model, p, x, y, "mean", cfg.tie_word_embeddings)

@@ -38,12 +38,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import make_golden
 from transformers import AutoModelForCausalLM
 
-make_golden.float64_llama_family()
-make_golden.float64_families()
+make_golden.float64_modules()
 imported = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float64, attn_implementation="sdpa").eval()
 with torch.no_grad():
-    model.model.rotary_emb.inv_freq = make_golden.inv_freq_f64(model.config)
+    make_golden.use_exact_rotary(model)
 ids = load_file(a.batch_file)["input_ids"].long()
 n = ids.shape[0] if a.examples is None else min(a.examples, ids.shape[0])
 loaded = time.perf_counter()
