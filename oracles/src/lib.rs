@@ -56,22 +56,15 @@ mod checkpoint;
 mod clipping;
 mod decoder;
 mod error;
-mod flavor;
-mod gemma_config;
-mod gpt2;
-mod gpt2_config;
+mod families;
 mod gradient;
 mod io;
 mod keys;
 mod layers;
-mod llama;
-mod llama_config;
 mod matmul;
-mod model;
 mod precision;
 mod reference;
 mod rng;
-mod rope_config;
 mod site;
 mod stored;
 mod sweep;
@@ -85,17 +78,18 @@ pub use checkpoint::{load, load_resident, Blocks, FromCheckpoint};
 pub use clipping::Clipping;
 pub use decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
-pub use gpt2::Gpt2;
-pub use gpt2_config::Gpt2Config;
+pub use families::gpt2::{Gpt2, Gpt2Config};
+pub use families::llama::{
+    LayerType, Llama, LlamaConfig, LlamaFlavor, LlamaLayer, LlamaParams, NormLayout, RopeScaling,
+    EMBED_TOKENS,
+};
+pub use families::{Model, ModelConfig};
 pub use gradient::{
     example_gradient, example_gradient_into, example_loss, examples_together, group_norms,
     ExampleNorms, HeadPath, Reduction, Workspace, MAX_TOGETHER,
 };
 pub use io::{write_f64_tensors, write_raw, RawTensor};
-pub use llama::{Llama, LlamaLayer, LlamaParams, EMBED_TOKENS};
-pub use llama_config::{LayerType, LlamaConfig, LlamaFlavor, NormLayout, RopeScaling};
 pub use matmul::{product, product_into, Accumulate};
-pub use model::{Model, ModelConfig};
 pub use precision::Precision;
 pub use reference::{compute, ExampleReport, Options, Progress, Reference};
 pub use rng::SplitMix64;

@@ -4,11 +4,11 @@
 use crate::batch::Batch;
 use crate::decoder::{DecoderModel, Dims, HasDims, ParamSet};
 use crate::error::Result;
+use crate::families::Model;
 use crate::gradient::{
     example_gradient_into, examples_together, group_norms, square, HeadPath, Reduction,
     SharedSplit, Workspace,
 };
-use crate::model::Model;
 use crate::trace::{SiteRecord, Trace, TraceBuilder};
 use serde_json::{json, Value};
 

@@ -1,13 +1,29 @@
-//! Any supported decoder model, chosen by `config.json`'s `model_type`.
+//! The model families the reference runs, one folder each, and the enum that chooses among them
+//! by `config.json`'s `model_type`.
+//!
+//! Every family fills the one skeleton of `crate::decoder` ([`DecoderModel`] and [`ParamSet`](crate::ParamSet)) in
+//! the same four files: `config.rs` (its `config.json`), `params.rs` (its tensors, in checkpoint
+//! order), `block.rs` (its forward and backward passes and the sites they record) and `mod.rs`
+//! (the model, loaded from and saved to a checkpoint). A new family is one more folder here and
+//! one more variant of [`Model`] and [`ModelConfig`], whose every `match` is exhaustive: a family
+//! left out anywhere is a compile error.
+//!
+//! ```text
+//! gpt2     GPT2LMHeadModel
+//! llama    Llama, Qwen2, Qwen3, Gemma 1-3, VaultGemma: one block shape, what each member
+//!          changes in flavor.rs; gemma_config.rs (Gemma's keys), rope_config.rs (rope_theta /
+//!          rope_scaling / rope_parameters)
+//! ```
+
+pub mod gpt2;
+pub mod llama;
 
 use crate::checkpoint::{Blocks, FromCheckpoint};
 use crate::decoder::{DecoderModel, Dims, HasDims};
 use crate::error::{bail, Error, Result};
-use crate::gpt2::Gpt2;
-use crate::gpt2_config::Gpt2Config;
-use crate::llama::Llama;
-use crate::llama_config::{LlamaConfig, LlamaFlavor};
 use crate::tensors::TensorSource;
+use gpt2::{Gpt2, Gpt2Config};
+use llama::{Llama, LlamaConfig, LlamaFlavor};
 use serde_json::Value;
 use std::path::Path;
 

@@ -4,14 +4,14 @@
 //! (`rope_parameters`) layouts alike. A value the reference does not model is an error naming the
 //! key, never ignored.
 
+use super::gemma_config::{self, GemmaKeys};
 use crate::error::{bail, Error, Result};
-use crate::gemma_config::{self, GemmaKeys};
 use crate::keys::{check_parameter_count, Keys};
 use serde_json::Value;
 
-pub use crate::flavor::{LayerType, LlamaFlavor, NormLayout};
-use crate::rope_config::rope;
-pub use crate::rope_config::RopeScaling;
+pub use super::flavor::{LayerType, LlamaFlavor, NormLayout};
+use super::rope_config::rope;
+pub use super::rope_config::RopeScaling;
 
 /// The hyperparameters of a Llama-shaped model, as its `config.json` gives them.
 #[derive(Clone, Debug, PartialEq)]

@@ -2,10 +2,10 @@
 //! `vaultgemma`), read as Hugging Face's config classes and modules (transformers 5.25) interpret
 //! them; `llama_config.rs` folds them into its config.
 
+use super::flavor::{LayerType, LlamaFlavor};
+use super::rope_config::{rope, rope_from, RopeScaling};
 use crate::error::{bail, Error, Result};
-use crate::flavor::{LayerType, LlamaFlavor};
 use crate::keys::Keys;
-use crate::rope_config::{rope, rope_from, RopeScaling};
 use serde_json::{json, Value};
 
 /// What a Gemma config sets beyond the Llama keys.

@@ -9,10 +9,14 @@
 //! `params` holds the parameters and the one table of a layer's modules; `block` a layer's
 //! forward and backward passes and the sites they record; this module the model and its loading.
 //!
-//! [`LlamaFlavor`]: crate::llama_config::LlamaFlavor
+//! [`LlamaFlavor`]: flavor::LlamaFlavor
 
 mod block;
+mod config;
+mod flavor;
+mod gemma_config;
 mod params;
+mod rope_config;
 
 pub use params::{LlamaLayer, LlamaParams, EMBED_TOKENS};
 
@@ -21,10 +25,10 @@ use crate::checkpoint::{
 };
 use crate::decoder::{Dims, HasDims, ParamSet};
 use crate::error::{bail, Result};
-use crate::llama_config::LlamaConfig;
 use crate::rng::SplitMix64;
 use crate::stored::StoredBlocks;
 use crate::tensors::TensorSource;
+pub use config::{LayerType, LlamaConfig, LlamaFlavor, NormLayout, RopeScaling};
 use params::layer_layout;
 use std::path::Path;
 

@@ -1,9 +1,9 @@
 //! The Llama family's parameters: a layer's modules listed once, in [`LAYER`], and everything a
 //! checkpoint, a zero gradient or a trace needs to know of them derived from that table.
 
+use super::config::{LlamaConfig, NormLayout};
 use crate::decoder::{prefixed_blocks, BlockParams, ParamSet, LM_HEAD};
 use crate::layers::{Linear, RmsNorm};
-use crate::llama_config::{LlamaConfig, NormLayout};
 use ndarray::{Array2, ArrayViewD, ArrayViewMutD};
 
 /// One decoder layer:
