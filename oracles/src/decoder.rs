@@ -94,6 +94,84 @@ pub(crate) fn prefixed_blocks<P: ParamSet, V>(
     })
 }
 
+/// Implements [`ParamSet`] for a family's parameter struct from the names of its fields, so that
+/// the listing of its tensors (views and mutable views alike) is written once for every family:
+/// the stem (token embedding first), the blocks under `block_prefix{layer}.`, the tail, then the
+/// untied head as [`LM_HEAD`].
+macro_rules! param_set {
+    (
+        $params:ty {
+            block: $block:ty,
+            block_prefix: $prefix:literal,
+            token_embedding: $embedding:ident,
+            stem: [$(($stem_name:expr, $($stem:ident).+)),+ $(,)?],
+            blocks: $blocks:ident,
+            tail: [$(($tail_name:expr, $($tail:ident).+)),* $(,)?],
+            lm_head: $head:ident $(,)?
+        }
+    ) => {
+        impl $crate::decoder::ParamSet for $params {
+            type Block = $block;
+            const STEM_TENSORS: usize = [$($stem_name),+].len();
+
+            fn block_prefix(layer: usize) -> String {
+                format!("{}{layer}.", $prefix)
+            }
+
+            fn blocks(&self) -> &[$block] {
+                &self.$blocks
+            }
+
+            fn blocks_mut(&mut self) -> &mut [$block] {
+                &mut self.$blocks
+            }
+
+            fn tensors(&self) -> Vec<(String, ndarray::ArrayViewD<'_, f64>)> {
+                $crate::decoder::param_set!(@list self, view, iter, tensors, as_ref,
+                    [$(($stem_name, $($stem).+)),+], $blocks, [$(($tail_name, $($tail).+)),*], $head)
+            }
+
+            fn tensors_mut(&mut self) -> Vec<(String, ndarray::ArrayViewMutD<'_, f64>)> {
+                $crate::decoder::param_set!(@list self, view_mut, iter_mut, tensors_mut, as_mut,
+                    [$(($stem_name, $($stem).+)),+], $blocks, [$(($tail_name, $($tail).+)),*], $head)
+            }
+
+            fn token_embedding(&self) -> &ndarray::Array2<f64> {
+                &self.$embedding
+            }
+
+            fn token_embedding_mut(&mut self) -> &mut ndarray::Array2<f64> {
+                &mut self.$embedding
+            }
+
+            fn lm_head(&self) -> Option<&ndarray::Array2<f64>> {
+                self.$head.as_ref()
+            }
+
+            fn lm_head_mut(&mut self) -> &mut Option<ndarray::Array2<f64>> {
+                &mut self.$head
+            }
+        }
+    };
+    // Every tensor's (family-local name, view); `$view` is `view` or `view_mut`, and the rest
+    // follow it.
+    (@list $p:expr, $view:ident, $iter:ident, $each:ident, $option:ident,
+        [$(($stem_name:expr, $($stem:ident).+)),+], $blocks:ident,
+        [$(($tail_name:expr, $($tail:ident).+)),*], $head:ident) => {{
+        let p = $p;
+        let mut out = vec![$(($stem_name.to_string(), p.$($stem).+.$view().into_dyn())),+];
+        out.extend($crate::decoder::prefixed_blocks::<Self, _>(
+            p.$blocks.$iter().map(|b| $crate::decoder::BlockParams::$each(b)),
+        ));
+        $(out.push(($tail_name.to_string(), p.$($tail).+.$view().into_dyn()));)*
+        if let Some(h) = p.$head.$option() {
+            out.push(($crate::decoder::LM_HEAD.to_string(), h.$view().into_dyn()));
+        }
+        out
+    }};
+}
+pub(crate) use param_set;
+
 /// One family of decoder-only models. The skeleton calls, per example:
 /// `embed` → `block_forward` for every layer → `final_norm` → head, then the backward passes in
 /// reverse. Each backward accumulates into a zero gradient and records its sites (in forward

@@ -38,8 +38,11 @@ impl Reduction {
 /// ‖g_in‖², ‖g_out‖² and ⟨g_in, g_out⟩ of a parameter used as input embedding and as LM head.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SharedSplit {
+    /// ‖g_in‖², the input-embedding path.
     pub input_sq: f64,
+    /// ‖g_out‖², the head path.
     pub output_sq: f64,
+    /// ⟨g_in, g_out⟩.
     pub cross: f64,
 }
 

@@ -402,6 +402,19 @@ impl Sites<'_> {
         }
     }
 
+    /// [`Sites::norm`] of an RMSNorm (no bias) that a layer may lack: nothing when `cache` is
+    /// `None`, that is when the layer has no such norm.
+    pub(crate) fn optional_norm(
+        &mut self,
+        module: &str,
+        cache: Option<&NormCache>,
+        backprops: Option<&Array2<f64>>,
+    ) {
+        if let (Some(cache), Some(backprops)) = (cache, backprops) {
+            self.norm(module, false, cache, backprops.view());
+        }
+    }
+
     /// A normalization weight (kind `layernorm`, activations x̂), and its bias when it has one.
     pub(crate) fn norm(
         &mut self,

@@ -78,7 +78,7 @@ pub use checkpoint::{load, load_resident, Blocks, FromCheckpoint};
 pub use clipping::Clipping;
 pub use decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
-pub use families::gpt2::{Gpt2, Gpt2Config};
+pub use families::gpt2::{Gpt2, Gpt2Config, Gpt2Params};
 pub use families::llama::{
     LayerType, Llama, LlamaConfig, LlamaFlavor, LlamaLayer, LlamaParams, NormLayout, RopeScaling,
     EMBED_TOKENS,
@@ -86,7 +86,7 @@ pub use families::llama::{
 pub use families::{Model, ModelConfig};
 pub use gradient::{
     example_gradient, example_gradient_into, example_loss, examples_together, group_norms,
-    ExampleNorms, HeadPath, Reduction, Workspace, MAX_TOGETHER,
+    ExampleNorms, HeadPath, Reduction, SharedSplit, Workspace, MAX_TOGETHER,
 };
 pub use io::{write_f64_tensors, write_raw, RawTensor};
 pub use matmul::{product, product_into, Accumulate};

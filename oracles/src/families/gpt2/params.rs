@@ -2,7 +2,7 @@
 //! checkpoint order.
 
 use super::config::Gpt2Config;
-use crate::decoder::{prefixed_blocks, BlockParams, ParamSet, LM_HEAD};
+use crate::decoder::{param_set, BlockParams, ParamSet, LM_HEAD};
 use crate::layers::{Conv1d, LayerNorm};
 use ndarray::{Array2, ArrayViewD, ArrayViewMutD};
 
@@ -21,9 +21,13 @@ pub struct Block {
 /// reference reports the split.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gpt2Params {
+    /// `wte.weight`, the V×d token embedding.
     pub wte: Array2<f64>,
+    /// `wpe.weight`, the learned positions (n_positions×d).
     pub wpe: Array2<f64>,
+    /// The blocks `h.{layer}`, first layer first.
     pub blocks: Vec<Block>,
+    /// The final LayerNorm.
     pub ln_f: LayerNorm,
     /// V×d (nn.Linear layout). `None` for a tied model's weights.
     pub lm_head: Option<Array2<f64>>,
@@ -48,6 +52,7 @@ const BLOCK_PARTS: [&str; 12] = [
 pub(super) const WTE: &str = "wte.weight";
 
 impl Gpt2Params {
+    /// Zero tensors of a config's shapes, with an untied head when `with_head`.
     pub fn zeros(cfg: &Gpt2Config, with_head: bool) -> Self {
         let d = cfg.n_embd;
         Gpt2Params {
@@ -98,6 +103,7 @@ impl Gpt2Params {
         ParamSet::tensors(self)
     }
 
+    /// Mutable views of [`Gpt2Params::tensors`], same names and order.
     pub fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
         ParamSet::tensors_mut(self)
     }
@@ -153,67 +159,12 @@ impl BlockParams for Block {
     }
 }
 
-impl ParamSet for Gpt2Params {
-    type Block = Block;
-    const STEM_TENSORS: usize = 2;
-
-    fn block_prefix(layer: usize) -> String {
-        format!("h.{layer}.")
-    }
-
-    fn blocks(&self) -> &[Block] {
-        &self.blocks
-    }
-
-    fn blocks_mut(&mut self) -> &mut [Block] {
-        &mut self.blocks
-    }
-
-    fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
-        let mut out = vec![
-            (WTE.to_string(), self.wte.view().into_dyn()),
-            ("wpe.weight".to_string(), self.wpe.view().into_dyn()),
-        ];
-        out.extend(prefixed_blocks::<Self, _>(
-            self.blocks.iter().map(|b| b.tensors()),
-        ));
-        out.push(("ln_f.weight".into(), self.ln_f.weight.view().into_dyn()));
-        out.push(("ln_f.bias".into(), self.ln_f.bias.view().into_dyn()));
-        if let Some(h) = &self.lm_head {
-            out.push((LM_HEAD.into(), h.view().into_dyn()));
-        }
-        out
-    }
-
-    fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
-        let mut out = vec![
-            (WTE.to_string(), self.wte.view_mut().into_dyn()),
-            ("wpe.weight".to_string(), self.wpe.view_mut().into_dyn()),
-        ];
-        out.extend(prefixed_blocks::<Self, _>(
-            self.blocks.iter_mut().map(|b| b.tensors_mut()),
-        ));
-        out.push(("ln_f.weight".into(), self.ln_f.weight.view_mut().into_dyn()));
-        out.push(("ln_f.bias".into(), self.ln_f.bias.view_mut().into_dyn()));
-        if let Some(h) = &mut self.lm_head {
-            out.push((LM_HEAD.into(), h.view_mut().into_dyn()));
-        }
-        out
-    }
-
-    fn token_embedding(&self) -> &Array2<f64> {
-        &self.wte
-    }
-
-    fn token_embedding_mut(&mut self) -> &mut Array2<f64> {
-        &mut self.wte
-    }
-
-    fn lm_head(&self) -> Option<&Array2<f64>> {
-        self.lm_head.as_ref()
-    }
-
-    fn lm_head_mut(&mut self) -> &mut Option<Array2<f64>> {
-        &mut self.lm_head
-    }
-}
+param_set!(Gpt2Params {
+    block: Block,
+    block_prefix: "h.",
+    token_embedding: wte,
+    stem: [(WTE, wte), ("wpe.weight", wpe)],
+    blocks: blocks,
+    tail: [("ln_f.weight", ln_f.weight), ("ln_f.bias", ln_f.bias)],
+    lm_head: lm_head,
+});

@@ -64,6 +64,21 @@ impl Llama {
         (cache, y)
     }
 
+    /// [`Self::head_norm_forward`] when the layer has the norm, `x` when it has not.
+    fn optional_head_norm(
+        &self,
+        norm: Option<&RmsNorm>,
+        x: Array2<f64>,
+    ) -> (Option<NormCache>, Array2<f64>) {
+        match norm {
+            Some(n) => {
+                let (c, y) = self.head_norm_forward(n, x);
+                (Some(c), y)
+            }
+            None => (None, x),
+        }
+    }
+
     /// The per-head rows of a T×(heads·hd) gradient, as [`Self::head_norm_forward`] lays them out.
     fn head_rows(&self, dy: &Array2<f64>) -> Array2<f64> {
         let hd = self.config.head_dim;
@@ -242,20 +257,8 @@ impl DecoderModel for Llama {
         let q = b.q_proj.forward(a1.view());
         let k = b.k_proj.forward(a1.view());
         let v = b.v_proj.forward(a1.view());
-        let (q_norm, mut q) = match &b.q_norm {
-            Some(n) => {
-                let (c, y) = self.head_norm_forward(n, q);
-                (Some(c), y)
-            }
-            None => (None, q),
-        };
-        let (k_norm, mut k) = match &b.k_norm {
-            Some(n) => {
-                let (c, y) = self.head_norm_forward(n, k);
-                (Some(c), y)
-            }
-            None => (None, k),
-        };
+        let (q_norm, mut q) = self.optional_head_norm(b.q_norm.as_ref(), q);
+        let (k_norm, mut k) = self.optional_head_norm(b.k_norm.as_ref(), k);
         rope.rotate(&mut q, false);
         rope.rotate(&mut k, false);
         let (probs, y) = self.attention(layer).forward(q.view(), k.view(), v.view());
@@ -437,32 +440,25 @@ impl Llama {
                     Module::Q => linear(&b.q_proj, &c.a1, d.dq),
                     Module::K => linear(&b.k_proj, &c.a1, d.dk),
                     Module::V => linear(&b.v_proj, &c.a1, d.dv),
+                    // A per-head norm's rows are (position, head) pairs.
                     Module::QNorm => {
-                        if let Some(cache) = &c.q_norm {
-                            let bp = self.head_rows(d.dq_normed);
-                            sites.norm(&name, false, cache, bp.view());
-                        }
+                        let bp = c.q_norm.as_ref().map(|_| self.head_rows(d.dq_normed));
+                        sites.optional_norm(&name, c.q_norm.as_ref(), bp.as_ref());
                     }
                     Module::KNorm => {
-                        if let Some(cache) = &c.k_norm {
-                            let bp = self.head_rows(d.dk_normed);
-                            sites.norm(&name, false, cache, bp.view());
-                        }
+                        let bp = c.k_norm.as_ref().map(|_| self.head_rows(d.dk_normed));
+                        sites.optional_norm(&name, c.k_norm.as_ref(), bp.as_ref());
                     }
                     Module::O => linear(&b.o_proj, &c.y, d.d_o),
                     Module::AttnOutNorm => {
-                        if let Some(cache) = &c.attn_out_norm {
-                            sites.norm(&name, false, cache, d.dh_mid.view());
-                        }
+                        sites.optional_norm(&name, c.attn_out_norm.as_ref(), Some(d.dh_mid))
                     }
                     Module::MlpNorm => sites.norm(&name, false, &c.norm2, d.da2.view()),
                     Module::Gate => linear(&b.gate_proj, &c.a2, d.dgate),
                     Module::Up => linear(&b.up_proj, &c.a2, d.dup),
                     Module::Down => linear(&b.down_proj, &c.m, d.d_down),
                     Module::MlpOutNorm => {
-                        if let Some(cache) = &c.mlp_out_norm {
-                            sites.norm(&name, false, cache, d.dh.view());
-                        }
+                        sites.optional_norm(&name, c.mlp_out_norm.as_ref(), Some(d.dh))
                     }
                 }
             }

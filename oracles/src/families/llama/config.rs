@@ -133,30 +133,28 @@ impl LlamaConfig {
         self
     }
 
-    /// Whether q_proj, k_proj and v_proj have biases.
-    pub fn qkv_bias(&self) -> bool {
+    /// Whether (q_proj, k_proj and v_proj) and o_proj have biases: Qwen2 fixes them, every other
+    /// member sets all four by `attention_bias`.
+    fn attention_biases(&self) -> (bool, bool) {
         match self.flavor {
-            LlamaFlavor::Qwen2 => true,
+            LlamaFlavor::Qwen2 => (true, false),
             LlamaFlavor::Llama
             | LlamaFlavor::Qwen3
             | LlamaFlavor::Gemma
             | LlamaFlavor::Gemma2
             | LlamaFlavor::Gemma3Text
-            | LlamaFlavor::VaultGemma => self.attention_bias,
+            | LlamaFlavor::VaultGemma => (self.attention_bias, self.attention_bias),
         }
+    }
+
+    /// Whether q_proj, k_proj and v_proj have biases.
+    pub fn qkv_bias(&self) -> bool {
+        self.attention_biases().0
     }
 
     /// Whether o_proj has a bias.
     pub fn o_proj_bias(&self) -> bool {
-        match self.flavor {
-            LlamaFlavor::Qwen2 => false,
-            LlamaFlavor::Llama
-            | LlamaFlavor::Qwen3
-            | LlamaFlavor::Gemma
-            | LlamaFlavor::Gemma2
-            | LlamaFlavor::Gemma3Text
-            | LlamaFlavor::VaultGemma => self.attention_bias,
-        }
+        self.attention_biases().1
     }
 
     /// Whether gate_proj, up_proj and down_proj have biases.

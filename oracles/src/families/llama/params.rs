@@ -2,7 +2,7 @@
 //! checkpoint, a zero gradient or a trace needs to know of them derived from that table.
 
 use super::config::{LlamaConfig, NormLayout};
-use crate::decoder::{prefixed_blocks, BlockParams, ParamSet, LM_HEAD};
+use crate::decoder::{param_set, BlockParams, LM_HEAD};
 use crate::layers::{Linear, RmsNorm};
 use ndarray::{Array2, ArrayViewD, ArrayViewMutD};
 
@@ -460,65 +460,13 @@ impl LlamaParams {
         out
     }
 }
-impl ParamSet for LlamaParams {
-    type Block = LlamaLayer;
-    const STEM_TENSORS: usize = 1;
 
-    fn block_prefix(layer: usize) -> String {
-        format!("model.layers.{layer}.")
-    }
-
-    fn blocks(&self) -> &[LlamaLayer] {
-        &self.layers
-    }
-
-    fn blocks_mut(&mut self) -> &mut [LlamaLayer] {
-        &mut self.layers
-    }
-
-    fn tensors(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
-        let mut out = vec![(
-            EMBED_TOKENS.to_string(),
-            self.embed_tokens.view().into_dyn(),
-        )];
-        out.extend(prefixed_blocks::<Self, _>(
-            self.layers.iter().map(|b| b.tensors()),
-        ));
-        out.push((FINAL_NORM.into(), self.norm.weight.view().into_dyn()));
-        if let Some(h) = &self.lm_head {
-            out.push((LM_HEAD.into(), h.view().into_dyn()));
-        }
-        out
-    }
-
-    fn tensors_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
-        let mut out = vec![(
-            EMBED_TOKENS.to_string(),
-            self.embed_tokens.view_mut().into_dyn(),
-        )];
-        out.extend(prefixed_blocks::<Self, _>(
-            self.layers.iter_mut().map(|b| b.tensors_mut()),
-        ));
-        out.push((FINAL_NORM.into(), self.norm.weight.view_mut().into_dyn()));
-        if let Some(h) = &mut self.lm_head {
-            out.push((LM_HEAD.into(), h.view_mut().into_dyn()));
-        }
-        out
-    }
-
-    fn token_embedding(&self) -> &Array2<f64> {
-        &self.embed_tokens
-    }
-
-    fn token_embedding_mut(&mut self) -> &mut Array2<f64> {
-        &mut self.embed_tokens
-    }
-
-    fn lm_head(&self) -> Option<&Array2<f64>> {
-        self.lm_head.as_ref()
-    }
-
-    fn lm_head_mut(&mut self) -> &mut Option<Array2<f64>> {
-        &mut self.lm_head
-    }
-}
+param_set!(LlamaParams {
+    block: LlamaLayer,
+    block_prefix: "model.layers.",
+    token_embedding: embed_tokens,
+    stem: [(EMBED_TOKENS, embed_tokens)],
+    blocks: layers,
+    tail: [(FINAL_NORM, norm.weight)],
+    lm_head: lm_head,
+});
