@@ -6,7 +6,9 @@
 
 mod common;
 
-use common::{check_finite_differences, close};
+use common::{
+    assert_trace_gives_the_reported_norms, check_finite_differences, close, config_error,
+};
 use ghost_oracle_reference::*;
 use ndarray::array;
 use std::path::PathBuf;
@@ -231,18 +233,7 @@ fn trace_rebuilds_the_materialized_gradients() {
             };
             assert_eq!(rows, want, "{flavor:?} {}", site.spec.name);
         }
-        let m = trace.materialized_norms().unwrap();
-        for (i, e) in r.examples.iter().enumerate() {
-            assert!(close(m[i].total_sq.sqrt(), e.norm, 1e-12), "{flavor:?} {i}");
-            for (name, v) in &e.params {
-                assert!(close(m[i].per_param_sq[name].sqrt(), *v, 1e-12), "{name}");
-            }
-            if let Some((name, s)) = e.shared.first() {
-                let k = &m[i].shared_inner[name];
-                assert!(close(k[0][0], s.input_sq, 1e-12) && close(k[1][1], s.output_sq, 1e-12));
-                assert!((k[0][1] - s.cross).abs() <= 1e-12 * (s.input_sq + s.output_sq));
-            }
-        }
+        assert_trace_gives_the_reported_norms(&r, &format!("{flavor:?}"));
         let n: usize = r
             .layout
             .iter()
@@ -268,13 +259,6 @@ fn checkpoint_round_trip_and_model_dispatch() {
         let any = load::<Model>(&dir).unwrap();
         assert_eq!(any.model_type(), tag);
         std::fs::remove_dir_all(&dir).ok();
-    }
-}
-
-fn config_error(json: &str) -> String {
-    match ModelConfig::from_json_str(json) {
-        Ok(c) => panic!("accepted {json}: {c:?}"),
-        Err(e) => e.to_string(),
     }
 }
 

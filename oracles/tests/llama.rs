@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{check_finite_differences, close};
+use common::{check_finite_differences, close, config_error};
 use ghost_oracle_reference::*;
 use ndarray::{array, s, Array2};
 use std::path::PathBuf;
@@ -311,13 +311,6 @@ fn model_enum_reference_equals_the_family_reference() {
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
     assert_eq!(n, model.config.parameter_count());
-}
-
-fn config_error(json: &str) -> String {
-    match ModelConfig::from_json_str(json) {
-        Ok(c) => panic!("accepted {json}: {c:?}"),
-        Err(e) => e.to_string(),
-    }
 }
 
 #[test]

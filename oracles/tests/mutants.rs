@@ -42,6 +42,14 @@ fn a_head_buffer_of_another_shape_is_replaced_not_written_into() {
     assert_eq!(split, None);
 }
 
+/// Example 0's gradient with a tied head folded into the embedding, into `g`: its loss and split.
+fn folded_into(model: &Gpt2, batch: &Batch, g: &mut Gpt2Params) -> (f64, Option<SharedSplit>) {
+    let (loss, _, split) =
+        example_gradient_into(model, batch, 0, Reduction::Mean, false, HeadPath::Folded, g)
+            .unwrap();
+    (loss, split)
+}
+
 #[test]
 fn a_folded_head_path_is_the_sum_of_the_separate_paths_and_its_split_their_products() {
     // Repeated ids (1 twice) make the input path's rows sums over positions. The folded buffer
@@ -55,16 +63,7 @@ fn a_folded_head_path_is_the_sum_of_the_separate_paths_and_its_split_their_produ
     let mut g = model.zero_gradient();
     // A stale separate head in the buffer is dropped, not kept beside the folded one.
     g.lm_head = Some(head.clone());
-    let (loss, _, split) = example_gradient_into(
-        &model,
-        &batch,
-        0,
-        Reduction::Mean,
-        false,
-        HeadPath::Folded,
-        &mut g,
-    )
-    .unwrap();
+    let (loss, split) = folded_into(&model, &batch, &mut g);
     assert_eq!(loss, sep.loss);
     assert!(g.lm_head.is_none());
     let sum = input + head;
@@ -98,16 +97,7 @@ fn a_folded_head_path_is_the_sum_of_the_separate_paths_and_its_split_their_produ
     // Untied, folding changes nothing: the head is its own parameter.
     let untied = tiny(false);
     let mut g = untied.zero_gradient();
-    let (_, _, split) = example_gradient_into(
-        &untied,
-        &batch,
-        0,
-        Reduction::Mean,
-        false,
-        HeadPath::Folded,
-        &mut g,
-    )
-    .unwrap();
+    let (_, split) = folded_into(&untied, &batch, &mut g);
     assert_eq!(split, None);
     let sep = example_gradient(&untied, &batch, 0, Reduction::Mean, false).unwrap();
     assert_eq!(g.lm_head, sep.grad.lm_head);

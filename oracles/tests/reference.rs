@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{check_finite_differences, close};
+use common::{assert_trace_gives_the_reported_norms, check_finite_differences, close};
 use ghost_oracle_reference::*;
 use ndarray::{array, Array2};
 use std::path::{Path, PathBuf};
@@ -191,24 +191,7 @@ fn trace_rebuilds_the_materialized_gradients() {
             ..Options::default()
         };
         let r = compute(&model, &batch, &opts, &mut |_| {}).unwrap();
-        let trace = r.trace.as_ref().unwrap();
-        let m = trace.materialized_norms().unwrap();
-        for (i, e) in r.examples.iter().enumerate() {
-            assert!(
-                close(m[i].total_sq.sqrt(), e.norm, 1e-12),
-                "example {i}: {} vs {}",
-                m[i].total_sq.sqrt(),
-                e.norm
-            );
-            for (name, v) in &e.params {
-                assert!(close(m[i].per_param_sq[name].sqrt(), *v, 1e-12), "{name}");
-            }
-            if let Some((name, s)) = e.shared.first() {
-                let k = &m[i].shared_inner[name];
-                assert!(close(k[0][0], s.input_sq, 1e-12) && close(k[1][1], s.output_sq, 1e-12));
-                assert!((k[0][1] - s.cross).abs() <= 1e-12 * (s.input_sq + s.output_sq));
-            }
-        }
+        assert_trace_gives_the_reported_norms(&r, "GPT-2");
     }
 }
 

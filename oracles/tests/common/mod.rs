@@ -1,5 +1,5 @@
-//! Checks shared by the test files: central finite differences of a model's own loss, and the
-//! comparison with the PyTorch golden files.
+//! Checks shared by the test files: central finite differences of a model's own loss, the norms a
+//! recorded trace gives against the reference's report, and a config's refusal.
 #![allow(dead_code)]
 
 use ghost_oracle_reference::*;
@@ -92,4 +92,39 @@ pub fn check_finite_differences<M: DecoderModel + Clone>(model: &M, batch: &Batc
 
 pub fn close(a: f64, b: f64, rel: f64) -> bool {
     (a - b).abs() <= rel * b.abs().max(1e-300)
+}
+
+/// The norms of a report's recorded trace, its factors materialized site by site and summed per
+/// parameter, against the report's own (the explicit backward pass): every example's total, each
+/// parameter's and the tied split, to 1e-12. A wrong activation or backprop would not match.
+pub fn assert_trace_gives_the_reported_norms(r: &Reference, what: &str) {
+    let m = r.trace.as_ref().expect("a recorded trace");
+    let m = m.materialized_norms().unwrap();
+    for (i, e) in r.examples.iter().enumerate() {
+        let total = m[i].total_sq.sqrt();
+        assert!(
+            close(total, e.norm, 1e-12),
+            "{what} example {i}: {total} vs {}",
+            e.norm
+        );
+        for (name, v) in &e.params {
+            assert!(
+                close(m[i].per_param_sq[name].sqrt(), *v, 1e-12),
+                "{what} {name}"
+            );
+        }
+        if let Some((name, s)) = e.shared.first() {
+            let k = &m[i].shared_inner[name];
+            assert!(close(k[0][0], s.input_sq, 1e-12) && close(k[1][1], s.output_sq, 1e-12));
+            assert!((k[0][1] - s.cross).abs() <= 1e-12 * (s.input_sq + s.output_sq));
+        }
+    }
+}
+
+/// The message of the error a `config.json` is refused with; a config accepted fails the test.
+pub fn config_error(json: &str) -> String {
+    match ModelConfig::from_json_str(json) {
+        Ok(c) => panic!("accepted {json}: {c:?}"),
+        Err(e) => e.to_string(),
+    }
 }
