@@ -215,7 +215,7 @@ def test_family_models_pass_the_self_check(tmp_path, family):
 def test_the_self_check_in_blocks_of_a_few_rows_accepts_and_refuses_as_whole(tmp_path, monkeypatch, family):
     # Blocks of 7 entries: a tied table checked a vocabulary row (or less) at a time, blocks that
     # do not divide the rows. A correct model passes; a wrong embedding gradient is refused.
-    from ghost_oracle.torch import check as C
+    from ghost_oracle._trace import check as C
 
     monkeypatch.setattr(C, "_BLOCK_ENTRIES", 7)
     model = F.build(family)
@@ -239,7 +239,7 @@ def test_the_sketched_self_check_accepts_right_traces_and_refuses_wrong_ones(tmp
     # in blocks of a few rows: the right trace passes, a lookup gradient 0.1 % off (the tied
     # table of GPT-2 and Gemma, where the head's sum dominates each probed row) and a missing
     # embedding scale are refused, naming the parameter.
-    from ghost_oracle.torch import check as C
+    from ghost_oracle._trace import check as C
     from ghost_oracle.torch.kinds.embedding import Embedding
 
     monkeypatch.setattr(C, "FULL_CHECK_PRODUCTS", 0)
@@ -267,7 +267,7 @@ def test_the_sketched_self_check_accepts_right_traces_and_refuses_wrong_ones(tmp
 
 
 def test_small_parameters_are_checked_entry_by_entry(tmp_path, monkeypatch):
-    from ghost_oracle.torch import check as C
+    from ghost_oracle._trace import check as C
 
     probe = C._probe_matrix
     sketched = []

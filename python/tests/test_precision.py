@@ -204,7 +204,7 @@ def test_the_sketched_self_check_passes_each_precision_and_refuses_autocast_judg
     # The check of 1B-class parameters (through a ±1 probe matrix) forced on the tiny model: its
     # bound, summed through the probe, holds every precision's rounding, and still refuses
     # bf16 matmuls judged at f32 (their gradients miss autograd's by bf16 rounding).
-    from ghost_oracle.torch import check as C
+    from ghost_oracle._trace import check as C
 
     monkeypatch.setattr(C, "FULL_CHECK_PRODUCTS", 0)
     export(setting, tmp_path / "t.safetensors")

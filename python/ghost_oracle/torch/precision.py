@@ -1,4 +1,7 @@
-"""Precision: the dtype each use really computed in, and the rounding each precision allows."""
+"""Precision in PyTorch terms: the dtype each use really computed in (autocast, the model's
+parameters, the forward's float32 islands), and the map between torch dtypes and the names a
+trace gives precisions. The rounding each precision allows, and the self-check's tolerance, are
+numbers of the precision alone (`ghost_oracle._trace.precision`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -6,7 +9,11 @@ from typing import Any
 
 import torch
 
-DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+from .._trace.precision import unit_roundoff as named_unit_roundoff
+from .._trace.site import Precision
+
+DTYPE_NAMES: dict[torch.dtype, Precision] = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16",
+                                             torch.bfloat16: "bf16"}
 
 # The finest precision first: the first in which a norm's product with its weight reproduces the
 # module's output is the precision its weight's gradient is computed in.
@@ -14,13 +21,10 @@ PRECISIONS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def unit_roundoff(dt: torch.dtype) -> float:
-    return torch.finfo(dt).eps / 2
-
-
-def low_precision(dt: torch.dtype) -> bool:
-    """bf16 and f16: kernels take their products and accumulate them in f32, and store the
-    result rounded back."""
-    return unit_roundoff(dt) > unit_roundoff(torch.float32)
+    """`dt`'s unit roundoff: a trace's precisions by name (`_trace.precision`), any other
+    floating dtype (one a model may hold, which the exporter then refuses by name) from torch."""
+    name = DTYPE_NAMES.get(dt)
+    return named_unit_roundoff(name) if name is not None else torch.finfo(dt).eps / 2
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -66,45 +70,6 @@ def compute_dtype(model: torch.nn.Module, error: Callable[[str], Exception]) -> 
     if not dts:
         raise error("the model has no trainable floating-point parameter")
     return max(dts, key=unit_roundoff)
-
-
-def reduction_tolerance(absum: torch.Tensor, site_dtype: torch.dtype, store_dtype: torch.dtype, n: int,
-                        low_precision_rounds: torch.Tensor | float | None = None,
-                        mass: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """How far autograd's batch gradient of one site may lie from the gradient rebuilt (in f64)
-    from its stored factors, entry by entry; `absum` is Σ|terms|, n the number of terms per
-    entry (B·rows).
-
-    - f32 / f64 sites: autograd reduces the n terms in the site's precision, and an x̂
-      recomputed here may differ from the forward's by a few ulps: 2·(n + 16)·u·Σ|terms|.
-    - bf16 / f16 sites (a bf16 or f16 model, or a matmul under autocast): the factors are stored
-      exactly as the kernel saw them; products are exact in f32 or rounded once to the low
-      precision (an RMSNorm's δ ⊙ x̂), accumulated in f32 (up to log2 n partial sums rounded to
-      the low precision, as split reductions do), and the result is rounded to the low precision:
-      k·u·Σ|terms| plus the f32 accumulation, with k = 4 + log2 n unless the kind states its own
-      (`low_precision_rounds`, per entry: an embedding's backward rounds once per occurrence of
-      an id). Products and results that underflow lose up to half the smallest subnormal each.
-    - factors stored in a coarser dtype than the site computed in: each of the two factors of a
-      term rounded once, 3·u_store·Σ|terms|.
-    A site that is wrong by a structural factor (a missing scale, a skipped use, a wrong
-    position) is off by a fraction of Σ|terms| itself.
-
-    For a sketched check (`absum` is Σ|terms|·|v|, entries of the gradient times a probe matrix
-    v) the bound is the same sum of the entries' bounds: everything above is linear in Σ|terms|,
-    and the one constant (the underflow) is scaled by `mass`, the column sums of |v|."""
-    import math
-
-    u = unit_roundoff(site_dtype)
-    if low_precision(site_dtype):
-        k = 4.0 + math.log2(max(n, 2)) if low_precision_rounds is None else low_precision_rounds
-        sub = torch.finfo(site_dtype).smallest_normal * torch.finfo(site_dtype).eps  # smallest subnormal
-        tol = k * u * absum + 2.0 * (n + 16) * unit_roundoff(torch.float32) * absum + (n + 4) * sub / 2 * mass
-    else:
-        tol = 2.0 * (n + 16) * u * absum
-    us = unit_roundoff(store_dtype)
-    if us > u:
-        tol = tol + 3.0 * us * absum
-    return tol
 
 
 def with_islands(specs: list[dict[str, Any]], compute_dtype: torch.dtype, island: torch.dtype | None) -> torch.dtype:
