@@ -8,9 +8,9 @@ identity where it is None). It is kept whole wherever the batch is handled (a mo
 tests `isinstance(x, PackedSequence)`), and `Packing` says which example each row is."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -57,16 +57,69 @@ class Packing:
         return None
 
 
+def nested(v: Any, depth: int, leaf: Callable[[Any], bool]) -> Iterator[Any]:
+    """The values of `v` that are leaves (`leaf(x)`): itself, or those its lists, tuples and
+    dicts hold, nested up to `depth` levels. A leaf is not looked into (a `PackedSequence` is a
+    tuple)."""
+    if leaf(v):
+        yield v
+    elif depth > 0 and isinstance(v, (tuple, list)):
+        for x in v:
+            yield from nested(x, depth - 1, leaf)
+    elif depth > 0 and isinstance(v, Mapping):
+        for x in v.values():
+            yield from nested(x, depth - 1, leaf)
+
+
+#: A batch layout: ("axis" | "major" | "minor", the axis), or ("rows", the axis, the example of
+#: each of its rows) for rows a packing says the examples of.
+Layout = tuple[str, int] | tuple[str, int, tuple[int, ...]]
+
+
+def unpacked(t: torch.Tensor, a: int, owners: tuple[int, ...], b: int) -> torch.Tensor:
+    """`t`'s axis `a` of rows, each its example's by `owners`, as B × (most rows of an example),
+    each example's rows in their order and zero rows after them."""
+    rows = t.movedim(a, 0)
+    example = torch.tensor(owners, dtype=torch.long, device=t.device)
+    rank = [0] * len(owners)
+    count = [0] * b
+    for r, i in enumerate(owners):
+        rank[r] = count[i]
+        count[i] += 1
+    out = rows.new_zeros(b, max(count), *rows.shape[1:])
+    out[example, torch.tensor(rank, dtype=torch.long, device=t.device)] = rows
+    return out
+
+
+def batch_first(t: torch.Tensor, layout: Layout, b: int) -> torch.Tensor:
+    """`t` with the examples on a leading axis of size B."""
+    form, a = layout[0], layout[1]
+    if a >= t.dim():
+        return t
+    if form == "rows":
+        owners = layout[2] if len(layout) == 3 else ()
+        return unpacked(t, a, owners, b) if t.shape[a] == len(owners) else t
+    if form == "axis":
+        return t.movedim(a, 0)
+    if t.shape[a] % b != 0:  # a per-batch input of a flattened use: left for the shape checks
+        return t
+    if form == "major":
+        return cast(torch.Tensor, t.unflatten(a, (b, t.shape[a] // b))).movedim(a, 0)
+    return cast(torch.Tensor, t.unflatten(a, (t.shape[a] // b, b))).movedim(a + 1, 0)
+
+
+def describe_layout(layout: Layout) -> str:
+    """A layout as a message names it."""
+    form, a = layout[0], layout[1]
+    if form == "rows":
+        return f"axis {a} (the rows of a packed sequence, {len(layout[2]) if len(layout) == 3 else 0} rows)"
+    return {"axis": f"axis {a}", "major": f"axis {a} (example-major flattened rows)",
+            "minor": f"axis {a} (example-minor flattened rows)"}[form]
+
+
 def packed_sequences(inputs: Any, depth: int = 3) -> Iterator[PackedSequence]:
     """The `PackedSequence`s the batch holds: itself, or those in its tuple, list or dict."""
-    if isinstance(inputs, PackedSequence):
-        yield inputs
-    elif depth > 0 and isinstance(inputs, (tuple, list)):
-        for v in inputs:
-            yield from packed_sequences(v, depth - 1)
-    elif depth > 0 and isinstance(inputs, Mapping):
-        for v in inputs.values():
-            yield from packed_sequences(v, depth - 1)
+    return nested(inputs, depth, lambda v: isinstance(v, PackedSequence))
 
 
 def packings(inputs: Any) -> list[Packing]:

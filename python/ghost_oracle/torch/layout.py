@@ -43,18 +43,14 @@ from typing import Any, cast
 
 import torch
 
-from .batch import Packing
+from .batch import Layout, Packing, batch_first, describe_layout
 from .errors import TraceExportError
+from .kinds.base import Use
 
 # Examples probed: every one up to this batch size; above it, this many, a seeded choice, and
 # more for a site that none of them reached.
 PROBE_ALL_UP_TO = 8
 PROBE_SEED = 20260612
-
-#: A batch layout: ("axis" | "major" | "minor", the axis), or ("rows", the axis, the example of
-#: each of its rows) for rows a packing says the examples of.
-Layout = tuple[str, int] | tuple[str, int, tuple[int, ...]]
-
 
 def _implied_owners(layout: Layout, n: int, b: int) -> tuple[int, ...]:
     """The example of each of the `n` entries of the layout's axis."""
@@ -94,56 +90,16 @@ def _layouts(shape: Sequence[int], b: int, packings: Sequence[Packing] = ()) -> 
     return out
 
 
-def _unpacked(t: torch.Tensor, a: int, owners: tuple[int, ...], b: int) -> torch.Tensor:
-    """`t`'s axis `a` of rows, each its example's by `owners`, as B × (most rows of an example),
-    each example's rows in their order and zero rows after them."""
-    rows = t.movedim(a, 0)
-    example = torch.tensor(owners, dtype=torch.long, device=t.device)
-    rank = [0] * len(owners)
-    count = [0] * b
-    for r, i in enumerate(owners):
-        rank[r] = count[i]
-        count[i] += 1
-    out = rows.new_zeros(b, max(count), *rows.shape[1:])
-    out[example, torch.tensor(rank, dtype=torch.long, device=t.device)] = rows
-    return out
-
-
-def _batch_first(t: torch.Tensor, layout: Layout, b: int) -> torch.Tensor:
-    """`t` with the examples on a leading axis of size B."""
-    form, a = layout[0], layout[1]
-    if a >= t.dim():
-        return t
-    if form == "rows":
-        owners = layout[2] if len(layout) == 3 else ()
-        return _unpacked(t, a, owners, b) if t.shape[a] == len(owners) else t
-    if form == "axis":
-        return t.movedim(a, 0)
-    if t.shape[a] % b != 0:  # a per-batch input of a flattened use: left for the shape checks
-        return t
-    if form == "major":
-        return cast(torch.Tensor, t.unflatten(a, (b, t.shape[a] // b))).movedim(a, 0)
-    return cast(torch.Tensor, t.unflatten(a, (t.shape[a] // b, b))).movedim(a + 1, 0)
-
-
 def _reached(g: torch.Tensor, layout: Layout, b: int, i: int) -> tuple[list[int], bool]:
     """Along `layout`, the examples other than i that example i's output gradient `g` reaches,
     and whether it reaches example i's own part."""
-    nz = _batch_first(g, layout, b).ne(0).reshape(b, -1).any(1)
+    nz = batch_first(g, layout, b).ne(0).reshape(b, -1).any(1)
     return [j for j in nz.nonzero().flatten().tolist() if j != i], bool(nz[i])
 
 
 def _shown(examples: Sequence[int]) -> str:
     """Examples as a message lists them: the first six."""
     return ", ".join(map(str, examples[:6])) + (", ..." if len(examples) > 6 else "")
-
-
-def _describe(layout: Layout) -> str:
-    form, a = layout[0], layout[1]
-    if form == "rows":
-        return f"axis {a} (the rows of a packed sequence, {len(layout[2]) if len(layout) == 3 else 0} rows)"
-    return {"axis": f"axis {a}", "major": f"axis {a} (example-major flattened rows)",
-            "minor": f"axis {a} (example-minor flattened rows)"}[form]
 
 
 def _input_spill(t: torch.Tensor, g: torch.Tensor | None, i: int, b: int, batch_axis: int,
@@ -187,10 +143,10 @@ def _probe_order(b: int) -> list[int]:
     return torch.randperm(b, generator=gen).tolist()
 
 
-def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: int, batch_axis: int,
+def _find_layouts(entries: Sequence[Use], losses: torch.Tensor, b: int, batch_axis: int,
                   direct_inputs: Sequence[torch.Tensor], leaves: Sequence[tuple[str, torch.Tensor]] = (),
                   progress: Any = None, packings: Sequence[Packing] = ()) -> None:
-    """Sets `entry["layout"]` for every use whose output received a gradient in the batch's
+    """Sets `use.layout` for every use whose output received a gradient in the batch's
     backward, from the gradients of single examples' losses (the graph must still be alive).
     A use shared by every example (see the module's docstring) gets its per-example factors:
     its input repeated and its per-example output gradients, the examples first. Raises
@@ -204,17 +160,17 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
 
     `packings` are those of the batch's `PackedSequence`s (`batch.Packing`): their rows are
     candidate layouts of every use, and their data's rows are held to their examples."""
-    live = [e for e in entries if e["grad"] is not None]
+    live = [e for e in entries if e.output_grad is not None]
     if not live and not leaves:
         return
     if b == 1:  # one example: the batch is the example, any axis of size 1 holds it
         for e in live:
-            dims = tuple(e["output"].shape)
+            dims = tuple(e.out.shape)
             fits = [lay for lay in [cast(Layout, ("axis", batch_axis))] + _layouts(dims, 1)
                     if lay[1] < len(dims) - 1 and dims[lay[1]] == 1]
-            e["layout"] = fits[0] if fits else ("major", 0)
+            e.layout = fits[0] if fits else ("major", 0)
         return
-    status = {id(e): {lay: [True, False] for lay in _layouts(tuple(e["output"].shape), b, packings)} for e in live}
+    status = {id(e): {lay: [True, False] for lay in _layouts(tuple(e.out.shape), b, packings)} for e in live}
     reached_any = bool(live)  # with no use to reach, every example is probed for the inputs alone
     # The first probe that reached another example, for the message.
     spill: dict[int, tuple[int, list[int], Layout] | None] = {id(e): None for e in live}
@@ -223,7 +179,7 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
     input_axes = {name: {a: [True, False] for a in range(t.dim()) if a != batch_axis and t.shape[a] == b}
                   for name, t in leaves}
     # The inputs a use splits into examples otherwise than along the batch axis.
-    declared = [pair for e in entries for pair in e["handler"].input_examples(e)]
+    declared = [pair for e in entries for pair in e.handler.input_examples(e)]
     owners = {name: own for name, t in leaves for x, own in declared
               if x.shape == t.shape and x.data_ptr() == t.data_ptr()}
     owners.update(_packed_owners(leaves, packings))
@@ -232,7 +188,7 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
     reached = {id(e): False for e in live}  # whether any probe's gradient reached the use's output
     # The probes' gradients of the uses computed from no example, kept: such a use may be shared
     # by every example, and then they are its per-example output gradients.
-    batch_free = [e for e in live if e.get("batch_free")]
+    batch_free = [e for e in live if e.batch_free]
     probe_grads: dict[int, dict[int, torch.Tensor | None]] = {id(e): {} for e in batch_free}
     order = _probe_order(b)
     for n, i in enumerate(order):
@@ -240,7 +196,7 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
             break
         if progress is not None:
             progress.step("per-example probes (one backward each)", n, len(order))
-        grads = torch.autograd.grad(losses[i], [e["output"] for e in live] + [t for _, t in leaves],
+        grads = torch.autograd.grad(losses[i], [e.out for e in live] + [t for _, t in leaves],
                                     retain_graph=True, allow_unused=True)
         for (name, t), g in zip(leaves, grads[len(live):], strict=True):
             others = _input_spill(t, g, i, b, batch_axis, owners.get(name))
@@ -266,13 +222,13 @@ def _find_layouts(entries: Sequence[dict[str, Any]], losses: torch.Tensor, b: in
                         spill[id(e)] = (i, others, lay)
                 if hit:
                     st[1] = True
-    shared = [e for e in batch_free if not _fits(status[id(e)]) and bool(e["grad"].ne(0).any())]
+    shared = [e for e in batch_free if not _fits(status[id(e)]) and bool(e.grad.ne(0).any())]
     for e in shared:
-        if e.get("read_into_python"):
+        if e.read_into_python:
             raise TraceExportError(
-                f"module `{e['name']}` ({e['cls']}): its output ({list(e['output'].shape)}) has no axis of the "
+                f"{e.where}: its output ({list(e.out.shape)}) has no axis of the "
                 f"batch's {b} examples and is computed from no tensor of the batch, but the forward read values of "
-                f"the batch into Python before it ({e['read_into_python']}), where the exporter cannot follow "
+                f"the batch into Python before it ({e.read_into_python}), where the exporter cannot follow "
                 "them: whether this use is shared by every example or mixes them cannot be told. Compute it "
                 "without reading the batch's values into Python, or give it a per-example input")
     if shared:
@@ -300,7 +256,7 @@ def _fits(status: dict[Layout, list[bool]]) -> list[Layout]:
     return [lay for lay, (confined, hit) in status.items() if confined and hit]
 
 
-def _gather_per_example_grads(shared: Sequence[dict[str, Any]], probe_grads: dict[int, dict[int, torch.Tensor | None]],
+def _gather_per_example_grads(shared: Sequence[Use], probe_grads: dict[int, dict[int, torch.Tensor | None]],
                               losses: torch.Tensor, b: int, progress: Any) -> None:
     """Completes `probe_grads` of the shared uses with ∂L_i/∂out of every example the probes
     left out: one batched backward (`is_grads_batched`, a row of the identity per example),
@@ -308,7 +264,7 @@ def _gather_per_example_grads(shared: Sequence[dict[str, Any]], probe_grads: dic
     missing = [i for i in range(b) if any(i not in probe_grads[id(e)] for e in shared)]
     if not missing:
         return
-    outs = [e["output"] for e in shared]
+    outs = [e.out for e in shared]
     if progress is not None:
         progress.step("per-example gradients of the uses shared by every example", 0, 1)
     rows = torch.zeros(len(missing), b, dtype=losses.dtype, device=losses.device)
@@ -328,12 +284,12 @@ def _gather_per_example_grads(shared: Sequence[dict[str, Any]], probe_grads: dic
                 probe_grads[id(e)].setdefault(i, None if g is None else g.detach())
 
 
-def share_as_recorded(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]], losses: torch.Tensor,
+def share_as_recorded(recorded: Sequence[Use], replayed: Sequence[Use], losses: torch.Tensor,
                       b: int) -> None:
     """For a replay of the recorded forward (the same uses in the same order, its backward run
     with the graph kept): the uses the recorded pass found shared by every example get their
     per-example factors in the replay too, from the replay's own per-example losses."""
-    shared = [e for r, e in zip(recorded, replayed, strict=True) if r.get("shared") and e["grad"] is not None]
+    shared = [e for r, e in zip(recorded, replayed, strict=True) if r.shared and e.output_grad is not None]
     grads: dict[int, dict[int, torch.Tensor | None]] = {id(e): {} for e in shared}
     if shared:
         _gather_per_example_grads(shared, grads, losses, b, None)
@@ -341,18 +297,18 @@ def share_as_recorded(recorded: Sequence[dict[str, Any]], replayed: Sequence[dic
         _share(e, grads[id(e)], b)
 
 
-def _share(e: dict[str, Any], grads: dict[int, torch.Tensor | None], b: int) -> None:
+def _share(e: Use, grads: dict[int, torch.Tensor | None], b: int) -> None:
     """Makes a use shared by every example one whose examples lie along axis 0 of its factors:
     the output gradient becomes the per-example gradients ∂L_i/∂out, stacked, and the input
     (and a functional call's recorded input, which a replay reads) the one input repeated for
     every example, as a view. Where the output and every input tensor have a leading axis of 1
     (a 1×T lookup, a 1×C×L constant through a convolution), the examples take its place, so the
     use keeps the rank its handler models; otherwise they come first as a new axis."""
-    out = e["output"]
-    where = f"module `{e['name']}` ({e['cls']})"
+    out = e.out
+    where = e.where
     zero = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
     stacked = torch.stack([g if (g := grads.get(i)) is not None else zero for i in range(b)])
-    x = e["input"]
+    x = e.input
     xs = [x] if torch.is_tensor(x) else [v for v in x if torch.is_tensor(v)] if isinstance(x, tuple) else []
     if out.dim() >= 1 and out.shape[0] == 1 and xs and all(t.dim() >= 1 and t.shape[0] == 1 for t in xs):
         stacked = stacked.squeeze(1)
@@ -367,47 +323,45 @@ def _share(e: dict[str, Any], grads: dict[int, torch.Tensor | None], b: int) -> 
             f"{where}: a use shared by every example (its output {list(out.shape)} is computed from no example of "
             "the batch) whose several input tensors do not all have a leading axis of 1; the exporter models "
             "a shared use of such a module only with a leading axis of 1 for the examples to take")
-    e["grad"] = stacked
-    e["input"] = repeat(x) if torch.is_tensor(x) else tuple(repeat(v) if torch.is_tensor(v) else v for v in x)
-    call = e.get("call")
+    e.output_grad = stacked
+    e.input = repeat(x) if torch.is_tensor(x) else tuple(repeat(v) if torch.is_tensor(v) else v for v in x)
+    call = e.call
     if call is not None:  # the recorded call of a function: its input is its first argument
-        func, args, kwargs = call
-        if args and torch.is_tensor(args[0]):
-            args = (repeat(args[0]), *args[1:])
-        elif torch.is_tensor(kwargs.get("input")):
-            kwargs = {**kwargs, "input": repeat(kwargs["input"])}
-        e["call"] = (func, args, kwargs)
-    e["layout"] = ("axis", 0)
-    e["shared"] = True
+        if call.args and torch.is_tensor(call.args[0]):
+            call.args = (repeat(call.args[0]), *call.args[1:])
+        elif torch.is_tensor(call.kwargs.get("input")):
+            call.kwargs = {**call.kwargs, "input": repeat(call.kwargs["input"])}
+    e.layout = ("axis", 0)
+    e.shared = True
 
 
-def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
+def _settle_layout(e: Use, status: dict[Layout, list[bool]],
                    spilled_at: tuple[int, list[int], Layout] | None, reached: bool, n_probed: int, b: int,
                    batch_axis: int, direct_inputs: Sequence[torch.Tensor]) -> None:
     """Sets one use's layout from what the probes saw: the one layout along which every probed
     example's gradient stayed at its own index and reached it. Raises naming the use where none
     or several fit, and where a use fed the inputs directly disagrees with `batch_axis`."""
     fits = _fits(status)
-    where = f"module `{e['name']}` ({e['cls']})"
-    shape = list(e["output"].shape)
-    if not fits and spilled_at is None and not bool(e["grad"].ne(0).any()):
+    where = e.where
+    shape = list(e.out.shape)
+    if not fits and spilled_at is None and not bool(e.grad.ne(0).any()):
         # A use whose gradient is exactly zero (autograd fills the unused part of a split
         # output with zeros): its sites add nothing to any example, in any layout. Not where a
         # probe reached another example: there the batch's zero is the examples' gradients
         # cancelling (two equal examples through a mean over the batch), and they mix.
         candidates = list(status)
         if candidates:
-            e["layout"] = candidates[0]
-            e["layout_unprobed"] = True  # any layout: no probe reached the use to say which
+            e.layout = candidates[0]
+            e.layout_unprobed = True  # any layout: no probe reached the use to say which
         else:
-            e["grad"] = None
+            e.output_grad = None
         return
     if not fits:
         if not reached:
             raise TraceExportError(
                 f"{where}: its output ({shape}) receives a gradient from the batch but from none of the "
                 f"{n_probed} examples' losses alone; the batch axis of this use cannot be found")
-        if spilled_at is None and not e.get("followed", True):
+        if spilled_at is None and not e.followed:
             raise TraceExportError(
                 f"{where}: its output ({shape}) has no axis of the batch's {b} examples (nor of {b}·k flattened "
                 "rows), and the inputs hold an object the exporter cannot see into (not a tensor, list, tuple or "
@@ -424,7 +378,7 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
         shown = _shown(others)
         raise TraceExportError(
             f"the model mixes examples: the loss of example {i} alone sends gradient into the output of "
-            f"{where} ({shape}) at example(s) {shown} along {_describe(lay)}, and no axis of that output "
+            f"{where} ({shape}) at example(s) {shown} along {describe_layout(lay)}, and no axis of that output "
             "keeps the examples apart. Example i's gradient then depends on the other examples of the "
             "batch (attention or normalization across the batch: a seq-first attention fed batch-first "
             "data, BatchNorm), so per-example clipping bounds nothing and no per-example norm is "
@@ -433,10 +387,10 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
     if len(fits) > 1:
         raise TraceExportError(
             f"{where}: its output ({shape}) is confined to one example along "
-            f"{' and '.join(_describe(f) for f in fits)} alike in every probed example; the batch axis of "
+            f"{' and '.join(describe_layout(f) for f in fits)} alike in every probed example; the batch axis of "
             "this use is ambiguous (pass a batch whose examples differ at every position)")
-    e["layout"] = fits[0]
-    x = e["input"]
+    e.layout = fits[0]
+    x = e.input
     # Fed the inputs directly: the very view the batch holds (a transpose of a square input
     # shares its shape and storage but not its strides, and is not).
     fed_inputs = torch.is_tensor(x) and any(
@@ -444,14 +398,14 @@ def _settle_layout(e: dict[str, Any], status: dict[Layout, list[bool]],
     if fed_inputs and fits[0] != ("axis", batch_axis):
         raise TraceExportError(
             f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
-            f"{_describe(fits[0])}, but the inputs were given with batch_axis={batch_axis}: the examples of "
-            f"these inputs lie along {_describe(fits[0])}. Pass batch_axis={fits[0][1]}"
+            f"{describe_layout(fits[0])}, but the inputs were given with batch_axis={batch_axis}: the examples of "
+            f"these inputs lie along {describe_layout(fits[0])}. Pass batch_axis={fits[0][1]}"
             + (" (seq-first data: batch_first=False)" if fits[0][1] == 1 else "") if fits[0][0] == "axis" else
             f"{where} is fed the inputs directly, and the loss of each example reaches its output along "
-            f"{_describe(fits[0])}, not along the inputs' batch_axis={batch_axis}")
+            f"{describe_layout(fits[0])}, not along the inputs' batch_axis={batch_axis}")
 
 
-def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]],
+def refuse_mixing_seen_finer(recorded: Sequence[Use], replayed: Sequence[Use],
                              losses: torch.Tensor, b: int, batch_axis: int,
                              leaves: Sequence[tuple[str, torch.Tensor]], precision: str,
                              packings: Sequence[Packing] = ()) -> None:
@@ -466,9 +420,9 @@ def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Seque
     if b < 2:
         return
     uses = [(r, e) for r, e in zip(recorded, replayed, strict=True)
-            if r.get("layout") is not None and not r.get("shared") and torch.is_tensor(e.get("output"))
-            and e["output"].requires_grad]
-    declared = [pair for _, e in uses for pair in e["handler"].input_examples(e)]
+            if r.layout is not None and not r.shared and torch.is_tensor(e.output)
+            and e.out.requires_grad]
+    declared = [pair for _, e in uses for pair in e.handler.input_examples(e)]
     owners = {name: own for name, t in leaves for x, own in declared
               if x.shape == t.shape and x.data_ptr() == t.data_ptr()}
     owners.update(_packed_owners(leaves, packings))
@@ -476,11 +430,11 @@ def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Seque
     # A use no probe reached at the model's precision has a layout chosen for want of one: its
     # candidates are tried as the recorded pass tries them, and it mixes if none keeps every
     # probed example apart.
-    unprobed = {id(e): {lay: [True, False] for lay in _layouts(tuple(e["output"].shape), b, packings)}
-                for r, e in uses if r.get("layout_unprobed")}
+    unprobed = {id(e): {lay: [True, False] for lay in _layouts(tuple(e.out.shape), b, packings)}
+                for r, e in uses if r.layout_unprobed}
     spills: dict[int, tuple[int, list[int], Layout]] = {}
     for i in order:
-        grads = torch.autograd.grad(losses[i], [e["output"] for _, e in uses] + [t for _, t in leaves],
+        grads = torch.autograd.grad(losses[i], [e.out for _, e in uses] + [t for _, t in leaves],
                                     retain_graph=True, allow_unused=True)
         for (r, e), g in zip(uses, grads[:len(uses)], strict=True):
             if g is None:
@@ -493,13 +447,14 @@ def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Seque
                         spills.setdefault(id(e), (i, others, lay))
                     st[1] = st[1] or hit
                 continue
-            others, _ = _reached(g, r["layout"], b, i)
+            assert r.layout is not None  # the uses kept have a layout
+            others, _ = _reached(g, r.layout, b, i)
             if others:
                 shown = _shown(others)
                 raise TraceExportError(
                     f"the model mixes examples: the loss of example {i} alone sends gradient into the output of "
-                    f"module `{r['name']}` ({r['cls']}) ({list(e['output'].shape)}) at example(s) {shown} along "
-                    f"{_describe(r['layout'])}, seen when the model is replayed at {precision} (at the model's "
+                    f"{r.where} ({list(e.out.shape)}) at example(s) {shown} along "
+                    f"{describe_layout(r['layout'])}, seen when the model is replayed at {precision} (at the model's "
                     "own precision that gradient rounds to zero). Example i's gradient then depends on the other "
                     "examples of the batch (normalization or attention across the batch, BatchNorm in training "
                     "mode), so per-example clipping bounds nothing and no per-example norm is defined")
@@ -520,7 +475,7 @@ def refuse_mixing_seen_finer(recorded: Sequence[dict[str, Any]], replayed: Seque
         shown = _shown(others)
         raise TraceExportError(
             f"the model mixes examples: the loss of example {i} alone sends gradient into the output of module "
-            f"`{r['name']}` ({r['cls']}) ({list(e['output'].shape)}) at example(s) {shown} along {_describe(lay)}, "
+            f"`{r['name']}` ({r['cls']}) ({list(e.out.shape)}) at example(s) {shown} along {describe_layout(lay)}, "
             f"and along every other axis that could hold the examples, seen when the model is replayed at "
             f"{precision} (at the model's own precision that gradient rounds to zero). Example i's gradient then "
             "depends on the other examples of the batch (normalization or attention across the batch, BatchNorm "

@@ -25,9 +25,10 @@ from typing import Any, Protocol
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
+from .batch import nested
 from .errors import TraceExportError
 from .functions import function_capture
-from .kinds import Handler, handler_for, is_declared
+from .kinds import Handler, Use, handler_for, is_declared
 from .precision import autocast_state, site_dtype
 
 
@@ -63,14 +64,7 @@ def param_owners(model: torch.nn.Module) -> dict[int, list[tuple[str, str]]]:
 def _tensors_in(v: Any, depth: int = 4) -> Iterator[torch.Tensor]:
     """The tensors an argument holds: itself, or those of a list, tuple or dict, nested up to
     `depth` levels (`torch.cat([a, b])` is one)."""
-    if torch.is_tensor(v):
-        yield v
-    elif depth > 0 and isinstance(v, (list, tuple)):
-        for x in v:
-            yield from _tensors_in(x, depth - 1)
-    elif depth > 0 and isinstance(v, Mapping):
-        for x in v.values():
-            yield from _tensors_in(x, depth - 1)
+    return nested(v, depth, torch.is_tensor)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -89,12 +83,12 @@ _TO_PYTHON = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, tor
 
 class _Recorder:
     """The uses of one forward: module calls seen by forward hooks, functional calls on
-    parameters seen by a `TorchFunctionMode` (`functions.py`), each an entry with its input, its
+    parameters seen by a `TorchFunctionMode` (`functions.py`), each a `Use` with its input, its
     output (the tensor the per-example probes differentiate) and, once the batch's backward has
-    run, its output's gradient. `probing` keeps the probes' gradients out of the entries.
+    run, its output's gradient. `probing` keeps the probes' gradients out of the uses.
 
     `batch_derived` holds every tensor computed from the batch's examples (see the module's
-    docstring); each entry's `batch_free` says whether its output is none of them, and
+    docstring); each use's `batch_free` says whether its output is none of them, and
     `read_into_python` names the first read of the batch's values into Python before it."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, batch_axis: int) -> None:
@@ -106,7 +100,7 @@ class _Recorder:
         self.written_storages: set[int] = set()  # the memory the batch was written into in place
         self.written: list[torch.Tensor] = []
         self.marked_storages: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # memory -> marked tensors on it
-        self.entries: list[dict[str, Any]] = []
+        self.entries: list[Use] = []
         self.probing = False
         self.calls: dict[str, int] = {}  # module name -> calls so far: a module called again is a new use
         self.site_names: set[str] = set()
@@ -215,20 +209,20 @@ class _Recorder:
         self.site_names.add(name)
         return name
 
-    def add(self, entry: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
+    def add(self, use: Use, output: torch.Tensor) -> torch.Tensor:
         """Records a use whose output is `output`, which the forward goes on with unchanged
         (returned)."""
         out = output
-        entry.update({"output": out, "grad": None, "autocast": autocast_state(output.device.type),
-                      "followed": self.following, "batch_free": self.following and not self.is_batch_derived(out),
-                      "read_into_python": self.read_into_python})
+        use.output, use.output_grad, use.autocast = out, None, autocast_state(output.device.type)
+        use.followed, use.batch_free = self.following, self.following and not self.is_batch_derived(out)
+        use.read_into_python = self.read_into_python
 
         def save_grad(g: torch.Tensor) -> None:
             if not self.probing:
-                entry["grad"] = g.detach()
+                use.output_grad = g.detach()
 
         out.register_hook(save_grad)
-        self.entries.append(entry)
+        self.entries.append(use)
         return out
 
     def module_hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
@@ -244,12 +238,12 @@ class _Recorder:
                 f"forward returns a {type(output).__name__}, not a tensor: a {handler.kind} returns its output")
         if not torch.is_tensor(output) or not output.requires_grad:
             return None  # not on a trainable path
-        entry = {"module": module, "name": mod_name if k == 0 else f"{mod_name}@{k}", "cls": type(module).__name__,
-                 "handler": handler, "input": _detached(x), "dtype": site_dtype(module, output)}
+        use = Use(handler=handler, name=mod_name if k == 0 else f"{mod_name}@{k}", cls=type(module).__name__,
+                  module=module, input=_detached(x), dtype=site_dtype(module, output))
         for attr, p in module._parameters.items():
             if p is not None:
-                self.site_names.add(f"{entry['name']}.{attr}")
-        self.add(entry, output)
+                self.site_names.add(f"{use.name}.{attr}")
+        self.add(use, output)
         return None
 
 

@@ -89,8 +89,8 @@ from .batch import (
 )
 from .check import self_check
 from .errors import TraceExportError
-from .kinds import Use
-from .kinds.base import Site
+from .kinds import Site, Use
+from .kinds.base import torch_dtype
 from .layout import _find_layouts
 from .precision import DTYPE_NAMES, unit_roundoff, with_islands
 from .precision import compute_dtype as model_compute_dtype
@@ -98,13 +98,6 @@ from .progress import Progress
 from .record import param_names, param_owners, record
 from .rounding import CastWatch, model_rounding
 from .step import _resolve_step
-
-def _sites(entry: dict[str, Any], names: Mapping[int, str], dtype: torch.dtype | None, b: int) -> list[Site]:
-    """The (spec, tensors) pairs of one use, from its module's handler; stored in `dtype` (None:
-    the use's own compute dtype)."""
-    if entry["grad"] is None:
-        return []  # output not on the loss path
-    return list(entry["handler"].sites(Use(entry, names, dtype, b)))
 
 
 def _own(v: torch.Tensor, owned: set[int]) -> torch.Tensor:
@@ -164,13 +157,13 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
     entries, b = _record_batch(model, per_example_loss, inputs, b_inputs, batch_axis, progress, watch)
     sites = _collect_sites(entries, names, dtype, b)
     self_check(model, sites, names, param_owners(model), dtype, progress)
-    compute_dtype = _site_precisions(sites, args.compute_dtype)
-    specs = [s for s, _, _ in sites]
+    specs = [s.spec() for s in sites]
+    compute_dtype = _site_precisions(sites, specs, args.compute_dtype)
     compute_dtype = with_islands(specs, compute_dtype, watch.coarsest)
     tensors: dict[str, torch.Tensor] = {}
-    for spec, ts, _ in sites:
-        for k, v in ts.items():
-            tensors[f"{spec['name']}.{k}"] = v
+    for site in sites:
+        for k, v in site.tensors.items():
+            tensors[f"{site.name}.{k}"] = v
     progress.step("replaying the model at another precision (its own rounding)", 0, 1)
     rounding = model_rounding(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch,
                               args.compute_dtype, compute_dtype)
@@ -246,7 +239,7 @@ class _StepArguments:
 
 def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
                   b_inputs: int | None, batch_axis: int, progress: Progress,
-                  watch: CastWatch | None = None) -> tuple[list[dict[str, Any]], int]:
+                  watch: CastWatch | None = None) -> tuple[list[Use], int]:
     """Runs the batch's forward and backward with every use recorded, then the per-example
     probes that find each use's batch axis: (the uses, B)."""
     model.zero_grad(set_to_none=True)
@@ -283,41 +276,38 @@ def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.M
                       packings(traced_inputs))
     finally:
         for e in entries:  # the outputs hold the graph alive
-            e.pop("output", None)
+            e.output = None
         losses = None
     return entries, b
 
 
-def _collect_sites(entries: list[dict[str, Any]], names: Mapping[int, str], dtype: torch.dtype | None,
-                   b: int) -> list[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]:
-    """Every use's sites (spec, factors as written, the use), each name once; a use's capture
-    is let go as its sites are formed."""
-    sites: list[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]] = []
+def _collect_sites(entries: list[Use], names: Mapping[int, str], dtype: torch.dtype | None,
+                   b: int) -> list[Site[torch.Tensor]]:
+    """Every use's sites, each name once, their factors as written; a use's capture is let go as
+    its sites are formed."""
+    sites: list[Site[torch.Tensor]] = []
     seen: set[str] = set()
     owned: set[int] = set()
-    for entry in entries:
-        for spec, ts in _sites(entry, names, dtype, b):
-            if spec["name"] in seen:
-                raise TraceExportError(f"site name `{spec['name']}` appears twice")
-            seen.add(spec["name"])
-            sites.append((spec, {k: _own(v, owned) for k, v in ts.items()}, entry))
-        entry.pop("input", None)  # what is left of a use's capture is its sites' factors
-        entry.pop("grad", None)
-    for spec, _, entry in sites:
-        if entry["dtype"] not in DTYPE_NAMES:
-            raise TraceExportError(f"site `{spec['name']}` ({entry['cls']}) computed in {entry['dtype']}; traces "
-                                   f"record {list(DTYPE_NAMES)}")
+    for use in entries:
+        for site in use.form_sites(names, dtype, b):
+            if site.name in seen:
+                raise TraceExportError(f"site name `{site.name}` appears twice")
+            seen.add(site.name)
+            site.tensors = {k: _own(v, owned) for k, v in site.tensors.items()}
+            sites.append(site)
+        use.input = None  # what is left of a use's capture is its sites' factors
+        use.output_grad = None
     return sites
 
 
-def _site_precisions(sites: list[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]],
+def _site_precisions(sites: list[Site[torch.Tensor]], specs: list[dict[str, Any]],
                      model_dtype: torch.dtype) -> torch.dtype:
     """The header's compute dtype: the coarsest site's (what a reader that knows no per-site
     precision judges at); where the sites differ, each spec carries its own."""
-    site_dtypes = [entry["dtype"] for _, _, entry in sites]
+    site_dtypes = [torch_dtype(s.precision) for s in sites]
     if len(set(site_dtypes)) > 1:
-        for spec, _, entry in sites:
-            spec["compute_dtype"] = DTYPE_NAMES[entry["dtype"]]
+        for spec, site in zip(specs, sites, strict=True):
+            spec["compute_dtype"] = site.precision
     return max(site_dtypes, key=unit_roundoff) if site_dtypes else model_dtype
 
 

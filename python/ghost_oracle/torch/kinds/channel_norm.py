@@ -11,16 +11,21 @@ A norm without affine parameters (`affine=False`), or with them frozen, reads no
 parameter and has no site. A group whose values are all equal (GroupNorm with one value a group:
 as many groups as channels, one position; or a padded convolution's constant output) has
 x̂ = x − mean = 0: its rows of the weight's site hold x̂ = 0 exactly, its bias's the output's
-gradient."""
+gradient.
+
+Its functional forms: `F.group_norm(x, groups, w, b, eps)` and `F.instance_norm(x, running_mean,
+running_var, w, b, use_input_stats, momentum, eps)`, x̂ the same call without its weight and bias
+(on copies of the running statistics)."""
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from ..layout import _describe
-from .base import Handler, Site, Use, builtin
+from .base import FunctionCall, FunctionHandler, Handler, Operands, Site, Use, arg, builtin, builtin_function
+from .norm import cancelled_rounding
 
 
 def _channels_last(use: Use, t: torch.Tensor) -> torch.Tensor:
@@ -71,7 +76,7 @@ class ChannelNorm(Handler):
             return None
         return const.repeat_interleave(x.shape[1] // groups, dim=1), xg.shape[-1], eps
 
-    def sites(self, use: Use) -> Iterator[Site]:
+    def sites(self, use: Use) -> Iterator[Site[torch.Tensor]]:
         weight = use.weight("a channel norm")
         if not use.reads_trainable("weight", "bias"):
             return  # affine=False, or frozen affine parameters: nothing to trace
@@ -79,12 +84,10 @@ class ChannelNorm(Handler):
         if x.dim() < 2:
             raise use.error(f"its input has shape {list(x.shape)}; a channel norm's input is examples × channels "
                             "(× positions)")
-        layout = use.entry["layout"]
-        if layout != ("axis", 0):
-            raise use.error(f"its examples lie along {_describe(layout)} of its input, not along the first axis: a "
-                            "channel norm normalizes over axes 1 and on, so the exporter models its input as "
-                            "examples × channels × positions")
+        use.examples_first("input", "the first axis: a channel norm normalizes over axes 1 and on, so the "
+                           "exporter models its input as examples × channels × positions")
         g = _channels_last(use, use.grad)
+        rounding: torch.Tensor | None = None
         if use.trainable(weight):
             assert weight is not None  # a trainable weight is a parameter
             xhat = _channels_last(use, self.normalized(use))
@@ -93,16 +96,13 @@ class ChannelNorm(Handler):
                 const, n, eps = found
                 rows = const.unsqueeze(1).to(xhat.device)  # B×1×C: the channels of constant groups
                 xhat = xhat.masked_fill(rows, 0)
-                # Neither the forward nor autograd gets 0 exactly: x − mean rounds (the mean of n
-                # equal values is not always that value), and the backward forms Σ δ·x − Σ δ·mean
-                # and multiplies it by 1/√(var + ε), up to 1/√ε. The self-check accepts that much
-                # rounding around the exact 0, on those channels only.
+                # The self-check accepts autograd's rounding around the exact 0, on those
+                # channels only.
                 terms = (g.abs().to(torch.float64) * _channels_last(use, x).abs().to(torch.float64)
                          * rows.to(torch.float64)).sum((0, 1))
-                u = torch.finfo(use.dtype).eps / 2
-                use.entry.setdefault("autograd_rounding", {})[use.spec("weight", self.kind)["name"]] = \
-                    8.0 * (n + 2) * u / math.sqrt(max(eps, torch.finfo(torch.float64).tiny)) * terms
-            yield use.spec("weight", self.kind), {"activations": xhat.to(use.store), "backprops": g.to(use.store)}
+                rounding = cancelled_rounding(n, use.dtype, eps, terms)
+            yield use.site("weight", "layernorm", {"activations": xhat.to(use.store), "backprops": g.to(use.store)},
+                           autograd_rounding=rounding)
         yield from use.bias_site(g)
 
 
@@ -110,3 +110,48 @@ _norm = ChannelNorm()
 for _cls in (torch.nn.GroupNorm, torch.nn.InstanceNorm1d, torch.nn.InstanceNorm2d, torch.nn.InstanceNorm3d,
              torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d):
     builtin(_cls, _norm)
+
+
+class FnGroupNorm(FunctionHandler, ChannelNorm):
+    """`F.group_norm(x, groups, w, b, eps)`."""
+
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
+        return Operands(arg(args, kwargs, 0, "input"), {"weight": arg(args, kwargs, 2, "weight"),
+                                                         "bias": arg(args, kwargs, 3, "bias")})
+
+    def normalized(self, use: Use) -> torch.Tensor:
+        assert use.call is not None  # a use of a function handler is a call
+        return use.call.without_affine(2)
+
+    def groups(self, use: Use) -> tuple[int, float] | None:
+        assert use.call is not None
+        eps = use.call.arg(4, "eps")
+        return int(use.call.arg(1, "num_groups")), 1e-5 if eps is None else float(eps)
+
+
+class FnInstanceNorm(FunctionHandler, ChannelNorm):
+    """`F.instance_norm(x, running_mean, running_var, w, b, use_input_stats, momentum, eps)`:
+    replayed without weight and bias, on copies of the running statistics."""
+
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
+        return Operands(arg(args, kwargs, 0, "input"), {"weight": arg(args, kwargs, 3, "weight"),
+                                                         "bias": arg(args, kwargs, 4, "bias")})
+
+    def normalized(self, use: Use) -> torch.Tensor:
+        call = use.call
+        assert call is not None
+        args = tuple(a.clone() if k in (1, 2) and torch.is_tensor(a) else a for k, a in enumerate(call.args))
+        kwargs = {k: (v.clone() if k in ("running_mean", "running_var") and torch.is_tensor(v) else v)
+                  for k, v in call.kwargs.items()}
+        return FunctionCall(call.func, args, kwargs).without_affine(3)
+
+    def groups(self, use: Use) -> tuple[int, float] | None:
+        assert use.call is not None
+        if use.call.arg(5, "use_input_stats") is False:
+            return None  # normalized by the running statistics
+        eps = use.call.arg(7, "eps")
+        return use.input.shape[1], 1e-5 if eps is None else float(eps)
+
+
+builtin_function("F.group_norm", F.group_norm, FnGroupNorm())
+builtin_function("F.instance_norm", F.instance_norm, FnInstanceNorm())

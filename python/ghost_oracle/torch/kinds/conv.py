@@ -8,18 +8,20 @@ Groups: output channels of group j read only input channels of group j. Each row
 are the output's gradient at that position with the other groups' channels zeroed, so that
 Σ over rows of backprops ⊗ activations is the grouped weight's gradient, entry for entry.
 Stride, padding (numbers, "same", "valid", and the non-zero padding modes), dilation and groups
-are all read from the module."""
+are all read from the module.
+
+Its functional form: `F.conv1d/2d/3d(x, w, b, stride, padding, dilation, groups)`, the geometry
+read from the call's arguments."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
-from ..layout import _describe
-from .base import Handler, Site, Use, builtin
+from .base import FunctionHandler, Handler, Operands, Site, Use, arg, builtin, builtin_function
 
 #: A size per spatial axis, or one for all of them.
 _Size = int | tuple[int, ...] | list[int]
@@ -88,7 +90,7 @@ class Conv(Handler):
     def geometry(self, use: Use) -> Geometry:
         return Geometry.of_module(use.module)
 
-    def sites(self, use: Use) -> Iterator[Site]:
+    def sites(self, use: Use) -> Iterator[Site[torch.Tensor]]:
         geo = self.geometry(use)
         weight = use.weight("a convolution")
         if not use.reads_trainable("weight", "bias"):
@@ -98,11 +100,8 @@ class Conv(Handler):
             raise use.error(f"its input has shape {list(x_in.shape)}; the exporter models a batched convolution, "
                             f"examples × channels × {len(geo.kernel)} spatial axes (an unbatched input, "
                             "channels × positions, is not: pass a batch)")
-        layout = use.entry["layout"]
-        if layout != ("axis", 0):
-            raise use.error(f"its examples lie along {_describe(layout)} of its output, not along the first axis: "
-                            "a convolution mixes what lies along its other axes, so the exporter models its input "
-                            "as examples × channels × positions")
+        use.examples_first("output", "the first axis: a convolution mixes what lies along its other axes, so the "
+                           "exporter models its input as examples × channels × positions")
         g = use.batch_first(use.grad)  # B×C_out×O…
         b, c_out = g.shape[:2]
         g = g.reshape(b, c_out, -1).transpose(1, 2)  # B×P×C_out
@@ -121,10 +120,29 @@ class Conv(Handler):
         for j in range(groups):
             mask[j, j * cout_g:(j + 1) * cout_g] = 1
         bps = (g.unsqueeze(2) * mask).reshape(b, p * groups, c_out)
-        yield use.spec("weight", self.kind), {"activations": acts.to(use.store), "backprops": bps.to(use.store)}
+        yield use.site("weight", "linear", {"activations": acts.to(use.store), "backprops": bps.to(use.store)})
         yield from use.bias_site(g)
+
+
+class FnConv(FunctionHandler, Conv):
+    """`F.conv1d/2d/3d(x, w, b, stride, padding, dilation, groups)`."""
+
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
+        w = arg(args, kwargs, 1, "weight")
+        if not torch.is_tensor(w):
+            return None
+        return Operands(arg(args, kwargs, 0, "input"), {"weight": w, "bias": arg(args, kwargs, 2, "bias")})
+
+    def geometry(self, use: Use) -> Geometry:
+        call = use.call
+        assert call is not None  # a use of a function handler is a call
+        return Geometry(call.arg(1, "weight"), call.arg(3, "stride") or 1, call.arg(4, "padding") or 0,
+                        call.arg(5, "dilation") or 1, call.arg(6, "groups") or 1)
 
 
 _conv = Conv()
 for _cls in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
     builtin(_cls, _conv)
+_fn_conv = FnConv()
+for _name, _f in (("F.conv1d", F.conv1d), ("F.conv2d", F.conv2d), ("F.conv3d", F.conv3d)):
+    builtin_function(_name, _f, _fn_conv)

@@ -6,15 +6,43 @@
   output's gradient times the scale;
 - OPT's learned positions (`OPTLearnedPositionalEmbedding`: ids = positions + 2).
 
-Rows at `padding_idx` receive no gradient from a lookup, so their backprops are zero."""
+Rows at `padding_idx` receive no gradient from a lookup, so their backprops are zero.
+
+Its functional form: `F.embedding(ids, w, padding_idx)`; a call with `max_norm` or
+`scale_grad_by_freq` on a trainable table is refused, by name and option."""
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from .base import Handler, Site, Use, builtin, builtin_test, declarable
+from .base import (
+    FunctionHandler,
+    Handler,
+    Operands,
+    Site,
+    Unmodelled,
+    Use,
+    arg,
+    builtin,
+    builtin_function,
+    builtin_test,
+    declarable,
+)
+
+
+def unmodelled_options(max_norm: Any, scale_grad_by_freq: Any) -> str | None:
+    """Why a lookup with these options has no embedding site, or None where it has one."""
+    if max_norm is not None:
+        return (f"max_norm={max_norm} is not modelled: the forward renormalizes, in place, the rows of the table "
+                "it looks up, so it changes the parameter it reads")
+    if scale_grad_by_freq:
+        return ("scale_grad_by_freq=True divides each row's gradient by the number of times its id occurs in the "
+                "whole batch, so one example's gradient depends on the other examples' ids: no per-example "
+                "gradient is defined")
+    return None
 
 
 class Embedding(Handler):
@@ -29,17 +57,12 @@ class Embedding(Handler):
 
     def check_options(self, use: Use) -> None:
         m = use.module
-        max_norm = getattr(m, "max_norm", None)
-        if max_norm is not None:
-            raise use.error(f"max_norm={max_norm} is not modelled: the forward renormalizes, in place, the rows of "
-                            "the table it looks up, so it changes the parameter it reads")
-        if getattr(m, "scale_grad_by_freq", False):
-            raise use.error("scale_grad_by_freq=True divides each row's gradient by the number of times its id "
-                            "occurs in the whole batch, so one example's gradient depends on the other examples' "
-                            "ids: no per-example gradient is defined")
+        why = unmodelled_options(getattr(m, "max_norm", None), getattr(m, "scale_grad_by_freq", False))
+        if why is not None:
+            raise use.error(why)
 
-    def sites(self, use: Use) -> Iterator[Site]:
-        weight = use.weight(self.kind)
+    def sites(self, use: Use) -> Iterator[Site[torch.Tensor]]:
+        weight = use.weight("embedding")
         if not use.trainable(weight):
             return  # frozen: nothing to trace
         assert weight is not None  # a trainable weight is a parameter
@@ -50,7 +73,7 @@ class Embedding(Handler):
         padding_idx = self.padding_idx(use)
         if padding_idx is not None:  # the padding row receives no gradient from a lookup
             g = g.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
-        yield use.spec("weight", self.kind, vocab=weight.shape[0]), {"ids": ids, "backprops": g.to(use.store)}
+        yield use.site("weight", "embedding", {"ids": ids, "backprops": g.to(use.store)}, vocab=weight.shape[0])
 
 
 class ScaledEmbedding(Embedding):
@@ -71,8 +94,30 @@ class OptPositions(Embedding):
         return pos + module.offset
 
 
+class FnEmbedding(FunctionHandler, Embedding):
+    """`F.embedding(ids, w, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)`."""
+
+    def operands(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands | None:
+        why = unmodelled_options(arg(args, kwargs, 3, "max_norm"), arg(args, kwargs, 5, "scale_grad_by_freq"))
+        if why is not None:
+            raise Unmodelled(why)
+        return Operands(arg(args, kwargs, 0, "input"), {"weight": arg(args, kwargs, 1, "weight")})
+
+    def padding_idx(self, use: Use) -> int | None:
+        assert use.call is not None  # a use of a function handler is a call
+        p = use.call.arg(2, "padding_idx")
+        return None if p is None else int(p) % use.param("weight").shape[0]  # a negative index counts from the end
+
+    def check_options(self, use: Use) -> None:
+        pass  # `operands` refuses the calls with options it does not model
+
+
 builtin(torch.nn.Embedding, declarable(Embedding()))
-builtin_test(lambda m: isinstance(m, torch.nn.Embedding) and type(m).__name__.endswith("ScaledWordEmbedding")
+builtin_test("scaled embeddings (a torch.nn.Embedding whose class name ends in ScaledWordEmbedding, with an "
+             "embed_scale)",
+             lambda m: isinstance(m, torch.nn.Embedding) and type(m).__name__.endswith("ScaledWordEmbedding")
              and hasattr(m, "embed_scale"), ScaledEmbedding())
-builtin_test(lambda m: isinstance(m, torch.nn.Embedding) and type(m).__name__ == "OPTLearnedPositionalEmbedding"
+builtin_test("OPT's learned positions (OPTLearnedPositionalEmbedding)",
+             lambda m: isinstance(m, torch.nn.Embedding) and type(m).__name__ == "OPTLearnedPositionalEmbedding"
              and hasattr(m, "offset"), OptPositions())
+builtin_function("F.embedding", F.embedding, FnEmbedding())

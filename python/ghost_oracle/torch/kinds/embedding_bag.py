@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..layout import _describe
 from .base import Handler, Site, Use, builtin
+from .embedding import unmodelled_options
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
 
@@ -58,13 +58,13 @@ class EmbeddingBag(Handler):
         vals = list(args) + [None] * (3 - len(args))
         return tuple(kwargs.get(n, vals[i]) for i, n in enumerate(names))
 
-    def input_examples(self, entry: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def input_examples(self, use: Use) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """1-D per-sample weights belong to the bags the offsets cut them into, each bag an example."""
-        ids, offsets, psw = entry["input"]
+        ids, offsets, psw = use.input
         if not (torch.is_tensor(psw) and torch.is_tensor(ids) and ids.dim() == 1 and torch.is_tensor(offsets)):
             return []
         owners = torch.full((psw.shape[0],), -1, dtype=torch.int64)
-        for k, (s, e) in enumerate(_bounds(offsets, ids.shape[0], bool(entry["module"].include_last_offset))):
+        for k, (s, e) in enumerate(_bounds(offsets, ids.shape[0], bool(use.module.include_last_offset))):
             owners[s:e] = k
         return [(psw, owners)]
 
@@ -110,32 +110,25 @@ class EmbeddingBag(Handler):
             out_bp[k, :len(r)] = torch.where(mask, g[k].unsqueeze(0), torch.zeros((), dtype=g.dtype, device=g.device))
         return out_ids, out_bp
 
-    def sites(self, use: Use) -> Iterator[Site]:
+    def sites(self, use: Use) -> Iterator[Site[torch.Tensor]]:
         m = use.module
         weight = use.weight("an embedding bag")
         if not use.reads_trainable("weight"):
             return
         assert weight is not None  # a trainable weight is a parameter
-        if m.max_norm is not None:
-            raise use.error(f"max_norm={m.max_norm} is not modelled: the forward renormalizes, in place, the rows of "
-                            "the table it looks up, so it changes the parameter it reads")
-        if m.scale_grad_by_freq:
-            raise use.error("scale_grad_by_freq=True divides each row's gradient by the number of times its id "
-                            "occurs in the whole batch, so one example's gradient depends on the other examples' "
-                            "ids: no per-example gradient is defined")
+        why = unmodelled_options(m.max_norm, m.scale_grad_by_freq)
+        if why is not None:
+            raise use.error(why)
         if m.mode not in _MODES:
             raise use.error(f"mode {m.mode!r} is not one of {', '.join(map(repr, _MODES))}")
-        layout = use.entry["layout"]
-        if layout != ("axis", 0):
-            raise use.error(f"its examples lie along {_describe(layout)} of its output, not along its bags: the "
-                            "exporter models one bag per example")
+        use.examples_first("output", "its bags: the exporter models one bag per example")
         if m.mode == "max":
             ids, bp = self.winners(use)
         else:
             ids, w = self.bags(use)
             g = use.batch_first(use.grad)  # bags×d
             bp = g.unsqueeze(1).to(torch.float64) * w.to(g.device).unsqueeze(2)
-        yield use.spec("weight", self.kind, vocab=weight.shape[0]), {"ids": ids, "backprops": bp.to(use.store)}
+        yield use.site("weight", "embedding", {"ids": ids, "backprops": bp.to(use.store)}, vocab=weight.shape[0])
 
 
 builtin(torch.nn.EmbeddingBag, EmbeddingBag())
