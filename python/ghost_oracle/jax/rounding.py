@@ -14,7 +14,7 @@ and writes it for the judge to add:
   `dtype` around its call: `_Precision`); the same calls are captured (same keys, in the same
   order) and the same sites formed, and for every example i the exact
   ‖g_i(traced factors) − g_i(replayed factors)‖₂ over all parameters is computed in f64 from
-  the two sets of factors (`difference_norms`, numpy only).
+  the two sets of factors (`ghost_oracle._trace.rounding.difference_norms`, numpy only).
   - A model coarser than f64 (f32, bf16, f16 sites, or f64 sites with a cast down to a coarser
     float between them) is replayed in f64 under `jax.enable_x64`: the replay is exact to f64,
     and the difference is the traced gradient's own rounding (`"replay-float64"`).
@@ -40,10 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import os
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,21 +51,21 @@ import ml_dtypes
 import numpy as np
 
 from .._trace.format import MODEL_ROUNDING, TraceExportError
+from .._trace.rounding import (
+    F32_TO_F64,
+    REPLAY_FLOAT32_SCALED,
+    REPLAY_FLOAT64,
+    REPLAY_MEMORY_FRACTION,
+    available_host_memory,
+    difference_norms,
+    warn_not_measured,
+)
+from .._trace.rounding import RoundingNotMeasured as _GiveUp
 from .capture import PerExampleLoss, capture
 from .kinds import handler_for
 from .sites import Call, Site
 
-#: How the header's `model_rounding` says the rounding was measured (the torch exporter's names).
-REPLAY_FLOAT64 = "replay-float64"
-REPLAY_FLOAT32_SCALED = "replay-float32-scaled"
 assert REPLAY_FLOAT64 in MODEL_ROUNDING and REPLAY_FLOAT32_SCALED in MODEL_ROUNDING
-
-#: The replay runs only where its copy of the parameters and its factors (in f64, on the host)
-#: take at most this fraction of the available memory (the torch exporter's fraction).
-REPLAY_MEMORY_FRACTION = 0.5
-
-#: A replayed f64 model's difference (f32's rounding) times u64/u32 estimates f64's own.
-F32_TO_F64 = 2.0**-53 / 2.0**-24
 
 _F64, _F32 = np.dtype(np.float64), np.dtype(np.float32)
 _UNIT_ROUNDOFF = {np.dtype(np.float64): 2.0**-53, np.dtype(np.float32): 2.0**-24,
@@ -81,10 +78,6 @@ class ModelRounding:
 
     rounding: np.ndarray
     method: str
-
-
-class _GiveUp(Exception):
-    """The replay cannot measure the rounding: the reason, for the warning."""
 
 
 def _float_dtype(value: Any) -> np.dtype[Any] | None:
@@ -207,28 +200,13 @@ def replay_dtype(sites: Sequence[Site], casts: Sequence[str]) -> np.dtype[Any]:
     return _F32 if exact else _F64
 
 
-def _available() -> int | None:
-    """Bytes of host memory available (None: unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _over_budget(params: Any, sites: Sequence[Site], dtype: np.dtype[Any]) -> str | None:
     """Why the replay would take too much memory, or None."""
     leaves = [v for v in jax.tree_util.tree_leaves(params) if hasattr(v, "size")]
     copy = sum(int(v.size) * (dtype.itemsize if _float_dtype(v.dtype) is not None else np.dtype(v.dtype).itemsize)
                for v in leaves)
     factors = 8 * sum(int(v.size) for s in sites for v in s.tensors.values())
-    need, have = copy + 2 * factors, _available()  # the replay's factors, and the trace's read in f64
+    need, have = copy + 2 * factors, available_host_memory()  # the replay's factors, and the trace's read in f64
     if have is not None and need > REPLAY_MEMORY_FRACTION * have:
         return (f"the parameters at {dtype.name} and the replay's f64 factors would take {need / 2**20:.0f} MiB, more "
                 f"than {REPLAY_MEMORY_FRACTION:g} of the {have / 2**20:.0f} MiB available")
@@ -258,8 +236,7 @@ def model_rounding(model: nn.Module, params: Any, per_example_loss: PerExampleLo
             replayed = _replay(model, params, per_example_loss, inputs, b, keep, calls, sites, dtype)
         diff = difference_norms([(s.spec(), s.tensors) for s in sites], replayed, int(keep.sum()))
     except _GiveUp as e:
-        warnings.warn(f"the model's own rounding is not measured (no `model.rounding` in the trace; the judge's bound "
-                      f"covers the clipper's arithmetic on the traced factors only): {e}", stacklevel=3)
+        warn_not_measured(e, stacklevel=3)
         return None
     if dtype == _F32:
         return ModelRounding(diff * F32_TO_F64, REPLAY_FLOAT32_SCALED)
@@ -309,125 +286,4 @@ def _replay(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inp
                                for k, v in again.tensors.items()}
     if sorted(out) != sorted(s.name for s in sites):
         raise _GiveUp(f"the replay at {name} formed other sites than the recorded forward")
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# The difference, from the two sets of factors (numpy only: no framework's arithmetic).
-
-#: A site: its header entry (name, param, kind, vocab) and its factors.
-SiteFactors = tuple[Mapping[str, Any], Mapping[str, np.ndarray]]
-_Use = tuple[Mapping[str, Any], Mapping[str, np.ndarray], Mapping[str, np.ndarray]]
-
-
-def difference_norms(sites: Sequence[SiteFactors], replayed: Mapping[str, Mapping[str, np.ndarray]],
-                     b: int) -> np.ndarray:
-    """‖g_i(traced) − g_i(replayed)‖₂ over every parameter, per example, in f64.
-
-    The difference is formed factor by factor, never as the difference of two gradients (which
-    would cancel to nothing in f64): for a linear site Σ_t g_t a_tᵀ − g'_t a'_tᵀ =
-    Σ_t (g_t − g'_t) a_tᵀ + g'_t (a_t − a'_t)ᵀ, two terms whose factors are the small
-    differences. A parameter's squared norm is then either the Gram identity over its terms'
-    rows (Σ_{s,t} (l_s·l_t)(r_s·r_t), where rows are fewer than the parameter's entries) or the
-    example's difference materialized, whichever is cheaper (the torch exporter's
-    `_difference_norms`, in numpy)."""
-    by_param: dict[str, list[_Use]] = {}
-    for spec, ts in sites:
-        again = replayed[spec["name"]]
-        for k, v in ts.items():
-            if again[k].shape != v.shape:
-                raise _GiveUp(f"the replay's `{spec['name']}.{k}` has shape {list(again[k].shape)}, the trace's "
-                              f"{list(v.shape)}")
-        if "ids" in ts and not np.array_equal(np.asarray(ts["ids"], np.int64), np.asarray(again["ids"], np.int64)):
-            raise _GiveUp(f"the replay's `{spec['name']}` looked up other ids")
-        by_param.setdefault(spec["param"], []).append((spec, ts, again))
-    total = np.zeros(b)
-    for param, uses in by_param.items():
-        kinds = {spec["kind"] for spec, _, _ in uses}
-        if kinds <= {"bias", "layernorm"}:
-            total += (_vector_difference(uses) ** 2).sum(1)
-        elif kinds <= {"linear", "conv1d", "embedding"}:
-            total += _matrix_difference(uses, b)
-        else:
-            raise _GiveUp(f"parameter `{param}` has sites of kinds {sorted(kinds)} together")
-    return np.sqrt(np.maximum(total, 0.0))
-
-
-def _f64(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a, dtype=np.float64)
-
-
-def _vector_difference(uses: Sequence[_Use]) -> np.ndarray:
-    """B × entries: a bias's or a norm's per-example difference."""
-    diff: np.ndarray | None = None
-    for spec, ts, again in uses:
-        g, g2 = _f64(ts["backprops"]), _f64(again["backprops"])
-        if spec["kind"] == "bias":
-            d = (g - g2).sum(1)
-        else:
-            a, a2 = _f64(ts["activations"]), _f64(again["activations"])
-            d = ((g - g2) * a + g2 * (a - a2)).sum(1)
-        diff = d if diff is None else diff + d
-    assert diff is not None  # a parameter has sites
-    return diff
-
-
-#: One term of a parameter's per-example difference Σ_t l_t r_tᵀ: (l, r), l B×R×rows or the
-#: ids B×R of a lookup (one-hot rows), r B×R×cols.
-_Term = tuple[np.ndarray, np.ndarray]
-
-
-def _terms(spec: Mapping[str, Any], ts: Mapping[str, np.ndarray], again: Mapping[str, np.ndarray]) -> list[_Term]:
-    g, g2 = _f64(ts["backprops"]), _f64(again["backprops"])
-    if spec["kind"] == "embedding":
-        return [(np.asarray(ts["ids"], np.int64), g - g2)]
-    a, a2 = _f64(ts["activations"]), _f64(again["activations"])
-    if spec["kind"] == "linear":  # rows: the output features
-        return [(g - g2, a), (g2, a - a2)]
-    return [(a - a2, g), (a2, g - g2)]  # conv1d: rows the input features
-
-
-def _lhs_gram(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """l_s·l_t for the rows of two left factors of one example (dense R×rows or ids R)."""
-    if x.ndim == 1 and y.ndim == 1:
-        return np.asarray(x[:, None] == y[None, :], dtype=np.float64)
-    if x.ndim == 1:
-        return np.asarray(y[:, x].T)
-    if y.ndim == 1:
-        return np.asarray(x[:, y])
-    return np.asarray(x @ y.T)
-
-
-def _matrix_difference(uses: Sequence[_Use], b: int) -> np.ndarray:
-    """Σ of the squared per-example differences of a matrix parameter (linear, conv1d,
-    embedding sites), B."""
-    terms = [t for spec, ts, again in uses for t in _terms(spec, ts, again)]
-    first = uses[0][0]
-    cols = terms[0][1].shape[-1]
-    rows = int(first["vocab"]) if first["kind"] == "embedding" else next(
-        (t[0].shape[-1] for t in terms if t[0].ndim == 3), 0)
-    if any(r.shape[-1] != cols for _, r in terms) or any(lhs.ndim == 3 and lhs.shape[-1] != rows for lhs, _ in terms):
-        raise _GiveUp(f"parameter `{first['param']}`'s sites lay it out with different shapes")
-    n_rows = sum(r.shape[1] for _, r in terms)
-    gram = n_rows * (rows + cols) < rows * cols
-    out = np.zeros(b)
-    for i in range(b):
-        if gram:
-            s = 0.0
-            for x, (l1, r1) in enumerate(terms):
-                for y in range(x, len(terms)):
-                    l2, r2 = terms[y]
-                    v = float((_lhs_gram(l1[i], l2[i]) * (r1[i] @ r2[i].T)).sum())
-                    s += v if x == y else 2.0 * v
-            out[i] = max(s, 0.0)
-        else:
-            d = np.zeros((rows, cols))
-            for lhs, r in terms:
-                if lhs.ndim == 2:
-                    np.add.at(d, lhs[i], r[i])
-                else:
-                    d += lhs[i].T @ r[i]
-            out[i] = float((d ** 2).sum())
-    if not all(math.isfinite(float(v)) for v in out):
-        raise _GiveUp(f"parameter `{first['param']}`'s difference is not finite")
     return out

@@ -13,7 +13,8 @@ example, and writes it for the judge to add:
   precision, the same uses captured (same order and names, each with the layout the recorded
   pass found), the same sites formed, and for every example i the exact
   ‖g_i(traced factors) − g_i(replayed factors)‖₂ over all parameters is computed in f64 from
-  the two sets of factors (`_difference_norms`).
+  the two sets of factors (`_difference_norms`, numpy's arithmetic in
+  `ghost_oracle._trace.rounding`, the same as the JAX exporter's).
   - A model coarser than f64 (f32, bf16, f16, or an f64 model with float32 islands, below) is
     replayed in f64 with every down-cast lifted: the replay is exact to f64, and the
     difference is the traced gradient's own rounding (`"replay-float64"`).
@@ -50,18 +51,26 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
-import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._trace.rounding import (
+    F32_TO_F64,
+    REPLAY_FLOAT32_SCALED,
+    REPLAY_FLOAT64,
+    REPLAY_MEMORY_FRACTION,
+    available_host_memory,
+    difference_norms,
+    warn_not_measured,
+)
+from .._trace.rounding import RoundingNotMeasured as _GiveUp
 from .batch import input_leaves, packings
 from .errors import TraceExportError
 from .kinds import Use
@@ -69,22 +78,10 @@ from .layout import refuse_mixing_seen_finer, share_as_recorded
 from .precision import DTYPE_NAMES, unit_roundoff
 from .record import _HOOK_DICTS, param_names, record
 
-#: How the header's `model_rounding` says the rounding was measured.
-REPLAY_FLOAT64 = "replay-float64"
-REPLAY_FLOAT32_SCALED = "replay-float32-scaled"
-
-#: The replay runs only where the copy of the model (its parameters and buffers at the replay's
-#: precision) and the replay's factors (in f64) take at most this fraction of the memory
-#: available where each lives (the copy on the model's device, the factors on the host).
-REPLAY_MEMORY_FRACTION = 0.5
-
 #: How many replays in random rounding (see the module's docstring), and their seed.
 RANDOM_ROUNDING_REPLAYS = 2
 RANDOM_ROUNDING_SEED = 20261207
 RANDOM_ROUNDING = "+random-rounding"
-
-#: A replayed f64 model's difference (f32's rounding) times u64/u32 estimates f64's own.
-F32_TO_F64 = unit_roundoff(torch.float64) / unit_roundoff(torch.float32)
 
 #: The sites of a trace: (spec, factors as written, the use's entry) each.
 Sites = Sequence[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]
@@ -247,17 +244,7 @@ def _available(device: torch.device) -> int | None:
             return int(torch.cuda.mem_get_info(device)[0])
         except (RuntimeError, AssertionError):
             return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
+    return available_host_memory()
 
 
 def _over_budget(model: torch.nn.Module, sites: Sites, dtype: torch.dtype) -> str | None:
@@ -426,10 +413,6 @@ def _accumulated(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], out:
     return list(sized) if isinstance(sized, (tuple, list)) else [sized]
 
 
-class _GiveUp(Exception):
-    """The replay cannot measure the rounding: the reason, for the warning."""
-
-
 def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
                    b_inputs: int | None, batch_axis: int, b: int, entries: Sequence[dict[str, Any]], sites: Sites,
                    watch: CastWatch, model_dtype: torch.dtype, judged_dtype: torch.dtype) -> ModelRounding | None:
@@ -455,8 +438,7 @@ def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.
                             rounding=_RandomRounding(unit_roundoff(judged_dtype), RANDOM_ROUNDING_SEED + k))
             diff = torch.maximum(diff, _difference_norms(exact, noisy, b))
     except _GiveUp as e:
-        warnings.warn(f"the model's own rounding is not measured (no `model.rounding` in the trace; the judge's bound "
-                      f"covers the clipper's arithmetic on the traced factors only): {e}", stacklevel=3)
+        warn_not_measured(e, stacklevel=3)
         return None
     return ModelRounding(diff, (REPLAY_FLOAT32_SCALED if dtype == torch.float32 else REPLAY_FLOAT64) + RANDOM_ROUNDING)
 
@@ -558,114 +540,16 @@ def _replay(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module,
     return out
 
 
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A factor as a numpy array on the host, without a copy where it is one already (bfloat16,
+    which numpy lacks, widened exactly to float32)."""
+    t = t.detach().to("cpu")
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def _difference_norms(sites: Sites, replayed: Mapping[str, Mapping[str, torch.Tensor]], b: int) -> torch.Tensor:
-    """‖g_i(traced) − g_i(replayed)‖₂ over every parameter, per example, in f64.
-
-    The difference is formed factor by factor, never as the difference of two gradients (which
-    would cancel to nothing in f64): for a linear site Σ_t g_t a_tᵀ − g'_t a'_tᵀ =
-    Σ_t (g_t − g'_t) a_tᵀ + g'_t (a_t − a'_t)ᵀ, two terms whose factors are the small
-    differences. A parameter's squared norm is then either the Gram identity over its terms'
-    rows (Σ_{s,t} (l_s·l_t)(r_s·r_t), where rows are fewer than the parameter's entries) or the
-    example's difference materialized, whichever is cheaper."""
-    by_param: dict[str, list[tuple[dict[str, Any], Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]]] = {}
-    for spec, ts, _ in sites:
-        again = replayed[spec["name"]]
-        for k, v in ts.items():
-            if again[k].shape != v.shape:
-                raise _GiveUp(f"the replay's `{spec['name']}.{k}` has shape {list(again[k].shape)}, the trace's "
-                              f"{list(v.shape)}")
-        if "ids" in ts and not torch.equal(ts["ids"].to(torch.int64), again["ids"].to(torch.int64)):
-            raise _GiveUp(f"the replay's `{spec['name']}` looked up other ids")
-        by_param.setdefault(spec["param"], []).append((spec, ts, again))
-    total = torch.zeros(b, dtype=torch.float64)
-    for param, uses in by_param.items():
-        kinds = {spec["kind"] for spec, _, _ in uses}
-        if kinds <= {"bias", "layernorm"}:
-            total += _vector_difference(uses).pow(2).sum(1)
-        elif kinds <= {"linear", "conv1d", "embedding"}:
-            total += _matrix_difference(uses, b)
-        else:
-            raise _GiveUp(f"parameter `{param}` has sites of kinds {sorted(kinds)} together")
-    return total.clamp(min=0.0).sqrt()
-
-
-def _f64(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float64)
-
-
-def _vector_difference(uses: Sequence[tuple[dict[str, Any], Mapping[str, torch.Tensor],
-                                            Mapping[str, torch.Tensor]]]) -> torch.Tensor:
-    """B × entries: a bias's or a norm's per-example difference (one column)."""
-    diff: torch.Tensor | None = None
-    for spec, ts, again in uses:
-        g, g2 = _f64(ts["backprops"]), _f64(again["backprops"])
-        if spec["kind"] == "bias":
-            d = (g - g2).sum(1)
-        else:
-            a, a2 = _f64(ts["activations"]), _f64(again["activations"])
-            d = ((g - g2) * a + g2 * (a - a2)).sum(1)
-        diff = d if diff is None else diff + d
-    assert diff is not None  # a parameter has sites
-    return diff
-
-
-#: One term of a parameter's per-example difference Σ_t l_t r_tᵀ: (l, r), l B×R×rows or the
-#: ids B×R of a lookup (one-hot rows), r B×R×cols.
-_Term = tuple[torch.Tensor, torch.Tensor]
-
-
-def _terms(spec: Mapping[str, Any], ts: Mapping[str, torch.Tensor], again: Mapping[str, torch.Tensor]) -> list[_Term]:
-    g, g2 = _f64(ts["backprops"]), _f64(again["backprops"])
-    if spec["kind"] == "embedding":
-        return [(ts["ids"].to(torch.int64), g - g2)]
-    a, a2 = _f64(ts["activations"]), _f64(again["activations"])
-    if spec["kind"] == "linear":  # rows: the output features
-        return [(g - g2, a), (g2, a - a2)]
-    return [(a - a2, g), (a2, g - g2)]  # conv1d: rows the input features
-
-
-def _lhs_gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """l_s·l_t for the rows of two left factors of one example (dense R×rows or ids R)."""
-    if x.dim() == 1 and y.dim() == 1:
-        return (x.unsqueeze(1) == y.unsqueeze(0)).to(torch.float64)
-    if x.dim() == 1:
-        return y[:, x].T
-    if y.dim() == 1:
-        return x[:, y]
-    return x @ y.T
-
-
-def _matrix_difference(uses: Sequence[tuple[dict[str, Any], Mapping[str, torch.Tensor],
-                                            Mapping[str, torch.Tensor]]], b: int) -> torch.Tensor:
-    """Σ of the squared per-example differences of a matrix parameter (linear, conv1d,
-    embedding sites), B."""
-    terms = [t for spec, ts, again in uses for t in _terms(spec, ts, again)]
-    first = uses[0][0]
-    cols = terms[0][1].shape[-1]
-    rows = first["vocab"] if first["kind"] == "embedding" else next(
-        (t[0].shape[-1] for t in terms if t[0].dim() == 3), 0)
-    if any(r.shape[-1] != cols for _, r in terms) or any(lhs.dim() == 3 and lhs.shape[-1] != rows for lhs, _ in terms):
-        raise _GiveUp(f"parameter `{first['param']}`'s sites lay it out with different shapes")
-    n_rows = sum(r.shape[1] for _, r in terms)
-    gram = n_rows * (rows + cols) < rows * cols
-    out = torch.zeros(b, dtype=torch.float64)
-    for i in range(b):
-        if gram:
-            s = 0.0
-            for x, (l1, r1) in enumerate(terms):
-                for y in range(x, len(terms)):
-                    l2, r2 = terms[y]
-                    v = float((_lhs_gram(l1[i], l2[i]) * (r1[i] @ r2[i].T)).sum())
-                    s += v if x == y else 2.0 * v
-            out[i] = max(s, 0.0)
-        else:
-            d = torch.zeros(rows, cols, dtype=torch.float64)
-            for lhs, r in terms:
-                if lhs.dim() == 2:
-                    d.index_add_(0, lhs[i], r[i])
-                else:
-                    d += lhs[i].T @ r[i]
-            out[i] = float(d.pow(2).sum())
-    if not all(math.isfinite(float(v)) for v in out):
-        raise _GiveUp(f"parameter `{first['param']}`'s difference is not finite")
-    return out
+    """‖g_i(traced) − g_i(replayed)‖₂ over every parameter, per example, in f64: the two sets of
+    factors handed to the framework-neutral `ghost_oracle._trace.rounding.difference_norms`."""
+    traced = [(spec, {k: _numpy(v) for k, v in ts.items()}) for spec, ts, _ in sites]
+    again = {name: {k: _numpy(v) for k, v in ts.items()} for name, ts in replayed.items()}
+    return torch.from_numpy(difference_norms(traced, again, b))
