@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
+import ml_dtypes
 import numpy as np
 
+from .._trace import site as core
 from .._trace.format import TraceExportError
 
 # numpy dtype name -> the trace's precision name
@@ -78,11 +80,24 @@ class Site:
     layout_name: str = "identity"
     name: str = ""
 
+    def handover(self) -> core.Site[np.ndarray]:
+        """The site as the shared core (`ghost_oracle._trace`) takes it: bfloat16 factors as
+        their raw bits (a view, not a copy)."""
+        if self.kind not in core.SITE_KINDS or self.precision not in core.PRECISIONS:
+            raise TraceExportError(f"{self.call.where}: a site of kind {self.kind!r} in {self.precision!r}; traces "
+                                   f"hold {list(core.SITE_KINDS)} in {list(core.PRECISIONS)}")
+        return core.Site(name=self.name, param=self.param, kind=cast(core.SiteKind, self.kind),
+                         tensors={k: raw_bits(v) for k, v in self.tensors.items()},
+                         precision=cast(core.Precision, self.precision), origin=self.call.where, vocab=self.vocab)
+
     def spec(self) -> dict[str, Any]:
-        s: dict[str, Any] = {"name": self.name, "param": self.param, "kind": self.kind}
-        if self.vocab is not None:
-            s["vocab"] = self.vocab
-        return s
+        return self.handover().spec()
+
+
+def raw_bits(a: np.ndarray) -> np.ndarray:
+    """`a` as the shared core holds it: a bfloat16 array as its raw bits in uint16 (numpy has no
+    bfloat16 of its own), a view of the same memory; any other array as it is."""
+    return a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
 
 
 class Handler(Protocol):

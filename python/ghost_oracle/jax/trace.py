@@ -1,6 +1,6 @@
 """`export_trace` for Flax linen models: capture (`capture`), sites per module kind (`kinds/`),
-the self-check against `jax.grad` (`check`), and the file, written with numpy and
-`safetensors.numpy` under the header `ghost_oracle._trace.format` builds for both exporters."""
+the self-check against `jax.grad` (`check`); the checked sites are handed over as
+`ghost_oracle._trace.Site`s to the writer both exporters share (`ghost_oracle._trace.writer`)."""
 from __future__ import annotations
 
 import os
@@ -12,17 +12,17 @@ import flax.linen as nn
 import jax
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
-from .._atomic import check_target, sort_safetensors_metadata, write_atomically
-from .._trace.format import PRECISION_NAMES, TraceExportError, number, step_rule, trace_metadata
+from .._atomic import check_target
+from .._trace.format import PRECISION_NAMES, TraceExportError, number, step_rule
 from .._trace.format import UNCLAIMED as UNCLAIMED  # re-exported: one placeholder for both exporters
+from .._trace.writer import write_trace
 from .capture import PerExampleLoss, capture, flat_params
-from .check import STORAGE, self_check, unit_roundoff
+from .check import STORAGE, self_check
 from .kinds import handler_for
 from .rounding import model_rounding
 from .scan import split_layers
-from .sites import Site
+from .sites import Site, raw_bits
 
 STEP_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
@@ -77,6 +77,7 @@ def _site_names(sites: list[Site]) -> None:
 
 def _step_tensors(what: str, given: Any, sites: list[Site], parameters: dict[str, int],
                   scans: dict[tuple[str, ...], int]) -> dict[str, np.ndarray]:
+    """`what`'s claimed tensor of every parameter of the manifest, in its order and the trace's layout."""
     if not isinstance(given, Mapping):
         raise TypeError(f"{what} must be a dict from parameter names (the Flax path joined with '.') to arrays, or "
                         f"the params pytree, got {type(given).__name__}")
@@ -98,12 +99,12 @@ def _step_tensors(what: str, given: Any, sites: list[Site], parameters: dict[str
                              f"elements); the parameter has {parameters[key]}")
         site = layout[key]
         t = arr if site.layout_name == "identity" else site.to_trace_layout(arr)
-        out[f"claimed.{what}.{key}"] = np.ascontiguousarray(t)
-    missing = [p for p in parameters if f"claimed.{what}.{p}" not in out]
+        out[key] = raw_bits(np.ascontiguousarray(t))
+    missing = [p for p in parameters if p not in out]
     if missing:
         raise ValueError(f"{what}: no array for parameter(s) {', '.join(f'`{m}`' for m in missing)}: it must cover "
                          "every trainable parameter of the trace, or be left out")
-    return out
+    return {p: out[p] for p in parameters}  # the manifest's order
 
 
 def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any,
@@ -166,47 +167,25 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
     unused = self_check(sites, grads, store)
     for name in unused:
         warnings.warn(f"parameter `{name}` received no gradient: it is left out of the trace", stacklevel=2)
-    precisions = [s.precision for s in sites]
-    if not precisions:
+    if not sites:
         raise TraceExportError(f"no modelled module was called: the model's parameters {list(grads)[:4]} have no site")
-    coarsest = max(precisions, key=unit_roundoff)
-    specs = [s.spec() for s in sites]
-    if len(set(precisions)) > 1:
-        for spec, s in zip(specs, sites, strict=True):
-            spec["compute_dtype"] = s.precision
     parameters = {name: int(np.asarray(g).size) for name, g in grads.items() if name not in unused}
-    tensors: dict[str, np.ndarray] = {}
-    for s in sites:
-        for k, v in s.tensors.items():
-            tensors[f"{s.name}.{k}"] = v
     if claimed_norms is UNCLAIMED:
         norms = np.ones(b_real)
     else:
         if callable(claimed_norms):
             claimed_norms = claimed_norms(params, inputs)
         norms = _per_example(claimed_norms, b, "claimed_norms")[keep]
-    tensors["claimed.norms"] = norms
-    if claimed_coefficients is not None:
-        tensors["claimed.coefficients"] = _per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
-    has_step = False
-    for what, given in (("clipped_sum", clipped_sum), ("update", update)):
-        if given is not None:
-            tensors.update(_step_tensors(what, given, sites, parameters, captured.scans))
-            has_step = True
+    coefficients = None if claimed_coefficients is None else \
+        _per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
+    step = {what: _step_tensors(what, given, sites, parameters, captured.scans)
+            for what, given in (("clipped_sum", clipped_sum), ("update", update)) if given is not None}
     # the rounding of the model's own forward and backward in the factors as written, measured
     # by a replay at another precision (`rounding.py`); None, with a warning, where it cannot be
     rounding = model_rounding(model, params, per_example_loss, inputs, b, keep, captured.calls, sites)
-    if rounding is not None:
-        tensors["model.rounding"] = rounding.rounding
-    meta = trace_metadata(max_grad_norm=c, clipper=clipper, sites=specs, compute_dtype=coarsest,
-                          parameters=parameters, noise_multiplier=noise_multiplier, batch_divisor=batch_divisor,
-                          clip_stabilizer=clip_stabilizer, clipping=clipping, has_step=has_step,
-                          model_rounding=None if rounding is None else rounding.method)
-    write_atomically(path, "path", lambda tmp: _save(tensors, tmp, meta))
-    return specs
-
-
-def _save(tensors: dict[str, np.ndarray], tmp: str, meta: dict[str, str]) -> None:
-    """The trace's bytes at `tmp`: a function of the trace alone (the header's keys sorted)."""
-    save_file(tensors, tmp, metadata=meta)
-    sort_safetensors_metadata(tmp)
+    return write_trace(path, sites=[s.handover() for s in sites], parameters=parameters, claimed_norms=norms,
+                       claimed_coefficients=coefficients, step=step,
+                       rounding=None if rounding is None else rounding.rounding,
+                       rounding_method=None if rounding is None else rounding.method, max_grad_norm=c,
+                       clipper=clipper, noise_multiplier=noise_multiplier, batch_divisor=batch_divisor,
+                       clip_stabilizer=clip_stabilizer, clipping=clipping)
