@@ -1,10 +1,10 @@
 //! The independent f64 reference of ghost-oracle.
 //!
 //! It runs a decoder-only language model — HF GPT-2, Llama, Qwen2/3, Gemma 1–3 or VaultGemma, tied
-//! or untied — one example
-//! at a time, in f64, with an explicit backward pass, and materializes every parameter's
-//! per-example gradient. One skeleton (`DecoderModel`) serves every family; [`load`] reads a
-//! checkpoint directory, and a [`Model`] picks the family from `config.json`. From those
+//! or untied — one example at a time, in f64, with an explicit backward pass, and materializes
+//! every parameter's per-example gradient. One skeleton (`DecoderModel`) serves every family (one
+//! folder each under `families/`); [`load`] reads a checkpoint directory, and a [`Model`] picks
+//! the family from `config.json`. From those
 //! gradients it reports each example's gradient norm, per-parameter norms and, for a parameter
 //! used twice (the tied embedding / LM head), the split ‖g_in‖², ‖g_out‖², ⟨g_in, g_out⟩. It
 //! shares no code with the clippers it judges.
@@ -12,13 +12,17 @@
 //! The concepts, and the files that hold them:
 //!
 //! ```text
-//! model          decoder.rs      the skeleton every family fills in (DecoderModel, ParamSet, Dims)
-//! ├─ gpt2        gpt2.rs, gpt2_config.rs
-//! ├─ llama       llama/ (the model; params.rs: a layer's modules in one table; block.rs: a
-//! │              layer's passes), llama_config.rs (Llama, Qwen2, Qwen3, Gemma 1–3, VaultGemma);
-//! │              flavor.rs (what each member changes), gemma_config.rs (Gemma's keys),
-//! │              rope_config.rs (rope_theta / rope_scaling / rope_parameters)
-//! ├─ any family  model.rs        the family `model_type` names (Model)
+//! model          decoder.rs      the skeleton every family fills in (DecoderModel, ParamSet, Dims;
+//! │                              param_set! lists a family's tensors from its field names)
+//! ├─ families    families/       one folder a family, each the same files: mod.rs (the model,
+//! │                              loaded and saved), config.rs (config.json), params.rs (its
+//! │                              tensors in checkpoint order), block.rs (a block's passes and
+//! │                              sites); mod.rs the family `model_type` names (Model, ModelConfig)
+//! │  ├─ gpt2     families/gpt2/  GPT2LMHeadModel
+//! │  └─ llama    families/llama/ Llama, Qwen2, Qwen3, Gemma 1–3, VaultGemma (params.rs: a layer's
+//! │                              modules in one table); flavor.rs (what each member changes),
+//! │                              gemma_config.rs (Gemma's keys), rope_config.rs (rope_theta /
+//! │                              rope_scaling / rope_parameters)
 //! ├─ layers      layers.rs       norms, projections, attention, each with its backward;
 //! │              matmul.rs (the large f64 products, in faer); sweep.rs (element-wise passes
 //! │              over model-sized buffers, on every core)
