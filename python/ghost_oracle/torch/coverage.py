@@ -87,6 +87,6 @@ def modelled_uses() -> str:
     """What the exporter models, in words, from the registry."""
     m = modelled()
     declared = f" ({', '.join(m['declared classes'])})" if m["declared classes"] else ""
-    return (f"the exporter models the modules of the classes {', '.join(m['module classes'])} (by exact type), "
-            f"{'; '.join(m['classes known by name'])}, the classes declared with register_module{declared}, and "
+    return (f"the exporter models the modules of the classes {', '.join(m['module classes'])} (by exact type); "
+            f"{'; '.join(m['classes known by name'])}; the classes declared with register_module{declared}; and "
             f"the calls on a parameter of {', '.join(m['functions'])}")

@@ -52,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -73,7 +73,7 @@ from .._trace.rounding import (
 from .._trace.rounding import RoundingNotMeasured as _GiveUp
 from .batch import input_leaves, packings
 from .errors import TraceExportError
-from .kinds import Use
+from .kinds import Site, Use
 from .layout import refuse_mixing_seen_finer, share_as_recorded
 from .precision import DTYPE_NAMES, unit_roundoff
 from .record import _HOOK_DICTS, param_names, record
@@ -83,8 +83,8 @@ RANDOM_ROUNDING_REPLAYS = 2
 RANDOM_ROUNDING_SEED = 20261207
 RANDOM_ROUNDING = "+random-rounding"
 
-#: The sites of a trace: (spec, factors as written, the use's entry) each.
-Sites = Sequence[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]
+#: The sites of a trace, their factors as written.
+Sites = Sequence[Site[torch.Tensor]]
 
 # Calls that name a dtype by themselves.
 _CAST_METHODS: dict[Any, torch.dtype] = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
@@ -255,7 +255,7 @@ def _over_budget(model: torch.nn.Module, sites: Sites, dtype: torch.dtype) -> st
     for t in tensors:
         by_device[t.device] = by_device.get(t.device, 0) + t.numel() * (itemsize if t.is_floating_point()
                                                                         else t.element_size())
-    factors = 8 * sum(v.numel() for _, ts, _ in sites for v in ts.values())
+    factors = 8 * sum(v.numel() for s in sites for v in s.tensors.values())
     host = torch.device("cpu")
     by_device[host] = by_device.get(host, 0) + factors
     for device, need in by_device.items():
@@ -414,7 +414,7 @@ def _accumulated(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], out:
 
 
 def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
-                   b_inputs: int | None, batch_axis: int, b: int, entries: Sequence[dict[str, Any]], sites: Sites,
+                   b_inputs: int | None, batch_axis: int, b: int, entries: Sequence[Use], sites: Sites,
                    watch: CastWatch, model_dtype: torch.dtype, judged_dtype: torch.dtype) -> ModelRounding | None:
     """The rounding of the traced gradient, per example, by a replay and replays in random
     rounding at `judged_dtype`'s unit roundoff (the precision the trace is judged at; see the
@@ -431,7 +431,7 @@ def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.
             diff = diff * F32_TO_F64
         # the random-rounding replays, each against the exact evaluation: the f64 replay, or an
         # f64 model's own traced factors
-        exact = sites if dtype == torch.float32 else [(spec, replayed[spec["name"]], e) for spec, _, e in sites]
+        exact = sites if dtype == torch.float32 else [replace(s, tensors=replayed[s.name]) for s in sites]
         for k in range(RANDOM_ROUNDING_REPLAYS):
             noisy = _replay(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch,
                             torch.float64, probe_mixing=False,
@@ -444,7 +444,7 @@ def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.
 
 
 def _replay(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
-            b_inputs: int | None, batch_axis: int, b: int, entries: Sequence[dict[str, Any]], sites: Sites,
+            b_inputs: int | None, batch_axis: int, b: int, entries: Sequence[Use], sites: Sites,
             watch: CastWatch, dtype: torch.dtype, probe_mixing: bool,
             rounding: _RandomRounding | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """The replay's factors, in f64 on the host, by site name. With `probe_mixing` (a replay
@@ -485,7 +485,7 @@ def _replay(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module,
             if lift.unlifted:
                 raise _GiveUp(f"the replay at {name} still casts down "
                               f"({', '.join(sorted(set(lift.unlifted))[:4])})")
-            if [e["name"] for e in rec.entries] != [e["name"] for e in entries]:
+            if [e.name for e in rec.entries] != [e.name for e in entries]:
                 raise _GiveUp(f"the replay at {name} captured other uses than the recorded forward "
                               f"({len(rec.entries)} against {len(entries)})")
             with rounded():
@@ -507,34 +507,32 @@ def _replay(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module,
             raise _GiveUp(f"per_example_loss does not run on the model at {name}, forward and backward "
                           f"({type(e).__name__}: {e})") from e
         finally:
-            for entry in rec.entries:
-                entry.pop("output", None)
+            for use in rec.entries:
+                use.output = None
             losses = None
     if mixing is not None:
         raise mixing  # a refusal of the model, not a reason to skip the measurement
     replay_entries = rec.entries
-    traced = {id(entry) for _, _, entry in sites}
     names = param_names(twin)
     out: dict[str, dict[str, torch.Tensor]] = {}
     with _mode(_CastMode(lift_to=dtype, any_source=True)) as lift:
         for first, again in zip(entries, replay_entries, strict=True):
-            if id(first) not in traced or again["grad"] is None:
+            if first.sites_formed == 0 or again.output_grad is None:
                 continue
             # what the probes found (the layout) is the recorded pass's: copied, not probed again
-            for k, v in first.items():
-                again.setdefault(k, v)
+            again.take_probed(first)
             try:
-                for spec, ts in again["handler"].sites(Use(again, names, torch.float64, b)):
-                    out[spec["name"]] = {k: v.detach().to("cpu") for k, v in ts.items()}
+                for site in again.form_sites(names, torch.float64, b):
+                    out[site.name] = {k: v.detach().to("cpu") for k, v in site.tensors.items()}
             except (TraceExportError, RuntimeError, ValueError, TypeError) as e:
-                raise _GiveUp(f"the replay's use `{again['name']}` at {name} does not form its sites ({e})") from e
-            if _coarser(again["dtype"], dtype):
-                raise _GiveUp(f"the replay's use `{again['name']}` computed in {again['dtype']}, not {name}")
-            again.pop("input", None)
-            again.pop("grad", None)
+                raise _GiveUp(f"the replay's use `{again.name}` at {name} does not form its sites ({e})") from e
+            if _coarser(again.dtype, dtype):
+                raise _GiveUp(f"the replay's use `{again.name}` computed in {again.dtype}, not {name}")
+            again.input = None
+            again.output_grad = None
     if lift.unlifted:
         raise _GiveUp(f"the replay at {name} still casts down ({', '.join(sorted(set(lift.unlifted))[:4])})")
-    want = [spec["name"] for spec, _, _ in sites]
+    want = [s.name for s in sites]
     if sorted(out) != sorted(want):
         raise _GiveUp(f"the replay at {name} formed other sites than the recorded forward")
     return out
@@ -550,6 +548,6 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 def _difference_norms(sites: Sites, replayed: Mapping[str, Mapping[str, torch.Tensor]], b: int) -> torch.Tensor:
     """‖g_i(traced) − g_i(replayed)‖₂ over every parameter, per example, in f64: the two sets of
     factors handed to the framework-neutral `ghost_oracle._trace.rounding.difference_norms`."""
-    traced = [(spec, {k: _numpy(v) for k, v in ts.items()}) for spec, ts, _ in sites]
+    traced = [(s.spec(), {k: _numpy(v) for k, v in s.tensors.items()}) for s in sites]
     again = {name: {k: _numpy(v) for k, v in ts.items()} for name, ts in replayed.items()}
     return torch.from_numpy(difference_norms(traced, again, b))

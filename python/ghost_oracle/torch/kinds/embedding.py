@@ -18,19 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import (
-    FunctionHandler,
-    Handler,
-    Operands,
-    Site,
-    Unmodelled,
-    Use,
-    arg,
-    builtin,
-    builtin_function,
-    builtin_test,
-    declarable,
-)
+from . import base
+from .base import FunctionHandler, Handler, Operands, Site, Unmodelled, Use, arg
 
 
 def unmodelled_options(max_norm: Any, scale_grad_by_freq: Any) -> str | None:
@@ -112,12 +101,12 @@ class FnEmbedding(FunctionHandler, Embedding):
         pass  # `operands` refuses the calls with options it does not model
 
 
-builtin(torch.nn.Embedding, declarable(Embedding()))
-builtin_test("scaled embeddings (a torch.nn.Embedding whose class name ends in ScaledWordEmbedding, with an "
+base.builtin(torch.nn.Embedding, base.declarable(Embedding()))
+base.builtin_test("scaled embeddings (a torch.nn.Embedding whose class name ends in ScaledWordEmbedding, with an "
              "embed_scale)",
              lambda m: isinstance(m, torch.nn.Embedding) and type(m).__name__.endswith("ScaledWordEmbedding")
              and hasattr(m, "embed_scale"), ScaledEmbedding())
-builtin_test("OPT's learned positions (OPTLearnedPositionalEmbedding)",
+base.builtin_test("OPT's learned positions (OPTLearnedPositionalEmbedding)",
              lambda m: isinstance(m, torch.nn.Embedding) and type(m).__name__ == "OPTLearnedPositionalEmbedding"
              and hasattr(m, "offset"), OptPositions())
-builtin_function("F.embedding", F.embedding, FnEmbedding())
+base.builtin_function("F.embedding", F.embedding, FnEmbedding())

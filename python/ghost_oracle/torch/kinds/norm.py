@@ -29,18 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import DTYPE_NAMES, PRECISIONS
-from .base import (
-    FunctionHandler,
-    Handler,
-    Operands,
-    Site,
-    Use,
-    arg,
-    builtin,
-    builtin_function,
-    builtin_test,
-    declarable,
-)
+from . import base
+from .base import FunctionHandler, Handler, Operands, Site, Use, arg
 
 
 def cancelled_rounding(n: int, dtype: torch.dtype, eps: float, terms: torch.Tensor) -> torch.Tensor:
@@ -208,12 +198,12 @@ def _hf_rmsnorm(module: torch.nn.Module) -> bool:
         hasattr(module, "eps") or hasattr(module, "variance_epsilon"))
 
 
-_norm = declarable(Norm())
-builtin(torch.nn.LayerNorm, _norm)
+_norm = base.declarable(Norm())
+base.builtin(torch.nn.LayerNorm, _norm)
 if hasattr(torch.nn, "RMSNorm"):
-    builtin(torch.nn.RMSNorm, _norm)
-builtin_test("Hugging Face RMSNorms (a class name ending in RMSNorm, with a weight and an eps or "
+    base.builtin(torch.nn.RMSNorm, _norm)
+base.builtin_test("Hugging Face RMSNorms (a class name ending in RMSNorm, with a weight and an eps or "
              "variance_epsilon)", _hf_rmsnorm, _norm)
-builtin_function("F.layer_norm", F.layer_norm, FnLayerNorm())
+base.builtin_function("F.layer_norm", F.layer_norm, FnLayerNorm())
 if hasattr(F, "rms_norm"):
-    builtin_function("F.rms_norm", F.rms_norm, FnRmsNorm())
+    base.builtin_function("F.rms_norm", F.rms_norm, FnRmsNorm())
