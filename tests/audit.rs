@@ -279,3 +279,29 @@ fn audit_progress_covers_every_reference_pass_and_clipper_run_in_order() {
         assert!(of_case.contains(&&format!("{}: clipper ghost-tied judged", case.name)));
     }
 }
+
+#[test]
+fn an_audit_runs_on_a_checkpoint_with_its_batch_or_on_the_builtin_suite_never_on_one_alone() {
+    use ghost_oracle::audit::cases_to_audit;
+    let dir = golden("tied_l2_h4_t33");
+    let batch = dir.join("batch.safetensors");
+    let both = cases_to_audit(Some(&dir), Some(&batch)).unwrap();
+    assert_eq!(both.len(), 1);
+    assert_eq!(both[0].name, "tied_l2_h4_t33");
+    let builtin: Vec<String> = builtin_suite().into_iter().map(|c| c.name).collect();
+    let neither: Vec<String> = cases_to_audit(None, None)
+        .unwrap()
+        .into_iter()
+        .map(|c| c.name)
+        .collect();
+    assert_eq!(neither, builtin);
+    for (model, batch, refused) in [
+        (Some(dir.as_path()), None, "model needs batch"),
+        (None, Some(batch.as_path()), "batch needs model"),
+    ] {
+        match cases_to_audit(model, batch) {
+            Err(Error::Input(msg)) => assert!(msg.starts_with(refused), "{msg}"),
+            other => panic!("{refused}: got {:?}", other.map(|c| c.len())),
+        }
+    }
+}

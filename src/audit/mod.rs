@@ -57,6 +57,25 @@ impl Case {
     }
 }
 
+/// What an audit runs on: a checkpoint directory with its batch file, or neither (the built-in
+/// suite). One without the other is refused, naming what is missing: the CLI's flags and the
+/// Python arguments share these names (`--model`/`model`, `--batch`/`batch`).
+pub fn cases_to_audit(
+    model: Option<&std::path::Path>,
+    batch: Option<&std::path::Path>,
+) -> Result<Vec<Case>> {
+    match (model, batch) {
+        (Some(m), Some(b)) => Ok(vec![Case::load(m, b)?]),
+        (None, None) => Ok(builtin_suite()),
+        (Some(_), None) => Err(crate::error::Error::input(
+            "model needs batch: a batch file (safetensors with `input_ids`) to audit the checkpoint on",
+        )),
+        (None, Some(_)) => Err(crate::error::Error::input(
+            "batch needs model: a checkpoint directory (config.json + model.safetensors)",
+        )),
+    }
+}
+
 /// How an audit runs: the DP-SGD settings it judges at, and where the clippers compute.
 #[derive(Clone, Debug)]
 pub struct AuditOptions {

@@ -2,7 +2,7 @@
 
 use super::ReportArgs;
 use super::{clip_norm, noise_multiplier, DeviceArg, PrecisionArg, Progress, ReductionArg};
-use ghost_oracle::{audit, registry, AuditOptions, Case, Error, Precision};
+use ghost_oracle::{audit, registry, AuditOptions, Error, Precision};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -48,12 +48,8 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
     let noise_multiplier = noise_multiplier(a.noise_multiplier)?;
     let accounting = a.report.accounting()?;
     let clippers = registry::clippers(&a.clippers).map_err(|e| e.context("--clipper"))?;
-    let cases = match (&a.model, &a.batch) {
-        (Some(m), Some(b)) => vec![Case::load(m, b)?],
-        (None, None) => audit::builtin_suite(),
-        // clap requires each with the other.
-        (Some(_), None) | (None, Some(_)) => unreachable!("--model and --batch come together"),
-    };
+    // clap already requires each of --model and --batch with the other.
+    let cases = audit::cases_to_audit(a.model.as_deref(), a.batch.as_deref())?;
     let precision = Precision::from(a.precision);
     let opts = AuditOptions {
         max_grad_norm,

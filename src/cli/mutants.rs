@@ -3,7 +3,9 @@
 use super::{out, to_json, write_file, PrecisionArg, Progress};
 use ghost_oracle::audit::{builtin_suite, kill_matrix};
 use ghost_oracle::mutants::Mutant;
-use ghost_oracle::report::{kill_matrix_html, kill_matrix_json, kill_matrix_table};
+use ghost_oracle::report::{
+    kill_matrix_html, kill_matrix_json, kill_matrix_table, kill_matrix_verdict_line,
+};
 use ghost_oracle::{AuditOptions, Error, Precision};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -49,11 +51,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         write_file(path, &kill_matrix_html(&m, precision.name())?, "--html")?;
     }
     out(&kill_matrix_table(&m))?;
-    out(if m.ok() {
-        "every mutant caught with the right verdict; no false alarm\n"
-    } else {
-        "DETECTION CHECK FAILED\n"
-    })?;
+    out(&format!("{}\n", kill_matrix_verdict_line(&m)))?;
     Ok(if m.ok() {
         ExitCode::SUCCESS
     } else {

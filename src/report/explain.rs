@@ -693,7 +693,7 @@ pub fn kill_matrix_explanation(m: &KillMatrix) -> String {
         lines.push(format!("  {}: {}", r.clipper, r.problems.join("; ")));
     }
     if m.ok() {
-        lines.push("  every mutant caught with the right verdict; no false alarm".into());
+        lines.push(format!("  {}", super::kill_matrix_verdict_line(m)));
     }
     lines.join("\n")
 }

@@ -28,6 +28,16 @@ fn row_check(r: &Row, precision: &str) -> String {
     }
 }
 
+/// The kill matrix's one-line verdict, printed under its table: every seeded bug caught with the
+/// verdict it must get and no correct clipper flagged, or the detection check failed.
+pub fn kill_matrix_verdict_line(m: &KillMatrix) -> &'static str {
+    if m.ok() {
+        "every mutant caught with the right verdict; no false alarm"
+    } else {
+        "DETECTION CHECK FAILED"
+    }
+}
+
 /// The kill matrix as a text table: a row per clipper, a column per case.
 pub fn kill_matrix_table(m: &KillMatrix) -> String {
     let mut s = String::new();

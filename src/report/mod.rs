@@ -8,7 +8,9 @@ mod numbers;
 pub use explain::{kill_matrix_explanation, Explanation, Reader};
 pub use html::audit_html;
 pub(crate) use html::{audit_sections, page, verdict_colour};
-pub use kill_matrix::{kill_matrix_html, kill_matrix_json, kill_matrix_table};
+pub use kill_matrix::{
+    kill_matrix_html, kill_matrix_json, kill_matrix_table, kill_matrix_verdict_line,
+};
 
 use crate::audit::ClipperAudit;
 use crate::judge::{nan_max, CaseMetrics, NoiseScope, StepMetrics, Verdict};
