@@ -7,8 +7,21 @@ case whose trace carries a step has a `step` dict (`StepMetrics` of `src/judge/s
 `true_coefficients`, `clipped_sum` and `update` (each a `SumCheck` dict or None), `noise` (a list
 of `NoiseCheck` dicts, each with its `scope`: `{"tensor": name}` or `"whole"`), `noisy_update` (a
 `NoisyUpdateCheck` dict or None), `update_not_judged`, `noise_fraction`, `verdict`), read by
-`ghost_oracle.StepResult`; None without one."""
+`ghost_oracle.StepResult`; None without one. `mutants`'s also has `ok`, `cases` (the base cases)
+and `rows`: the kill matrix's rows of its JSON document (`clipper`, `mutant`, `reproduces`,
+`caught`, `ok`, `invisible_at_precision`, `problems`, `cases`)."""
 from typing import Any
+
+from typing_extensions import TypedDict, Unpack
+
+class _Accounting(TypedDict, total=False):
+    """The run the ε speaks of, an argument of every function (None: its default)."""
+
+    sampling_rate: float | None
+    steps: int | None
+    epochs: float | None
+    dataset_size: int | None
+    delta: float | None
 
 __version__: str
 BUILTIN_CLIPPERS: list[str]
@@ -19,12 +32,8 @@ def check(
     *,
     noise_multiplier: float | None = None,
     precision: str | None = None,
-    sampling_rate: float | None = None,
-    steps: int | None = None,
-    epochs: float | None = None,
-    dataset_size: int | None = None,
-    delta: float | None = None,
     max_memory: str | None = None,
+    **accounting: Unpack[_Accounting],
 ) -> dict[str, Any]: ...
 def audit(
     *,
@@ -35,20 +44,12 @@ def audit(
     noise_multiplier: float = 1.0,
     precision: str = "f32",
     reduction: str = "mean",
-    sampling_rate: float | None = None,
-    steps: int | None = None,
-    epochs: float | None = None,
-    dataset_size: int | None = None,
-    delta: float | None = None,
+    **accounting: Unpack[_Accounting],
 ) -> dict[str, Any]: ...
 def mutants(
     *,
     precision: str = "f32",
-    sampling_rate: float | None = None,
-    steps: int | None = None,
-    epochs: float | None = None,
-    dataset_size: int | None = None,
-    delta: float | None = None,
+    **accounting: Unpack[_Accounting],
 ) -> dict[str, Any]: ...
 def mutant_list() -> list[tuple[str, str]]: ...
 def _panic_for_tests() -> None: ...

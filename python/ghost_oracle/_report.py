@@ -1,10 +1,21 @@
-"""The `Report` that `check`, `audit` and `mutants` return."""
+"""The `Report` that `check`, `audit` and `mutants` return.
+
+Each frozen dataclass here mirrors one document the compiled judge serialises, field for field
+under the judge's own names (`CaseResult`: `CaseMetrics` of src/judge/metrics.rs, `StepResult`:
+`StepMetrics`, `SumCheck`, `DivisorCheck`, `NoiseCheck`, `NoisyUpdateCheck` of src/judge/step/,
+`Privacy`: `PrivacyReport`, `ClipperResult`: `ClipperAudit` with its kill-matrix row). The few
+departures are declared below (`EXAMPLE_COLUMNS`, `KILL_MATRIX_ROW`), and
+python/tests/test_report_mirror.py holds every class to the keys of real reports, both ways.
+Names that were renamed to the judge's keep their old spelling as a deprecated property.
+"""
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import numpy as np
 
@@ -30,6 +41,35 @@ def _array(xs: list[Any], dtype: Any = np.float64) -> np.ndarray:
     a = np.asarray(xs, dtype=dtype)
     a.setflags(write=False)
     return a
+
+
+def _floats(xs: list[Any]) -> np.ndarray:
+    """A read-only float array; an undefined entry (None) is NaN."""
+    return _array([_f(x) for x in xs])
+
+
+_Mirror = TypeVar("_Mirror")
+
+
+def _optional(read: Callable[[dict[str, Any]], _Mirror], d: dict[str, Any] | None) -> _Mirror | None:
+    """A document the judge may leave out (null, or absent): its mirror, or None."""
+    return None if d is None else read(d)
+
+
+class _Judged:
+    """A mirror of a document with the judge's `verdict`."""
+
+    verdict: str
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+
+def _renamed(owner: str, old: str, new: str) -> None:
+    """Warns that `owner.old` is the deprecated spelling of `owner.new`."""
+    warnings.warn(f"{owner}.{old} is deprecated, use {owner}.{new} (the judge's own name)",
+                  DeprecationWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -73,9 +113,7 @@ class Privacy:
     rounding_at: str | None = None
 
     @classmethod
-    def _from_native(cls, d: dict[str, Any] | None) -> Privacy | None:
-        if d is None:
-            return None
+    def _from_native(cls, d: dict[str, Any]) -> Privacy:
         return cls(
             sampling_rate=float(d["sampling_rate"]),
             steps=int(d["steps"]),
@@ -102,7 +140,7 @@ def _opt(x: Any) -> float:
 
 
 @dataclass(frozen=True)
-class SumCheck:
+class SumCheck(_Judged):
     """One claimed sum X of the step (the clipped sum K, or the update times its divisor u·D)
     against the exact clipped sum S* = Σ_i c*_i g*_i (docs/tolerances.md, "The step")."""
 
@@ -120,6 +158,9 @@ class SumCheck:
     #: and the largest implied contribution ĉ_i·n*_i / C.
     implied_coefficients: np.ndarray = field(repr=False)
     implied_sensitivity: float = math.nan
+    #: ĉ_i plus the most the sum's rounding bound can move it: the high end, for privacy
+    #: (read-only array).
+    coefficient_high: np.ndarray = field(default_factory=lambda: _array([]), repr=False)
     #: ‖X − Σ ĉ_i g*_i‖ / ‖X‖: the part of X no combination of this batch's gradients explains.
     unexplained: float = math.nan
     #: Examples the sum leaves out: ĉ_i under half of c*_i (empty where the Gram is singular).
@@ -133,30 +174,26 @@ class SumCheck:
     invalid: bool = False
     verdict: str = "pass"
 
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
-
     @classmethod
-    def _from_native(cls, d: dict[str, Any] | None) -> SumCheck | None:
-        if d is None:
-            return None
+    def _from_native(cls, d: dict[str, Any]) -> SumCheck:
         return cls(what=str(d["what"]), rel_err=_opt(d["rel_err"]), bound=_opt(d["bound"]),
                    worst_param=str(d["worst_param"]), worst_param_rel_err=_opt(d["worst_param_rel_err"]),
-                   scale=_opt(d["scale"]), implied_coefficients=_array([_f(x) for x in d["implied_coefficients"]]),
-                   implied_sensitivity=_f(d["implied_sensitivity"]), unexplained=_opt(d["unexplained"]),
+                   scale=_opt(d["scale"]), implied_coefficients=_floats(d["implied_coefficients"]),
+                   implied_sensitivity=_f(d["implied_sensitivity"]),
+                   coefficient_high=_floats(d["coefficient_high"]), unexplained=_opt(d["unexplained"]),
                    missing_examples=tuple(int(i) for i in d["missing_examples"]),
                    shared_scale=bool(d["shared_scale"]), singular=bool(d["singular"]),
                    invalid=bool(d["invalid"]), verdict=str(d["verdict"]))
 
 
 @dataclass(frozen=True)
-class NoiseCheck:
-    """The noise of one parameter tensor `param` (or of the whole update: `param` None,
+class NoiseCheck(_Judged):
+    """The noise of one parameter tensor `scope` (or of the whole update: `scope` None,
     `whole` True): ‖r‖²/(σC)², χ² with `entries` degrees of freedom for noise N(0, σ²C²) on
     every entry, against its Laurent–Massart interval [low, high]."""
 
-    param: str | None
+    #: The tensor checked, by name; None for the whole update (the judge's `"whole"`).
+    scope: str | None
     entries: int
     chi2: float
     low: float
@@ -166,25 +203,27 @@ class NoiseCheck:
     verdict: str
 
     @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
-
-    @property
     def whole(self) -> bool:
         """The check is over the whole update, every tensor together."""
-        return self.param is None
+        return self.scope is None
+
+    @property
+    def param(self) -> str | None:
+        """Deprecated spelling of `scope`."""
+        _renamed("NoiseCheck", "param", "scope")
+        return self.scope
 
     @classmethod
     def _from_native(cls, d: dict[str, Any]) -> NoiseCheck:
         # The scope is {"tensor": name} for one tensor, "whole" for the whole update.
         scope = d["scope"]
-        param = None if scope == "whole" else str(scope["tensor"])
-        return cls(param=param, entries=int(d["entries"]), chi2=_f(d["chi2"]), low=_f(d["low"]),
+        tensor = None if scope == "whole" else str(scope["tensor"])
+        return cls(scope=tensor, entries=int(d["entries"]), chi2=_f(d["chi2"]), low=_f(d["low"]),
                    high=_f(d["high"]), sigma_ratio=_f(d["sigma_ratio"]), verdict=str(d["verdict"]))
 
 
 @dataclass(frozen=True)
-class NoisyUpdateCheck:
+class NoisyUpdateCheck(_Judged):
     """An update under noise without its clipped sum: the coefficients it implies,
     (ĉ − c*)ᵀG(ĉ − c*)/(σC)² against the upper end `high` of χ² on `dof` degrees of freedom,
     and the residual noise outside the batch's gradients (`residual`)."""
@@ -199,21 +238,38 @@ class NoisyUpdateCheck:
     residual: NoiseCheck | None = None
     verdict: str = "pass"
 
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
-
     @classmethod
-    def _from_native(cls, d: dict[str, Any] | None) -> NoisyUpdateCheck | None:
-        if d is None:
-            return None
-        return cls(implied_coefficients=_array([_f(x) for x in d["implied_coefficients"]]), chi2=_f(d["chi2"]),
+    def _from_native(cls, d: dict[str, Any]) -> NoisyUpdateCheck:
+        return cls(implied_coefficients=_floats(d["implied_coefficients"]), chi2=_f(d["chi2"]),
                    dof=int(d["dof"]), high=_f(d["high"]), smallest_visible=_opt(d["smallest_visible"]),
                    residual=NoiseCheck._from_native(d["residual"]), verdict=str(d["verdict"]))
 
 
 @dataclass(frozen=True)
-class StepResult:
+class DivisorCheck:
+    """The divisor an update was divided by, read from the update itself: without noise from the
+    scale of its signal, under noise from its projection on the clipped sum (or on S*)."""
+
+    #: D as the library states it, and as read from the update.
+    stated: float
+    implied: float
+    #: The relative uncertainty of `implied`: one standard deviation of what the noise adds to
+    #: it, or the rounding bound without noise.
+    spread: float
+    #: The batch's actual size.
+    drawn: int
+    #: `implied` is off the stated divisor and equals the drawn size: the update's normalization
+    #: depends on the data, which the stated σ does not account for.
+    data_dependent: bool
+
+    @classmethod
+    def _from_native(cls, d: dict[str, Any]) -> DivisorCheck:
+        return cls(stated=_f(d["stated"]), implied=_f(d["implied"]), spread=_f(d["spread"]),
+                   drawn=int(d["drawn"]), data_dependent=bool(d["data_dependent"]))
+
+
+@dataclass(frozen=True)
+class StepResult(_Judged):
     """The judged DP-SGD step of a case (a trace with `claimed.clipped_sum.*` and/or
     `claimed.update.*`; docs/tolerances.md, "The step: the clipped sum and the update").
 
@@ -229,8 +285,9 @@ class StepResult:
     - `contributions`: per example, √(Σ_p ĉ_i²‖g*_{i,p}‖² / (f_p² C²)), its contribution in
       units of what σ and C allow with each tensor's own noise (read-only array);
     - `sigma_eff`: σ / max(1, max contribution), what the run's ε is computed from;
-    - `implied_divisor`: the divisor the update implies (None where it cannot be read), and
-      `data_dependent_divisor`: it is the batch's drawn size, not the stated one;
+    - `divisor`: the divisor the update implies (`DivisorCheck`: `stated`, `implied`, `spread`,
+      `drawn`, `data_dependent`: it is the batch's drawn size, not the stated one), None where it
+      cannot be read;
     - `true_coefficients`: c*_i from the true norms by the trace's clipping rule (read-only array).
     """
 
@@ -244,44 +301,78 @@ class StepResult:
     noise_fraction: float = 1.0
     contributions: np.ndarray = field(default_factory=lambda: _array([]), repr=False)
     sigma_eff: float = math.nan
-    implied_divisor: float | None = None
-    data_dependent_divisor: bool = False
+    divisor: DivisorCheck | None = None
     #: D, the divisor the trace states (`batch_divisor`), when the report was read from a trace
-    #: file that states one.
+    #: file that states one. Not the judge's: the trace header's, which `check` hands over.
     batch_divisor: float | None = None
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
 
     @property
     def sums(self) -> tuple[SumCheck, ...]:
         """The sum checks present: the clipped sum, then the update × divisor."""
         return tuple(x for x in (self.clipped_sum, self.update) if x is not None)
 
+    @property
+    def implied_divisor(self) -> float | None:
+        """Deprecated: `divisor.implied` (None where no divisor could be read)."""
+        _renamed("StepResult", "implied_divisor", "divisor.implied")
+        return None if self.divisor is None else self.divisor.implied
+
+    @property
+    def data_dependent_divisor(self) -> bool:
+        """Deprecated: `divisor.data_dependent` (False where no divisor could be read)."""
+        _renamed("StepResult", "data_dependent_divisor", "divisor.data_dependent")
+        return self.divisor is not None and self.divisor.data_dependent
+
     @classmethod
-    def _from_native(cls, d: dict[str, Any] | None) -> StepResult | None:
-        if d is None:
-            return None
-        return cls(verdict=str(d["verdict"]), true_coefficients=_array([_f(x) for x in d["true_coefficients"]]),
-                   clipped_sum=SumCheck._from_native(d.get("clipped_sum")),
-                   update=SumCheck._from_native(d.get("update")),
-                   noise=tuple(NoiseCheck._from_native(n) for n in d.get("noise", [])),
-                   noisy_update=NoisyUpdateCheck._from_native(d.get("noisy_update")),
-                   update_not_judged=bool(d.get("update_not_judged", False)),
-                   noise_fraction=_f(d.get("noise_fraction", 1.0)),
-                   contributions=_array([_f(x) for x in d.get("contributions", [])]),
-                   sigma_eff=_f(d.get("sigma_eff", math.nan)),
-                   implied_divisor=_opt((d.get("divisor") or {}).get("implied")),
-                   data_dependent_divisor=bool((d.get("divisor") or {}).get("data_dependent", False)))
+    def _from_native(cls, d: dict[str, Any]) -> StepResult:
+        return cls(verdict=str(d["verdict"]), true_coefficients=_floats(d["true_coefficients"]),
+                   clipped_sum=_optional(SumCheck._from_native, d["clipped_sum"]),
+                   update=_optional(SumCheck._from_native, d["update"]),
+                   noise=tuple(NoiseCheck._from_native(n) for n in d["noise"]),
+                   noisy_update=_optional(NoisyUpdateCheck._from_native, d["noisy_update"]),
+                   update_not_judged=bool(d["update_not_judged"]),
+                   noise_fraction=_f(d["noise_fraction"]),
+                   contributions=_floats(d["contributions"]),
+                   sigma_eff=_f(d["sigma_eff"]),
+                   divisor=_optional(DivisorCheck._from_native, d["divisor"]))
+
+
+#: Each per-example figure the judge writes (`ExampleMetrics` of src/judge/example.rs, one per
+#: example in a case's `examples`) and the `CaseResult` column, a read-only array over the batch,
+#: that holds it. The columns keep the names they have had since the first release (a column of
+#: norms is `true_norms`); everything else of a case is a field under the judge's own name.
+EXAMPLE_COLUMNS: dict[str, str] = {
+    "true_norm": "true_norms",
+    "norm": "claimed_norms",
+    "norm_rel_err": "norm_rel_err",
+    "bound": "bound",
+    "model_rounding": "model_rounding",
+    "allowed_contribution": "allowed_contribution",
+    "err_units": "err_units",
+    "coefficient": "coefficients",
+    "true_coefficient": "true_coefficients",
+    "sensitivity": "sensitivity",
+    "flipped": "flipped",
+    "cross_share": "cross_share",
+    "invalid": "invalid",
+    "judgeable": "judgeable",
+}
+#: The per-example figures that are yes/no (boolean columns); the others are floats.
+_BOOLEAN_COLUMNS = frozenset({"flipped", "invalid", "judgeable"})
 
 
 @dataclass(frozen=True)
-class CaseResult:
+class CaseResult(_Judged):
     """One clipper on one case (a batch at one clipping norm C): the case's figures and, per
-    example, read-only NumPy arrays of length B."""
+    example, read-only NumPy arrays of length B (`EXAMPLE_COLUMNS`)."""
 
-    name: str
+    #: The label reports show: `base_case`, with `@C=<c_multiplier>xmedian` where the suite
+    #: tried several clipping norms.
+    case: str
+    #: The case's name without the clipping norm, and C as a multiple of the case's median true
+    #: norm (None when C was given).
+    base_case: str
+    c_multiplier: float | None
     verdict: str
     max_grad_norm: float
     noise_multiplier: float
@@ -289,9 +380,10 @@ class CaseResult:
     #: violation, first invalid norm, loosest bound for cannot-judge, else largest error in
     #: units of the bound).
     worst_example: int
-    #: max over examples of c·n*/C: above 1 (beyond rounding) the DP guarantee fails at σ.
-    max_sensitivity: float
-    #: σ / max(1, max_sensitivity).
+    #: max over examples of c·n*/C: above 1 (beyond rounding) the DP guarantee fails at σ (NaN
+    #: after an invalid norm).
+    max_sensitivity_ratio: float
+    #: σ / max(1, max_sensitivity_ratio).
     effective_noise_multiplier: float
     max_norm_rel_err: float
     max_err_units: float
@@ -301,6 +393,10 @@ class CaseResult:
     effective_noise_ratio: float
     reference_noise_ratio: float
     clipped_sum_cosine: float
+    #: ‖S − S*‖ / ‖S*‖ of the clipper's clipped sum and the rounding bound on it, relative to
+    #: ‖S*‖ (NaN where the clipper reported no sum, or S* = 0).
+    clipped_sum_rel_err: float
+    clipped_sum_bound: float
     max_cross_share: float
     invalid_examples: tuple[int, ...]
     #: Examples whose rounding bound is too loose to judge their norm (over a tenth of it, or
@@ -347,30 +443,41 @@ class CaseResult:
     step: StepResult | None = field(default=None, repr=False)
 
     @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
+    def name(self) -> str:
+        """Deprecated spelling of `case`."""
+        _renamed("CaseResult", "name", "case")
+        return self.case
+
+    @property
+    def max_sensitivity(self) -> float:
+        """Deprecated spelling of `max_sensitivity_ratio`."""
+        _renamed("CaseResult", "max_sensitivity", "max_sensitivity_ratio")
+        return self.max_sensitivity_ratio
 
     def __repr__(self) -> str:
-        return (f"CaseResult({self.name!r}, {self.verdict}, B={len(self.true_norms)}, worst example "
-                f"{self.worst_example}, max sensitivity {self.max_sensitivity:.4f})")
+        return (f"CaseResult({self.case!r}, {self.verdict}, B={len(self.true_norms)}, worst example "
+                f"{self.worst_example}, max sensitivity {self.max_sensitivity_ratio:.4f})")
 
     @classmethod
     def _from_native(cls, d: dict[str, Any]) -> CaseResult:
         examples = d["examples"]
 
-        def column(key: str, dtype: Any = np.float64) -> np.ndarray:
-            # An undefined per-example metric (None) is NaN.
+        def column(key: str) -> np.ndarray:
             values = [e[key] for e in examples]
-            return _array([_f(v) for v in values] if dtype is np.float64 else values, dtype)
+            # An undefined per-example metric (None) is NaN.
+            return _array(values, bool) if key in _BOOLEAN_COLUMNS else _floats(values)
 
+        multiplier = d["c_multiplier"]
         return cls(
-            name=d["case"],
+            case=str(d["case"]),
+            base_case=str(d["base_case"]),
+            c_multiplier=None if multiplier is None else float(multiplier),
             verdict=d["verdict"],
             max_grad_norm=float(d["max_grad_norm"]),
             noise_multiplier=float(d["noise_multiplier"]),
             worst_example=int(d["worst_example"]),
             # NaN after an invalid norm (null in the document).
-            max_sensitivity=_f(d["max_sensitivity_ratio"]),
+            max_sensitivity_ratio=_f(d["max_sensitivity_ratio"]),
             effective_noise_multiplier=_f(d["effective_noise_multiplier"]),
             max_norm_rel_err=_f(d["max_norm_rel_err"]),
             max_err_units=_f(d["max_err_units"]),
@@ -379,6 +486,8 @@ class CaseResult:
             effective_noise_ratio=_f(d["effective_noise_ratio"]),
             reference_noise_ratio=_f(d["reference_noise_ratio"]),
             clipped_sum_cosine=_f(d["clipped_sum_cosine"]),
+            clipped_sum_rel_err=_f(d["clipped_sum_rel_err"]),
+            clipped_sum_bound=_f(d["clipped_sum_bound"]),
             max_cross_share=_f(d["max_cross_share"]),
             invalid_examples=tuple(int(i) for i in d["invalid_examples"]),
             unjudgeable_examples=tuple(int(i) for i in d["unjudgeable_examples"]),
@@ -388,26 +497,28 @@ class CaseResult:
             seq_len=int(d["seq_len"]),
             widest_factor=int(d["widest_factor"]),
             worst_contribution=_f(d["worst_contribution"]),
-            true_norms=column("true_norm"),
-            claimed_norms=column("norm"),
-            coefficients=column("coefficient"),
-            true_coefficients=column("true_coefficient"),
-            sensitivity=column("sensitivity"),
-            norm_rel_err=column("norm_rel_err"),
-            bound=column("bound"),
-            err_units=column("err_units"),
-            cross_share=column("cross_share"),
-            flipped=column("flipped", bool),
-            invalid=column("invalid", bool),
-            judgeable=column("judgeable", bool),
-            allowed_contribution=column("allowed_contribution"),
-            model_rounding=column("model_rounding"),
-            step=StepResult._from_native(d.get("step")),
+            step=_optional(StepResult._from_native, d.get("step")),
+            **{name: column(key) for key, name in EXAMPLE_COLUMNS.items()},
         )
 
 
+#: Each figure of a kill-matrix row (`kill_matrix_json` of src/report/kill_matrix.rs) and the
+#: `ClipperResult` field that holds it: the row's `clipper` is the audit's `name`, and its `cases`
+#: (verdict per base case) are `cells`, since `cases` is the audit's `CaseResult`s.
+KILL_MATRIX_ROW: dict[str, str] = {
+    "clipper": "name",
+    "mutant": "mutant",
+    "reproduces": "reproduces",
+    "caught": "caught",
+    "ok": "ok",
+    "invisible_at_precision": "invisible_at_precision",
+    "problems": "problems",
+    "cases": "cells",
+}
+
+
 @dataclass(frozen=True)
-class ClipperResult:
+class ClipperResult(_Judged):
     """One clipper's results over every case of a report."""
 
     name: str
@@ -416,18 +527,20 @@ class ClipperResult:
     #: Index into `cases` of the case that decided the verdict.
     worst_case: int
     warnings: tuple[str, ...]
+    #: The precision the tolerance assumed ("f64", "f32", "f16" or "bf16").
+    precision: Precision
     privacy: Privacy | None
     #: Kill matrix only: whether this clipper is a seeded bug, the library behaviour it
-    #: reproduces, its most severe verdict per base case, and what the matrix's checks found
-    #: wrong with it (empty: caught as expected, or a correct clipper not flagged).
+    #: reproduces, its most severe verdict per base case, how many base cases flag it, whether
+    #: its bug is one this precision cannot see, and what the matrix's checks found wrong with it
+    #: (empty, and `ok`: caught as expected, or a correct clipper not flagged).
     mutant: bool = False
     reproduces: str | None = None
     cells: dict[str, str] = field(default_factory=dict)
+    caught: int = 0
+    invisible_at_precision: bool = False
+    ok: bool = True
     problems: tuple[str, ...] = ()
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
 
     @property
     def worst(self) -> CaseResult:
@@ -435,7 +548,7 @@ class ClipperResult:
         return self.cases[self.worst_case]
 
     def __repr__(self) -> str:
-        return f"ClipperResult({self.name!r}, {self.verdict}, {len(self.cases)} case(s), worst {self.worst.name!r})"
+        return f"ClipperResult({self.name!r}, {self.verdict}, {len(self.cases)} case(s), worst {self.worst.case!r})"
 
     @classmethod
     def _from_native(cls, d: dict[str, Any]) -> ClipperResult:
@@ -445,8 +558,40 @@ class ClipperResult:
             cases=tuple(CaseResult._from_native(c) for c in d["cases"]),
             worst_case=int(d["worst_case"]),
             warnings=tuple(d["warnings"]),
-            privacy=Privacy._from_native(d["privacy"]),
+            precision=d["precision"],
+            privacy=_optional(Privacy._from_native, d["privacy"]),
         )
+
+    def _with_row(self, row: dict[str, Any]) -> ClipperResult:
+        """This audit with its kill-matrix row."""
+        if row["clipper"] != self.name:
+            raise RuntimeError(f"kill matrix row {row['clipper']!r} beside the audit of {self.name!r}")
+        return dataclasses.replace(
+            self, mutant=bool(row["mutant"]), reproduces=row["reproduces"],
+            cells={str(k): str(v) for k, v in row["cases"].items()}, caught=int(row["caught"]),
+            invisible_at_precision=bool(row["invisible_at_precision"]), ok=bool(row["ok"]),
+            problems=tuple(str(p) for p in row["problems"]))
+
+
+_T = TypeVar("_T")
+
+
+class _OfWorstCase(Generic[_T]):
+    """A `Report` attribute that is the same-named field of its deciding case (`Report.worst`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, report: None, owner: type) -> _OfWorstCase[_T]: ...
+    @overload
+    def __get__(self, report: Report, owner: type) -> _T: ...
+
+    def __get__(self, report: Report | None, owner: type) -> _OfWorstCase[_T] | _T:
+        if report is None:
+            return self
+        value: _T = getattr(report.worst, self._name)
+        return value
 
 
 class Report:
@@ -482,22 +627,12 @@ class Report:
         self._explanation: str = native["explanation"]
         clippers = [ClipperResult._from_native(c) for c in native["clippers"]]
         if self.kind == "mutants":
-            cases = list(native["cases"])
-            rows = native["rows"]
-            clippers = [
-                ClipperResult(
-                    name=c.name, verdict=c.verdict, cases=c.cases, worst_case=c.worst_case,
-                    warnings=c.warnings, privacy=c.privacy, mutant=bool(r["mutant"]),
-                    reproduces=r["reproduces"], cells=dict(zip(cases, r["cells"], strict=True)),
-                    problems=tuple(r["problems"]),
-                )
-                for c, r in zip(clippers, rows, strict=True)
-            ]
-            self.cases: tuple[str, ...] = tuple(cases)
+            clippers = [c._with_row(r) for c, r in zip(clippers, native["rows"], strict=True)]
+            self.cases: tuple[str, ...] = tuple(native["cases"])
             self.passed: bool = bool(native["ok"])
             self.verdict: str = "pass" if self.passed else "detection-check-failed"
         else:
-            self.cases = tuple(dict.fromkeys(k.name for c in clippers for k in c.cases))
+            self.cases = tuple(dict.fromkeys(k.case for c in clippers for k in c.cases))
             self.passed = all(c.passed for c in clippers)
             self.verdict = max((c.verdict for c in clippers), key=_SEVERITY.__getitem__, default="pass")
         divisor = native.get("batch_divisor")
@@ -516,7 +651,7 @@ class Report:
         contribution (for the kill matrix, the first whose check failed, else the first)."""
         if self.kind == "mutants":
             return next((c for c in self.clippers if c.problems), self.clippers[0])
-        return max(self.clippers, key=lambda c: (_SEVERITY[c.verdict], c.worst.max_sensitivity))
+        return max(self.clippers, key=lambda c: (_SEVERITY[c.verdict], c.worst.max_sensitivity_ratio))
 
     @property
     def worst(self) -> CaseResult:
@@ -532,53 +667,25 @@ class Report:
         """The deciding case's judged step (`StepResult`); None when its trace has no step."""
         return self.worst.step
 
-    @property
-    def true_norms(self) -> np.ndarray:
-        return self.worst.true_norms
-
-    @property
-    def claimed_norms(self) -> np.ndarray:
-        return self.worst.claimed_norms
-
-    @property
-    def coefficients(self) -> np.ndarray:
-        return self.worst.coefficients
-
-    @property
-    def true_coefficients(self) -> np.ndarray:
-        return self.worst.true_coefficients
-
-    @property
-    def sensitivity(self) -> np.ndarray:
-        return self.worst.sensitivity
-
-    @property
-    def cross_share(self) -> np.ndarray:
-        return self.worst.cross_share
-
-    @property
-    def judgeable(self) -> np.ndarray:
-        return self.worst.judgeable
-
-    @property
-    def unjudgeable_examples(self) -> tuple[int, ...]:
-        return self.worst.unjudgeable_examples
-
-    @property
-    def cannot_judge_reason(self) -> str | None:
-        return self.worst.cannot_judge_reason
-
-    @property
-    def max_bound(self) -> float:
-        return self.worst.max_bound
+    # The deciding case's figures, read through to `worst` (a `CaseResult`).
+    true_norms = _OfWorstCase[np.ndarray]()
+    claimed_norms = _OfWorstCase[np.ndarray]()
+    coefficients = _OfWorstCase[np.ndarray]()
+    true_coefficients = _OfWorstCase[np.ndarray]()
+    sensitivity = _OfWorstCase[np.ndarray]()
+    cross_share = _OfWorstCase[np.ndarray]()
+    judgeable = _OfWorstCase[np.ndarray]()
+    unjudgeable_examples = _OfWorstCase[tuple[int, ...]]()
+    cannot_judge_reason = _OfWorstCase["str | None"]()
+    max_bound = _OfWorstCase[float]()
+    max_sensitivity_ratio = _OfWorstCase[float]()
+    effective_noise_multiplier = _OfWorstCase[float]()
 
     @property
     def max_sensitivity(self) -> float:
-        return self.worst.max_sensitivity
-
-    @property
-    def effective_noise_multiplier(self) -> float:
-        return self.worst.effective_noise_multiplier
+        """Deprecated spelling of `max_sensitivity_ratio`."""
+        _renamed("Report", "max_sensitivity", "max_sensitivity_ratio")
+        return self.worst.max_sensitivity_ratio
 
     # -- output ----------------------------------------------------------------------------------
 

@@ -108,7 +108,7 @@ def test_hooks_mode_step_passes(tied, sigma, with_clipped_sum):
         assert not s.noise and s.noisy_update is None
     elif with_clipped_sum:
         assert s.update is None and s.noisy_update is None
-        assert s.noise[-1].whole and s.noise[-1].param is None and TIED in [n.param for n in s.noise]
+        assert s.noise[-1].whole and s.noise[-1].scope is None and TIED in [n.scope for n in s.noise]
         total = s.noise[-1]
         assert total.low <= total.chi2 <= total.high and abs(total.sigma_ratio - 1) < 0.1
         assert s.noise_fraction == 1.0
