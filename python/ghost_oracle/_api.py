@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _native
+from ._deprecated import renamed_keywords
 from ._report import Report
 from ._types import Precision, Reduction
 
@@ -109,6 +110,7 @@ def check(
     return Report(native)
 
 
+@renamed_keywords(dtype="precision")
 def audit(
     model: str | os.PathLike[str] | None = None,
     batch: str | os.PathLike[str] | None = None,
@@ -162,6 +164,7 @@ def audit(
     return Report(native)
 
 
+@renamed_keywords(dtype="precision")
 def mutants(
     *,
     precision: Precision = "f32",

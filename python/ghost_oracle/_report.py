@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar, overload
 import numpy as np
 
 from . import _native
+from ._deprecated import RenamedAttribute
 from ._types import Precision
 
 #: Every verdict, from the least to the most severe (the compiled judge's own list).
@@ -612,6 +613,8 @@ class Report:
     - `to_json()`: the document the CLI writes with `--json`; `repr()`: the CLI's table;
       `explain()`: the deciding case in words (what `assert_norms` raises with).
     """
+
+    dtype = RenamedAttribute("precision")  # its old spelling
 
     def __init__(self, native: dict[str, Any]) -> None:
         self.kind: str = native["kind"]

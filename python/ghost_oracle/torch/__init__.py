@@ -57,6 +57,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from .._deprecated import renamed_keywords
 from .._failure import ClippingCheckFailed
 from .._gate import export_check_assert
 from .._report import Report
@@ -166,6 +167,7 @@ def _export_check_assert(model: torch.nn.Module, per_example_loss: Callable[[tor
                                max_memory=max_memory)
 
 
+@renamed_keywords(stabilizer="clip_stabilizer")
 def assert_update(
     model: torch.nn.Module,
     per_example_loss: Callable[[torch.nn.Module, Any], torch.Tensor],
