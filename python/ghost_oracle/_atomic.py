@@ -5,28 +5,22 @@ file intact) and no temporary file behind.
 
     check_target(path, "path")                              # before the work: fail fast
     ...                                                     # the export
-    write_atomically(path, "path", lambda tmp: save_file(tensors, tmp, metadata=meta))
+    write_atomically(path, "path", lambda tmp: write_the_file(tmp))
 
 The temporary file lives in the target's own directory because a rename is atomic only within
 one file system. The renamed file gets the permissions an ordinary `open(path, "w")` would give
-(0o666 less the umask), whatever the writer did to `tmp` (safetensors writes a 0o600 file of its
-own and renames it over `tmp`). Its contents are flushed to disk before the rename: a crash
-right after it leaves the whole new file or the old one, not an empty one.
-
-`sort_safetensors_metadata` makes a safetensors file's bytes a function of its contents alone:
-safetensors writes its `__metadata__` in the iteration order of a Rust HashMap, which is seeded
-afresh for every call, so that the same trace written twice differed in its header's key order.
+(0o666 less the umask), whatever the writer did to `tmp` (one that writes a 0o600 file of its
+own and renames it over `tmp`, as safetensors does). Its contents are flushed to disk before the
+rename: a crash right after it leaves the whole new file or the old one, not an empty one.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
-import shutil
 from collections.abc import Callable
 
-__all__ = ["check_target", "sort_safetensors_metadata", "write_atomically"]
+__all__ = ["check_target", "write_atomically"]
 
 
 def _fspath(path: object, argument: str) -> str:
@@ -138,35 +132,3 @@ def write_atomically(path: object, argument: str, write: Callable[[str], object]
             os.unlink(tmp)
         raise
     _fsync_directory(directory)
-
-
-def sort_safetensors_metadata(path: str) -> None:
-    """Rewrites the header of the safetensors file at `path` with its `__metadata__` keys in
-    sorted order; the tensors' entries keep the order safetensors gave them (by dtype, then
-    name, which is already deterministic). The header is serialized as safetensors serializes
-    it (compact JSON, non-ASCII as is), so it keeps its length and is overwritten in place; a
-    header that came out longer is written to a fresh copy of the file."""
-    with open(path, "r+b") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        meta = header.get("__metadata__")
-        if not meta:
-            return
-        header["__metadata__"] = dict(sorted(meta.items()))
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(text) <= n:
-            f.seek(8)
-            f.write(text + b" " * (n - len(text)))
-            return
-    padded = text + b" " * (-len(text) % 8)
-    rewritten = path + ".h"
-    try:
-        with open(path, "rb") as src, open(rewritten, "wb") as dst:
-            src.seek(8 + n)
-            dst.write(len(padded).to_bytes(8, "little") + padded)
-            shutil.copyfileobj(src, dst, 1 << 24)
-        os.replace(rewritten, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(rewritten)
-        raise

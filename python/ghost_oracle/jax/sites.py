@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -86,9 +86,9 @@ class Site:
         if self.kind not in core.SITE_KINDS or self.precision not in core.PRECISIONS:
             raise TraceExportError(f"{self.call.where}: a site of kind {self.kind!r} in {self.precision!r}; traces "
                                    f"hold {list(core.SITE_KINDS)} in {list(core.PRECISIONS)}")
-        return core.Site(name=self.name, param=self.param, kind=cast(core.SiteKind, self.kind),
+        return core.Site(name=self.name, param=self.param, kind=self.kind,
                          tensors={k: raw_bits(v) for k, v in self.tensors.items()},
-                         precision=cast(core.Precision, self.precision), origin=self.call.where, vocab=self.vocab)
+                         precision=self.precision, origin=self.call.where, vocab=self.vocab)
 
     def spec(self) -> dict[str, Any]:
         return self.handover().spec()

@@ -16,7 +16,8 @@ model that mixes examples; the handlers turn each use into sites whose factors a
 B×rows×features, rows whatever the use has (positions, image positions, (position, group)
 pairs of a grouped convolution, bag members, one row for a pooled B×F); `check` rebuilds every
 parameter's batch gradient from the sites and refuses a trace that does not match autograd's;
-`step` checks the claimed step; this module writes the file.
+`step` checks the claimed step; this module hands the checked sites over to the writer both
+exporters share (`ghost_oracle._trace.writer`).
 
 `inputs` is the batch, passed to `per_example_loss` as it is: a tensor, a dict or a tuple of
 tensors, or a list of micro-batches (tensors or dicts), which is traced as the logical batch
@@ -63,20 +64,20 @@ coefficients.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
-from safetensors.torch import save_file
 
-from .._atomic import check_target, sort_safetensors_metadata, write_atomically
+from .._atomic import check_target
 from .._trace.format import FORMAT as FORMAT  # re-exported; the header is framework-neutral
 from .._trace.format import UNCLAIMED as UNCLAIMED  # re-exported: one placeholder for both exporters
-from .._trace.format import step_rule, trace_metadata
+from .._trace.format import number, step_rule
+from .._trace.writer import write_trace
 from .arguments import check_inputs, check_model, integer_input_error
 from .batch import (
     _batch_size,
@@ -90,7 +91,7 @@ from .batch import (
 from .check import self_check
 from .errors import TraceExportError
 from .kinds import Site, Use
-from .kinds.base import torch_dtype
+from .kinds.base import numpy_site, torch_dtype
 from .layout import _find_layouts
 from .precision import DTYPE_NAMES, unit_roundoff, with_islands
 from .precision import compute_dtype as model_compute_dtype
@@ -160,39 +161,39 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
     specs = [s.spec() for s in sites]
     compute_dtype = _site_precisions(sites, specs, args.compute_dtype)
     compute_dtype = with_islands(specs, compute_dtype, watch.coarsest)
-    tensors: dict[str, torch.Tensor] = {}
-    for site in sites:
-        for k, v in site.tensors.items():
-            tensors[f"{site.name}.{k}"] = v
     progress.step("replaying the model at another precision (its own rounding)", 0, 1)
     rounding = model_rounding(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch,
                               args.compute_dtype, compute_dtype)
-    if rounding is not None:
-        tensors["model.rounding"] = rounding.rounding
     parameters = _manifest(model, names)
     if claimed_norms is UNCLAIMED:
         claimed_norms = torch.ones(b, dtype=torch.float64)
     elif callable(claimed_norms):
         claimed_norms = claimed_norms(model, inputs)
-    tensors["claimed.norms"] = _per_example(claimed_norms, b, "claimed_norms")
-    if claimed_coefficients is not None:
-        tensors["claimed.coefficients"] = _per_example(claimed_coefficients, b, "claimed_coefficients")
-    tensors.update(_step_tensors(args.step, parameters))
-    meta = trace_metadata(max_grad_norm=args.max_grad_norm, clipper=clipper, sites=specs,
-                          compute_dtype=DTYPE_NAMES[compute_dtype], parameters=parameters,
-                          noise_multiplier=noise_multiplier, batch_divisor=args.batch_divisor,
-                          clip_stabilizer=args.clip_stabilizer, clipping=clipping, has_step=bool(args.step),
-                          model_rounding=None if rounding is None else rounding.method)
+    norms = _host(_per_example(claimed_norms, b, "claimed_norms"))
+    coefficients = None if claimed_coefficients is None else \
+        _host(_per_example(claimed_coefficients, b, "claimed_coefficients"))
+    step = _step_tensors(args.step, parameters)
+    # each site handed over at the precision its spec was given (the float32 islands counted)
+    handed = []
+    for site, spec in zip(sites, specs, strict=True):
+        handed.append(numpy_site(site))
+        handed[-1].precision = spec.get("compute_dtype", DTYPE_NAMES[compute_dtype])
     progress.step("writing the trace", 0, 1)
-    write_atomically(path, "path", lambda tmp: _save(tensors, tmp, meta))
+    specs = write_trace(path, sites=handed, parameters=parameters, claimed_norms=norms,
+                        claimed_coefficients=coefficients, step=step,
+                        rounding=None if rounding is None else _host(rounding.rounding),
+                        rounding_method=None if rounding is None else rounding.method,
+                        max_grad_norm=args.max_grad_norm, clipper=clipper, noise_multiplier=args.noise_multiplier,
+                        batch_divisor=args.batch_divisor, clip_stabilizer=args.clip_stabilizer, clipping=clipping)
     progress.done()
     return specs
 
 
-def _save(tensors: dict[str, torch.Tensor], tmp: str, meta: dict[str, str]) -> None:
-    """The trace's bytes at `tmp`: a function of the trace alone (the header's keys sorted)."""
-    save_file(tensors, tmp, metadata=meta)
-    sort_safetensors_metadata(tmp)
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A tensor as the writer takes it: a numpy array on the host, a view where it already is
+    one (a bfloat16 tensor as its raw bits in uint16, as `_trace` holds bfloat16)."""
+    t = t.detach().cpu()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 #: A claimed step: for "clipped_sum" and "update", each parameter's (parameter, claimed tensor).
@@ -204,6 +205,7 @@ class _StepArguments:
     """`export_trace`'s numbers and claimed step, checked before anything runs."""
 
     max_grad_norm: float
+    noise_multiplier: float | None
     compute_dtype: torch.dtype
     step: Step
     batch_divisor: float | None
@@ -214,13 +216,8 @@ class _StepArguments:
                 noise_multiplier: float | None, dtype: torch.dtype | None,
                 update: Mapping[str, torch.Tensor] | None, clipped_sum: Mapping[str, torch.Tensor] | None,
                 batch_divisor: float | None, clip_stabilizer: float, clipping: str) -> _StepArguments:
-        c = float(max_grad_norm)
-        if not (math.isfinite(c) and c > 0):
-            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm}")
-        if noise_multiplier is not None:
-            sigma = float(noise_multiplier)
-            if not (math.isfinite(sigma) and sigma >= 0):
-                raise ValueError(f"noise_multiplier must be a non-negative number, got {noise_multiplier}")
+        c = number(max_grad_norm, "max_grad_norm", positive=True)
+        sigma = None if noise_multiplier is None else number(noise_multiplier, "noise_multiplier", positive=False)
         compute_dtype = model_compute_dtype(model, TraceExportError)
         if compute_dtype not in DTYPE_NAMES:
             raise TraceExportError(f"the model computes in {compute_dtype}; traces record {list(DTYPE_NAMES)}")
@@ -233,8 +230,8 @@ class _StepArguments:
         batch_divisor, gamma = step_rule(batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer,
                                          clipping=clipping, has_update=update is not None,
                                          divisor_is="Opacus: expected_batch_size × accumulated_iterations")
-        return _StepArguments(max_grad_norm=c, compute_dtype=compute_dtype, step=step, batch_divisor=batch_divisor,
-                              clip_stabilizer=gamma)
+        return _StepArguments(max_grad_norm=c, noise_multiplier=sigma, compute_dtype=compute_dtype, step=step,
+                              batch_divisor=batch_divisor, clip_stabilizer=gamma)
 
 
 def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
@@ -325,10 +322,11 @@ def _manifest(model: torch.nn.Module, names: Mapping[int, str]) -> dict[str, int
     return parameters
 
 
-def _step_tensors(step: Step, parameters: Mapping[str, int]) -> dict[str, torch.Tensor]:
-    """The claimed step's tensors in the manifest's order, each covering every parameter of the
-    manifest once (a tied parameter under its trace name)."""
-    tensors: dict[str, torch.Tensor] = {}
+def _step_tensors(step: Step, parameters: Mapping[str, int]) -> dict[str, dict[str, np.ndarray]]:
+    """The claimed step's tensors, for "clipped_sum" and "update" each parameter's in the
+    manifest's order, each covering every parameter of the manifest once (a tied parameter
+    under its trace name)."""
+    tensors: dict[str, dict[str, np.ndarray]] = {}
     for what, given in step.items():
         for param in given:
             if param not in parameters:
@@ -338,7 +336,9 @@ def _step_tensors(step: Step, parameters: Mapping[str, int]) -> dict[str, torch.
         if missing:
             raise ValueError(f"{what}: no tensor for parameter(s) {', '.join(f'`{m}`' for m in missing)}: it must "
                              "cover every trainable parameter of the trace, or be left out")
+        tensors[what] = {}
         for param in parameters:  # the manifest's order
             p, t = given[param]
-            tensors[f"claimed.{what}.{param}"] = t.detach().to("cpu").reshape(p.shape).contiguous().clone()
+            # a copy: the trace holds what was claimed when it was exported
+            tensors[what][param] = _host(t.detach().to("cpu").reshape(p.shape).contiguous().clone())
     return tensors
