@@ -9,7 +9,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -22,6 +22,38 @@ from ._types import Precision
 #: `export(path, claimed_norms)`: writes the trace of the batch with these claimed norms (or the
 #: exporter's placeholder for "unclaimed", `unclaimed`).
 Export = Callable[[str, Any], object]
+
+
+class GateRun(TypedDict, total=False):
+    """The keyword arguments of the check every gate runs, the same for both frameworks'
+    `assert_norms` and `assert_update` (one list, so that the twins cannot take different ones):
+    the precision the judgement assumes, the run the ε speaks of (as for `ghost_oracle.check`),
+    where to keep the trace, and the most memory the check may take."""
+
+    precision: Precision | None
+    sampling_rate: float | None
+    steps: int | None
+    epochs: float | None
+    dataset_size: int | None
+    delta: float | None
+    trace_path: str | os.PathLike[str] | None
+    max_memory: int | str | None
+
+
+_ACCOUNTING = ("sampling_rate", "steps", "epochs", "dataset_size", "delta")
+
+
+def gate(export: Export, *, unclaimed: Any, claimed_norms: Any, clipper: str, run: Mapping[str, Any],
+         function: str) -> Report:
+    """`export_check_assert` with a gate's `GateRun` keyword arguments as given (`run`); a key
+    that is none of them is refused as Python refuses an unknown keyword of `function`."""
+    __tracebackhide__ = True
+    for key in run:
+        if key not in GateRun.__annotations__:
+            raise TypeError(f"{function}() got an unexpected keyword argument {key!r}")
+    return export_check_assert(export, unclaimed=unclaimed, claimed_norms=claimed_norms, clipper=clipper,
+                               precision=run.get("precision"), accounting={k: run.get(k) for k in _ACCOUNTING},
+                               trace_path=run.get("trace_path"), max_memory=run.get("max_memory"))
 
 
 def export_check_assert(export: Export, *, unclaimed: Any, claimed_norms: Any, clipper: str,

@@ -50,6 +50,19 @@ def batch_size(inputs: Any) -> int:
     return b
 
 
+def _check_batch_axis(batch_axis: object) -> None:
+    """`batch_axis` 0, or a ValueError naming it. The PyTorch exporter also takes 1 (seq-first
+    data), finding each module's own batch axis by its probes; the Flax capture reads B from
+    axis 0 and its probes and sites hold every module's examples on axis 0, so a model whose
+    arrays are T×B inside could only be refused later, or worse: it is refused here."""
+    if type(batch_axis) is not int or batch_axis not in (0, 1):
+        raise ValueError(f"batch_axis must be 0 (batch × sequence, the default), got {batch_axis!r}")
+    if batch_axis == 1:
+        raise ValueError("batch_axis=1 (sequence × batch): the JAX exporter follows the examples along axis 0 only, "
+                         "of the inputs and of every modelled module's input and output; give the model its batch "
+                         "first (batch_axis=0)")
+
+
 def _per_example(values: Any, b: int, what: str) -> np.ndarray:
     try:
         raw = np.asarray(values)
@@ -112,7 +125,7 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
                  clipper: str = "claimed", claimed_coefficients: Any = None, noise_multiplier: float | None = None,
                  dtype: str | None = None, update: Any = None, clipped_sum: Any = None,
                  batch_divisor: float | None = None, clip_stabilizer: float = 0.0, clipping: str = "flat",
-                 is_padding_example: Any = None) -> list[dict[str, Any]]:
+                 batch_axis: int = 0, is_padding_example: Any = None) -> list[dict[str, Any]]:
     """Records the trace of one batch of a Flax linen model, checks it against `jax.grad` and
     writes it with the claimed norms (and, when given, the claimed step). Returns the site
     specs. Raises `TraceExportError` (a ValueError) instead of writing a trace that is
@@ -125,7 +138,10 @@ def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss
     params pytree itself; a parameter stacked by `nn.scan` (L×…) is written as its L layers,
     `name[l]`, and may also be given so. `is_padding_example`: a (B,) bool array; those examples are left out of
     the trace (and of `claimed_norms`, which has B entries). `dtype`: the precision the factors
-    are stored in ("f64", "f32", "f16", "bf16"; default each site's own)."""
+    are stored in ("f64", "f32", "f16", "bf16"; default each site's own). `batch_axis`: the axis
+    of `inputs` that holds the examples, as for `ghost_oracle.torch.export_trace`; 0 is the only
+    one this exporter follows (below)."""
+    _check_batch_axis(batch_axis)
     path = check_target(path, "path")  # before the model runs: a path that cannot be written fails fast
     c = number(max_grad_norm, "max_grad_norm", positive=True)
     if noise_multiplier is not None:
