@@ -51,20 +51,22 @@ is given the library's):
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 from .._deprecated import renamed_keywords
 from .._failure import ClippingCheckFailed
-from .._gate import export_check_assert
+from .._gate import GateRun, gate
 from .._report import Report
-from .._types import Clipping, Precision
+from .._types import Clipping
 from .errors import TraceExportError
 from .kinds import KINDS, Handler, Use, register_module, unregister_module
 from .trace import FORMAT, UNCLAIMED, export_trace
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 Inputs: TypeAlias = torch.Tensor | Mapping[str, torch.Tensor]
 
@@ -83,15 +85,8 @@ def assert_norms(
     clipper: str = "claimed",
     claimed_coefficients: Any = None,
     dtype: torch.dtype | None = None,
-    precision: Precision | None = None,
-    sampling_rate: float | None = None,
-    steps: int | None = None,
-    epochs: float | None = None,
-    dataset_size: int | None = None,
-    delta: float | None = None,
-    trace_path: str | os.PathLike[str] | None = None,
     batch_axis: int = 0,
-    max_memory: int | str | None = None,
+    **run: Unpack[GateRun],
 ) -> Report:
     """Asserts that `claimed_norms` are the true per-example gradient norms of `model` on
     `inputs`, as a DP-SGD clipper must compute them.
@@ -142,29 +137,21 @@ def assert_norms(
     the batch gradient afterwards.
     """
     __tracebackhide__ = True  # pytest shows the failing test's line, not this function
-    return _export_check_assert(
-        model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
-        accounting=dict(sampling_rate=sampling_rate, steps=steps, epochs=epochs, dataset_size=dataset_size,
-                        delta=delta),
-        trace_path=trace_path, max_memory=max_memory,
-        export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
-                    noise_multiplier=noise_multiplier, dtype=dtype, batch_axis=batch_axis))
+    return _judge("assert_norms", model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper,
+                  run=run, export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
+                                       noise_multiplier=noise_multiplier, dtype=dtype, batch_axis=batch_axis))
 
 
-def _export_check_assert(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], torch.Tensor],
-                         inputs: Inputs | list[Inputs], *, claimed_norms: Any, clipper: str,
-                         precision: Precision | None, accounting: Mapping[str, Any],
-                         trace_path: str | os.PathLike[str] | None,
-                         export: Mapping[str, Any], max_memory: int | str | None = None) -> Report:
-    """`ghost_oracle._gate.export_check_assert` with this module's exporter."""
+def _judge(function: str, model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], torch.Tensor],
+           inputs: Inputs | list[Inputs], *, claimed_norms: Any, clipper: str, run: GateRun,
+           export: Mapping[str, Any]) -> Report:
+    """`ghost_oracle._gate.gate` with this module's exporter."""
     __tracebackhide__ = True
 
     def write(path: str, norms: Any) -> object:
         return export_trace(model, per_example_loss, inputs, path, claimed_norms=norms, clipper=clipper, **export)
 
-    return export_check_assert(write, unclaimed=UNCLAIMED, claimed_norms=claimed_norms, clipper=clipper,
-                               precision=precision, accounting=accounting, trace_path=trace_path,
-                               max_memory=max_memory)
+    return gate(write, unclaimed=UNCLAIMED, claimed_norms=claimed_norms, clipper=clipper, run=run, function=function)
 
 
 @renamed_keywords(stabilizer="clip_stabilizer")
@@ -184,15 +171,8 @@ def assert_update(
     claimed_coefficients: Any = None,
     clipper: str = "claimed",
     dtype: torch.dtype | None = None,
-    precision: Precision | None = None,
-    sampling_rate: float | None = None,
-    steps: int | None = None,
-    epochs: float | None = None,
-    dataset_size: int | None = None,
-    delta: float | None = None,
-    trace_path: str | os.PathLike[str] | None = None,
     batch_axis: int = 0,
-    max_memory: int | str | None = None,
+    **run: Unpack[GateRun],
 ) -> Report:
     """Asserts that `update` is the DP-SGD update of `model` on `inputs`:
     (Σ_i c*_i g*_i + σ C ξ) / D, with c*_i = min(1, C / (n*_i + γ)) from the true per-example
@@ -252,11 +232,8 @@ def assert_update(
     __tracebackhide__ = True
     if update is None:
         raise ValueError("update is required: the {name: tensor} the optimizer steps with")
-    return _export_check_assert(
-        model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, precision=precision,
-        accounting=dict(sampling_rate=sampling_rate, steps=steps, epochs=epochs, dataset_size=dataset_size,
-                        delta=delta),
-        trace_path=trace_path, max_memory=max_memory,
+    return _judge(
+        "assert_update", model, per_example_loss, inputs, claimed_norms=claimed_norms, clipper=clipper, run=run,
         export=dict(max_grad_norm=max_grad_norm, claimed_coefficients=claimed_coefficients,
                     noise_multiplier=noise_multiplier, dtype=dtype, update=update, clipped_sum=clipped_sum,
                     batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping,
