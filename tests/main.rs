@@ -3,6 +3,7 @@
 mod accountant;
 mod audit;
 mod cli;
+mod deprecated_flags;
 mod clippers;
 mod common;
 mod detection;

@@ -1,7 +1,9 @@
 //! `audit`: every chosen clipper on the built-in suite or on a checkpoint and batch.
 
 use super::ReportArgs;
-use super::{clip_norm, noise_multiplier, DeviceArg, PrecisionArg, Progress, ReductionArg};
+use super::{
+    clip_norm, noise_multiplier, DeprecatedDtype, DeviceArg, PrecisionArg, Progress, ReductionArg,
+};
 use ghost_oracle::{audit, registry, AuditOptions, Error, Precision};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,8 +29,10 @@ pub struct Args {
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     noise_multiplier: f64,
     /// Precision the clippers compute in (the reference is always f64).
-    #[arg(long, value_enum, default_value = "f32", alias = "dtype")]
+    #[arg(long, value_enum, default_value = "f32")]
     precision: PrecisionArg,
+    #[command(flatten)]
+    dtype: DeprecatedDtype,
     /// Device the clippers run on (cuda needs a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
@@ -50,7 +54,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
     let clippers = registry::clippers(&a.clippers).map_err(|e| e.context("--clipper"))?;
     // clap already requires each of --model and --batch with the other.
     let cases = audit::cases_to_audit(a.model.as_deref(), a.batch.as_deref())?;
-    let precision = Precision::from(a.precision);
+    let precision = Precision::from(a.dtype.or(a.precision));
     let opts = AuditOptions {
         max_grad_norm,
         noise_multiplier,

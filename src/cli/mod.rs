@@ -86,6 +86,33 @@ impl From<PrecisionArg> for Precision {
     }
 }
 
+/// The version whose release drops the deprecated spellings of renamed flags.
+pub const DEPRECATED_UNTIL: &str = "0.2";
+
+/// `--dtype`, the name `audit` and `mutants` gave `--precision` until one flag came to mean one
+/// thing across check, audit and mutants: hidden, still taken until [`DEPRECATED_UNTIL`] with a
+/// note on stderr; given together with `--precision` it is a usage error (exit 2).
+#[derive(clap::Args)]
+pub struct DeprecatedDtype {
+    #[arg(long, value_enum, hide = true, conflicts_with = "precision")]
+    dtype: Option<PrecisionArg>,
+}
+
+impl DeprecatedDtype {
+    /// The precision asked for: `--dtype`'s where it was given (with the note), else `precision`.
+    pub fn or(self, precision: PrecisionArg) -> PrecisionArg {
+        match self.dtype {
+            Some(p) => {
+                eprintln!(
+                    "ghost-oracle: --dtype is deprecated and goes in {DEPRECATED_UNTIL}: use --precision"
+                );
+                p
+            }
+            None => precision,
+        }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 pub enum DeviceArg {
     Cpu,

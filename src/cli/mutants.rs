@@ -1,6 +1,6 @@
 //! `mutants`: the seeded bugs of real DP libraries, and whether the judge catches each.
 
-use super::{out, to_json, write_file, PrecisionArg, Progress};
+use super::{out, to_json, write_file, DeprecatedDtype, PrecisionArg, Progress};
 use ghost_oracle::audit::{builtin_suite, kill_matrix};
 use ghost_oracle::mutants::Mutant;
 use ghost_oracle::report::{
@@ -16,8 +16,10 @@ pub struct Args {
     #[arg(long)]
     list: bool,
     /// Precision the clippers compute in.
-    #[arg(long, value_enum, default_value = "f32", alias = "dtype")]
+    #[arg(long, value_enum, default_value = "f32")]
     precision: PrecisionArg,
+    #[command(flatten)]
+    dtype: DeprecatedDtype,
     /// Also write the kill matrix as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -35,7 +37,7 @@ pub fn run(a: Args) -> Result<ExitCode, Error> {
         out(&list)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let precision = Precision::from(a.precision);
+    let precision = Precision::from(a.dtype.or(a.precision));
     let opts = AuditOptions {
         precision,
         ..AuditOptions::default()
