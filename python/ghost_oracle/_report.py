@@ -362,6 +362,16 @@ EXAMPLE_COLUMNS: dict[str, str] = {
 _BOOLEAN_COLUMNS = frozenset({"flipped", "invalid", "judgeable"})
 
 
+#: The figures of a case that are numbers (NaN where the judge leaves one undefined: null in its
+#: document, e.g. `max_sensitivity_ratio` after an invalid norm).
+_CASE_FLOATS = (
+    "max_grad_norm", "noise_multiplier", "max_sensitivity_ratio", "effective_noise_multiplier",
+    "max_norm_rel_err", "max_err_units", "max_coef_abs_diff", "effective_noise_ratio",
+    "reference_noise_ratio", "clipped_sum_cosine", "clipped_sum_rel_err", "clipped_sum_bound",
+    "max_cross_share", "contribution_slack", "max_bound", "worst_contribution",
+)
+
+
 @dataclass(frozen=True)
 class CaseResult(_Judged):
     """One clipper on one case (a batch at one clipping norm C): the case's figures and, per
@@ -469,37 +479,22 @@ class CaseResult(_Judged):
             return _array(values, bool) if key in _BOOLEAN_COLUMNS else _floats(values)
 
         multiplier = d["c_multiplier"]
+        numbers: dict[str, Any] = {key: _f(d[key]) for key in _CASE_FLOATS}
+        numbers.update((name, column(key)) for key, name in EXAMPLE_COLUMNS.items())
         return cls(
             case=str(d["case"]),
             base_case=str(d["base_case"]),
             c_multiplier=None if multiplier is None else float(multiplier),
             verdict=d["verdict"],
-            max_grad_norm=float(d["max_grad_norm"]),
-            noise_multiplier=float(d["noise_multiplier"]),
             worst_example=int(d["worst_example"]),
-            # NaN after an invalid norm (null in the document).
-            max_sensitivity_ratio=_f(d["max_sensitivity_ratio"]),
-            effective_noise_multiplier=_f(d["effective_noise_multiplier"]),
-            max_norm_rel_err=_f(d["max_norm_rel_err"]),
-            max_err_units=_f(d["max_err_units"]),
-            max_coef_abs_diff=_f(d["max_coef_abs_diff"]),
             decision_flips=int(d["decision_flips"]),
-            effective_noise_ratio=_f(d["effective_noise_ratio"]),
-            reference_noise_ratio=_f(d["reference_noise_ratio"]),
-            clipped_sum_cosine=_f(d["clipped_sum_cosine"]),
-            clipped_sum_rel_err=_f(d["clipped_sum_rel_err"]),
-            clipped_sum_bound=_f(d["clipped_sum_bound"]),
-            max_cross_share=_f(d["max_cross_share"]),
             invalid_examples=tuple(int(i) for i in d["invalid_examples"]),
             unjudgeable_examples=tuple(int(i) for i in d["unjudgeable_examples"]),
             cannot_judge_reason=d["cannot_judge_reason"],
-            contribution_slack=float(d["contribution_slack"]),
-            max_bound=_f(d["max_bound"]),
             seq_len=int(d["seq_len"]),
             widest_factor=int(d["widest_factor"]),
-            worst_contribution=_f(d["worst_contribution"]),
             step=_optional(StepResult._from_native, d.get("step")),
-            **{name: column(key) for key, name in EXAMPLE_COLUMNS.items()},
+            **numbers,
         )
 
 
