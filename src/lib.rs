@@ -18,7 +18,8 @@
 //! ```text
 //! options     C, σ and the DP-SGD run, each validated once in its type
 //! trace       the per-site factors of a batch, on a candle device
-//!  ├─ model       candle models that produce a trace (GPT-2, Llama/Qwen2)
+//!  ├─ model       candle models that produce a trace (GPT-2; Llama, Qwen2, Qwen3, Gemma 1-3,
+//!  │              VaultGemma: the reference's families)
 //!  ├─ clippers    the Clipper trait and the built-in clippers (materialize, ghost, ghost-tied)
 //!  ├─ mutants     clippers with one seeded bug of a real DP library each
 //!  └─ registry    every clipper by name

@@ -17,10 +17,24 @@
     with ghost_oracle.shadow(report="shadow.jsonl"):       # judge every Opacus computation, unedited
         train_or_test()                                   # (also: pytest --ghost-oracle)
 
+    from ghost_oracle.jax import assert_norms             # the same for a Flax linen model
+    assert_norms(model, params, per_example_loss, ids, claimed_norms=my_norms, max_grad_norm=1.0)
+
+    import ghost_oracle.jax_privacy                       # jax_privacy's clipped step, judged
+    ghost_oracle.jax_privacy.assert_update(model, params, per_example_loss, batch, l2_clip_norm=1.0,
+                                           noise_multiplier=1.0)
+
 `check`, `audit` and `mutants` return a `Report`; bad input raises `ValueError` (or
-`FileNotFoundError`) with the message the `ghost-oracle` CLI prints. The submodules `torch` and
-`opacus` need PyTorch (and Opacus), `jax` and `jax_privacy` need JAX and Flax (and
-jax_privacy); the package itself needs only NumPy.
+`FileNotFoundError`) with the message the `ghost-oracle` CLI prints.
+
+The submodules: `torch` and `jax` are the two front-ends of one trace exporter (PyTorch, and
+Flax linen), each capturing a model's per-parameter factors and handing them to `_trace`, the
+framework-neutral core (numpy only) that self-checks them against the framework's own gradient
+and writes the trace; `opacus` and `jax_privacy` read claims straight from those libraries;
+`shadow` judges every Opacus computation of a run without editing it; `tied` is exact ghost
+clipping for tied parameters as an Opacus plug-in, code under test that imports nothing of the
+rest. `torch`, `opacus`, `shadow`'s captures and `tied` need PyTorch (and Opacus), `jax` and
+`jax_privacy` need JAX and Flax (and jax_privacy); the package itself needs only NumPy.
 """
 from __future__ import annotations
 
@@ -66,7 +80,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # `ghost_oracle.torch` and `ghost_oracle.opacus` import PyTorch / Opacus: only on first use.
+    # the front-ends and adapters import their frameworks (PyTorch / Opacus, JAX / Flax): only on
+    # first use.
     if name in ("torch", "opacus", "jax", "jax_privacy"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
