@@ -222,7 +222,7 @@ def check_layouts(parameter: str, uses: Sequence[Site[np.ndarray]], numel: int) 
                                    f"entries but the parameter has {numel}")
 
 
-def _blocks(uses: Sequence[Site[np.ndarray]], numel: int) -> list[Rows | None]:
+def _blocks(uses: Sequence[Site[np.ndarray]]) -> list[Rows | None]:
     """Row ranges of the parameter's layout, each a block of about `_BLOCK_ENTRIES` entries:
     a tied embedding and head (V×d) is rebuilt a block of vocabulary rows at a time, never
     whole. One block where the sites lay the parameter out with different rows."""
@@ -303,7 +303,7 @@ def check_parameter(parameter: str, uses: Sequence[Site[np.ndarray]], grad: np.n
     # framework's, error, tolerance)
     bad_count = 0
     checked = 0
-    for block in _blocks(uses, numel):
+    for block in _blocks(uses):
         rebuilt: np.ndarray | None = None
         absum: np.ndarray | None = None
         tol: np.ndarray | None = None

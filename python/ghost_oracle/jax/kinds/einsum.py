@@ -6,7 +6,7 @@ the kernel-shaped step tensors and to the self-check's batch gradient."""
 from __future__ import annotations
 
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,5 +174,3 @@ class GemmaEinsum:
     def output_batch_axis(self, call: Call) -> int:
         return parse(call.args[1], np.ndim(call.args[0]), call.where).batch_axis()
 
-
-LayoutFn = Callable[[np.ndarray], np.ndarray]
