@@ -3,9 +3,9 @@
 mod accountant;
 mod audit;
 mod cli;
-mod deprecated_flags;
 mod clippers;
 mod common;
+mod deprecated_flags;
 mod detection;
 mod files;
 mod judge;
