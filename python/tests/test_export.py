@@ -221,7 +221,7 @@ def test_the_self_check_in_blocks_of_a_few_rows_accepts_and_refuses_as_whole(tmp
     model = F.build(family)
     blocks = C._blocks
     seen = []
-    monkeypatch.setattr(C, "_blocks", lambda uses, numel: seen.append(b := blocks(uses, numel)) or b)
+    monkeypatch.setattr(C, "_blocks", lambda uses: seen.append(b := blocks(uses)) or b)
     E.export_trace(model, F.per_example_loss, F.batch(), str(tmp_path / "t.safetensors"),
                    claimed_norms=torch.ones(F.B), max_grad_norm=1.0)
     assert max(len(b) for b in seen) > 10
