@@ -31,8 +31,13 @@ X = jax.random.normal(jax.random.key(0), (3, 4))
 def test_unmodelled_parameter_is_refused_by_name(tmp_path):
     model = WithRawScale()
     params = model.init(jax.random.key(1), X)["params"]
-    with pytest.raises(TraceExportError, match="parameter `gain`"):
+    with pytest.raises(TraceExportError, match="parameter `gain`") as e:
         export_trace(model, params, loss, X, tmp_path / "t.safetensors", claimed_norms=np.ones(3), max_grad_norm=1.0)
+    # the message lists what is modelled from the registry of kinds, every class and method of it
+    listed = str(e.value).split("by exact class (", 1)[1].split(")", 1)[0].split(", ")
+    for modelled in ("Dense", "DenseGeneral", "Einsum", "Embed", "Embed.attend", "LayerNorm", "RMSNorm", "Conv",
+                     "gemma's Embedder.encode", "gemma's Embedder.decode"):
+        assert modelled in listed, str(e.value)
 
 
 def test_bad_arguments_name_the_argument(tmp_path):
