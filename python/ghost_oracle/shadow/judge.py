@@ -9,6 +9,7 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,9 +31,7 @@ def _max_rel_err(true: np.ndarray, claimed: np.ndarray) -> float:
 
 def judge(c: Computation, outcome: Outcome, *, max_memory: int | str | None) -> Outcome:
     """Fills `outcome` (its `test` and `call` already set) for computation `c`."""
-    import torch
-
-    from ..torch import TraceExportError, export_trace
+    from ..torch import export_trace
 
     if c.skip_reason is not None:
         outcome.outcome, outcome.message = "skipped", c.skip_reason
@@ -40,9 +39,26 @@ def judge(c: Computation, outcome: Outcome, *, max_memory: int | str | None) -> 
     if c.refuse_reason is not None:
         outcome.outcome, outcome.message = "refused", c.refuse_reason
         return outcome
-    if c.per_example_loss is None:
+    loss = c.per_example_loss
+    if loss is None:
         raise ValueError("the computation was never completed by its backward pass")
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{c.library}-{c.mode}-{c.module}")
+    name = f"{c.library}-{c.mode}-{c.module}"
+
+    def write(path: str) -> None:
+        export_trace(c.model, loss, c.inputs, path, claimed_norms=c.claimed_norms,
+                     max_grad_norm=c.max_grad_norm, clipper=f"{c.library}-{c.mode}", batch_axis=c.batch_axis)
+
+    return _export_and_judge(outcome, name, write, "it", max_memory)
+
+
+def _export_and_judge(outcome: Outcome, name: str, write: Callable[[str], None], what: str,
+                      max_memory: int | str | None) -> Outcome:
+    """Writes the trace (`write(path)`) into a temporary folder and judges it: a refusal of the
+    exporter is the outcome "refused", with its message (`what`: what the exporter traced)."""
+    import torch
+
+    from ..torch import TraceExportError
+
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     try:
@@ -51,17 +67,15 @@ def judge(c: Computation, outcome: Outcome, *, max_memory: int | str | None) -> 
         if deterministic:
             torch.use_deterministic_algorithms(False)
         with tempfile.TemporaryDirectory(prefix="ghost-oracle-shadow-") as d, torch.enable_grad():
-            path = os.path.join(d, f"{name}.safetensors")
+            path = os.path.join(d, re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".safetensors")
             try:
-                export_trace(c.model, c.per_example_loss, c.inputs, path, claimed_norms=c.claimed_norms,
-                             max_grad_norm=c.max_grad_norm, clipper=f"{c.library}-{c.mode}",
-                             batch_axis=c.batch_axis)
+                write(path)
             except TraceExportError as e:
                 outcome.outcome, outcome.message = "refused", str(e)
                 return outcome
             except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
                 outcome.outcome = "refused"
-                outcome.message = f"the exporter could not trace it: {type(e).__name__}: {e}"
+                outcome.message = f"the exporter could not trace {what}: {type(e).__name__}: {e}"
                 return outcome
             report: Any = _check_trace(outcome, path, max_memory)
             if report is None:
@@ -161,7 +175,7 @@ def judge_step(parts: list[Computation], claims: StepClaims, divisor: float, out
     the surrogate losses, and judged by the f64 check."""
     import torch
 
-    from ..torch import TraceExportError, export_trace
+    from ..torch import export_trace
 
     if claims.refuse_reason is not None:
         outcome.outcome, outcome.message = "refused", claims.refuse_reason
@@ -193,33 +207,14 @@ def judge_step(parts: list[Computation], claims: StepClaims, divisor: float, out
     claimed = torch.cat([torch.as_tensor(c.claimed_norms, dtype=torch.float64).reshape(-1) for c in parts])
     update = {names[i]: t for i, t in claims.update.items()}
     clipped_sum = {names[i]: t for i, t in claims.clipped_sum.items()}
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        if deterministic:
-            torch.use_deterministic_algorithms(False)
-        with tempfile.TemporaryDirectory(prefix="ghost-oracle-shadow-") as d, torch.enable_grad():
-            path = os.path.join(d, re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{claims.library}-{outcome.mode}-step")
-                                + ".safetensors")
-            try:
-                export_trace(model, loss, batch, path, claimed_norms=claimed, max_grad_norm=claims.max_grad_norm,
-                             clipper=f"{claims.library}-{outcome.mode}-step", noise_multiplier=claims.noise_multiplier,
-                             update=update, clipped_sum=clipped_sum, batch_divisor=divisor,
-                             clip_stabilizer=claims.clip_stabilizer, clipping="flat", batch_axis=parts[0].batch_axis)
-            except TraceExportError as e:
-                outcome.outcome, outcome.message = "refused", str(e)
-                return outcome
-            except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
-                outcome.outcome = "refused"
-                outcome.message = f"the exporter could not trace the step: {type(e).__name__}: {e}"
-                return outcome
-            report: Any = _check_trace(outcome, path, max_memory)
-            if report is None:
-                return outcome
-    finally:
-        if deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=warn_only)
-    return _judged(outcome, report)
+
+    def write(path: str) -> None:
+        export_trace(model, loss, batch, path, claimed_norms=claimed, max_grad_norm=claims.max_grad_norm,
+                     clipper=f"{claims.library}-{outcome.mode}-step", noise_multiplier=claims.noise_multiplier,
+                     update=update, clipped_sum=clipped_sum, batch_divisor=divisor,
+                     clip_stabilizer=claims.clip_stabilizer, clipping="flat", batch_axis=parts[0].batch_axis)
+
+    return _export_and_judge(outcome, f"{claims.library}-{outcome.mode}-step", write, "the step", max_memory)
 
 
 def _check_trace(outcome: Outcome, path: str, max_memory: int | str | None) -> Any:
