@@ -66,6 +66,17 @@ def private(model, mode="hooks", sigma=0.0, c=0.5, batch=B, seed=2):
     return gsm, opt, criterion
 
 
+def private_step(model, x, y, passes=1, **kwargs):
+    """One step of a private `model` over (x, y), split into `passes` backward passes; the optimizer."""
+    gsm, opt, criterion = private(model, **kwargs)
+    opt.zero_grad()
+    n = len(x) // passes
+    for k in range(passes):
+        criterion(gsm(x[k * n:(k + 1) * n]), y[k * n:(k + 1) * n]).backward()
+    opt.step()
+    return opt
+
+
 def steps(session):
     return [o for o in session.outcomes if o.what == "step"]
 
@@ -75,10 +86,7 @@ def test_a_hooks_mode_step_passes_and_opacus_clipped_sum_is_the_brute_force():
     before = copy.deepcopy(model)
     x, y = data()
     with ghost_oracle.shadow(on_failure="record") as session:
-        gsm, opt, criterion = private(model)
-        opt.zero_grad()
-        criterion(gsm(x), y).backward()
-        opt.step()
+        opt = private_step(model, x, y)
         summed = flat(p.summed_grad for p in opt.params)
     [step] = steps(session)
     assert (step.outcome, step.verdict, step.mode, step.batch_size) == ("judged", "pass", "hooks", B), step.to_json()
@@ -93,10 +101,7 @@ def test_a_noisy_step_passes_and_the_noise_is_judged():
     model = mlp()
     x, y = data()
     with ghost_oracle.shadow(on_failure="raise") as session:
-        gsm, opt, criterion = private(model, sigma=1.0)
-        opt.zero_grad()
-        criterion(gsm(x), y).backward()
-        opt.step()
+        private_step(model, x, y, sigma=1.0)
     [step] = steps(session)
     assert step.verdict == "pass" and step.report.step.noise, step.to_json()
 
@@ -109,7 +114,7 @@ def test_noise_scaled_by_two_fails(monkeypatch):
     model = mlp()
     x, y = data()
     with pytest.raises(ShadowCheckFailed) as e, ghost_oracle.shadow(on_failure="raise"):
-        gsm, opt, criterion = private(model, sigma=1.0)
+        gsm, opt, criterion = private(model, sigma=1.0)  # the step raises: `opt` is bound before it
         opt.zero_grad()
         criterion(gsm(x), y).backward()
         opt.step()
@@ -132,10 +137,7 @@ def test_a_wrong_divisor_fails(monkeypatch):
     before = copy.deepcopy(model)
     x, y = data()
     with ghost_oracle.shadow(on_failure="record") as session:
-        gsm, opt, criterion = private(model)
-        opt.zero_grad()
-        criterion(gsm(x), y).backward()
-        opt.step()
+        opt = private_step(model, x, y)
         update = flat(p.grad for p in opt.params)
     [step] = steps(session)
     assert step.failed and "implied divisor" in step.explanation, step.to_json()
@@ -159,10 +161,7 @@ def test_a_clipped_sum_missing_one_example_fails(monkeypatch):
     before = copy.deepcopy(model)
     x, y = data()
     with ghost_oracle.shadow(on_failure="record") as session:
-        gsm, opt, criterion = private(model)
-        opt.zero_grad()
-        criterion(gsm(x), y).backward()
-        opt.step()
+        opt = private_step(model, x, y)
         summed = flat(p.summed_grad for p in opt.params)
     [norms] = [o for o in session.outcomes if o.what == "norms"]
     [step] = steps(session)
@@ -177,11 +176,7 @@ def test_hooks_mode_two_backward_calls_before_one_step_pass():
     before = copy.deepcopy(model)
     x, y = data(n=2 * B)
     with ghost_oracle.shadow(on_failure="raise") as session:
-        gsm, opt, criterion = private(model)
-        opt.zero_grad()
-        for k in range(2):
-            criterion(gsm(x[k * B:(k + 1) * B]), y[k * B:(k + 1) * B]).backward()
-        opt.step()
+        opt = private_step(model, x, y, passes=2)
         summed = flat(p.summed_grad for p in opt.params)
     [step] = steps(session)
     assert (step.verdict, step.batch_size) == ("pass", 2 * B)
@@ -216,10 +211,7 @@ def test_a_ghost_mode_step_passes():
     before = copy.deepcopy(model)
     x, y = data()
     with ghost_oracle.shadow(on_failure="raise") as session:
-        gsm, opt, criterion = private(model, mode="ghost")
-        opt.zero_grad()
-        criterion(gsm(x), y).backward()
-        opt.step()
+        opt = private_step(model, x, y, mode="ghost")
         summed = flat(p.summed_grad for p in opt.params)
     [step] = steps(session)
     assert (step.mode, step.verdict) == ("ghost", "pass")
@@ -236,11 +228,7 @@ def test_ghost_mode_two_backward_calls_before_one_step_fail():
     before = copy.deepcopy(model)
     x, y = data(n=2 * B)
     with ghost_oracle.shadow(on_failure="record") as session:
-        gsm, opt, criterion = private(model, mode="ghost")
-        opt.zero_grad()
-        for k in range(2):
-            criterion(gsm(x[k * B:(k + 1) * B]), y[k * B:(k + 1) * B]).backward()
-        opt.step()
+        opt = private_step(model, x, y, passes=2, mode="ghost")
         summed = flat(p.summed_grad for p in opt.params)
     norms = [o for o in session.outcomes if o.what == "norms"]
     assert [o.verdict for o in norms] == ["pass", "pass"]  # each pass's norms are right
