@@ -128,15 +128,23 @@ def llama() -> torch.nn.Module:
     return model
 
 
-def llama_ids() -> torch.Tensor:
+def _ids_with_a_repeat(low: int, vocab: int, b: int, t: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, LLAMA_V, (LLAMA_B, LLAMA_T), generator=g)
+    ids = torch.randint(low, vocab, (b, t), generator=g)
     ids[:, 4] = ids[:, 1]  # a repeated token
     return ids
 
 
-def llama_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def llama_ids() -> torch.Tensor:
+    return _ids_with_a_repeat(0, LLAMA_V, LLAMA_B, LLAMA_T)
+
+
+def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss of each example of a causal LM (Llama, Qwen3, Gemma 3)."""
     return causal_lm_loss(model(ids).logits, ids)
+
+
+llama_loss = lm_loss
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,14 +172,7 @@ def gemma3() -> torch.nn.Module:
 
 
 def lm_ids() -> torch.Tensor:
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(1, LM_V, (LM_B, LM_T), generator=g)
-    ids[:, 4] = ids[:, 1]  # a repeated token
-    return ids
-
-
-def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return causal_lm_loss(model(ids).logits, ids)
+    return _ids_with_a_repeat(1, LM_V, LM_B, LM_T)
 
 
 # ---------------------------------------------------------------------------------------------
