@@ -92,12 +92,23 @@ class Op:
         return hash((self.kind, self.kw))
 
 
-class _Layers:
-    """What a spec's layers say of the whole model (the fields `stem`, `body`, `head`)."""
+@dataclass(frozen=True)
+class _Spec:
+    """A model, its batch and its per-example loss, whatever the framework.
 
+    dtype: "f64" | "f32" | "bf16"; b, t: examples and sequence length; stem: how the inputs
+    become the hidden state; body: the layers on it; head: the output and the loss (its
+    `reduction` per example); clip: where C sits among the true norms ("median", "below" every
+    norm, "above" every norm); seed: weights and data."""
+
+    dtype: str
+    b: int
+    t: int
     stem: Op
     body: tuple[Op, ...]
     head: Op
+    clip: str = "median"
+    seed: int = 0
 
     @property
     def mixing(self) -> bool:
@@ -106,38 +117,16 @@ class _Layers:
 
 
 @dataclass(frozen=True)
-class TorchSpec(_Layers):
-    """A PyTorch model, its batch and its per-example loss.
+class TorchSpec(_Spec):
+    """A PyTorch model; batch_axis: the inputs' axis of examples (0, or 1 for seq-first data
+    with batch_first=False layers)."""
 
-    dtype: "f64" | "f32" | "bf16"; batch_axis: the inputs' axis of examples (0, or 1 for
-    seq-first data with batch_first=False layers); b, t: examples and sequence length; stem: how
-    the inputs become the hidden state; body: the layers on it; head: the output and the loss
-    (its `reduction` per example); clip: where C sits among the true norms ("median", "below"
-    every norm, "above" every norm); seed: weights and data."""
-
-    dtype: str
-    batch_axis: int
-    b: int
-    t: int
-    stem: Op
-    body: tuple[Op, ...]
-    head: Op
-    clip: str = "median"
-    seed: int = 0
+    batch_axis: int = field(kw_only=True)
 
 
 @dataclass(frozen=True)
-class FlaxSpec(_Layers):
-    """A Flax linen model; fields as `TorchSpec`'s (the batch axis is always 0)."""
-
-    dtype: str
-    b: int
-    t: int
-    stem: Op
-    body: tuple[Op, ...]
-    head: Op
-    clip: str = "median"
-    seed: int = 0
+class FlaxSpec(_Spec):
+    """A Flax linen model (the batch axis is always 0)."""
 
 
 # --------------------------------------------------------------------------------------------
