@@ -127,8 +127,8 @@ def test_the_float32_island_is_what_the_self_check_sees(tmp_path, monkeypatch):
     # from the one Llama's norm used: the self-check refuses it at float64's tolerance.
     import ghost_oracle.torch.kinds.norm as X
 
-    def float64_xhat(entry, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + entry["module"].variance_epsilon), x.dtype
+    def float64_xhat(use, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + use.module.variance_epsilon), x.dtype
 
     monkeypatch.setattr(X, "_normalized", float64_xhat)
     with pytest.raises(TraceExportError, match=r"parameter `model\.layers\.0\.input_layernorm\.weight`.*differs"):

@@ -218,7 +218,7 @@ def test_the_sketched_self_check_passes_each_precision_and_refuses_autocast_judg
 def test_the_bf16_self_check_still_catches_a_wrong_rmsnorm(tmp_path, monkeypatch):
     # bf16 tolerances follow the arithmetic (f32 accumulation), so they are a small fraction of
     # Σ|terms|: an RMSNorm rebuilt with the wrong ε is refused, not waved through.
-    def wrong_eps(entry, x):
+    def wrong_eps(use, x):
         xc = x.float()
         return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1.0)).to(x.dtype), x.dtype
 
