@@ -151,35 +151,3 @@ fn lookup(
     u.indexed_iter_mut()
         .for_each(|((p, q), v)| *v = dense[at(p, q)]);
 }
-
-/// The B×B inner products ⟨Σ_j G_{j,i}, Σ_l G_{l,k}⟩ of one parameter whose sites are `js`, and
-/// per example the cross-site part Σ_{j≠l}⟨G_{j,i}, G_{l,i}⟩.
-pub(super) fn param_gram(sides: &[SiteSides<'_>], b: usize) -> (Array2<f64>, Vec<f64>) {
-    let mut gram = Array2::<f64>::zeros((b, b));
-    let mut cross = vec![0.0; b];
-    for (x, sa) in sides.iter().enumerate() {
-        for i in 0..b {
-            for k in i..b {
-                let v = site_inner(sa, i, sa, k);
-                gram[(i, k)] += v;
-                if k != i {
-                    gram[(k, i)] += v;
-                }
-            }
-        }
-        // Two different sites: ⟨G_{l,i}, G_{j,k}⟩ = ⟨G_{j,k}, G_{l,i}⟩, so every (i, k) once.
-        for sb in &sides[x + 1..] {
-            for i in 0..b {
-                for k in 0..b {
-                    let v = site_inner(sa, i, sb, k);
-                    gram[(i, k)] += v;
-                    gram[(k, i)] += v;
-                    if i == k {
-                        cross[i] += 2.0 * v;
-                    }
-                }
-            }
-        }
-    }
-    (gram, cross)
-}

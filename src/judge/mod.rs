@@ -28,7 +28,7 @@ pub use tolerance::{
     contribution_slack, Arithmetic, ModelRounding, Precision, Tolerance, JUDGEABLE_BOUND,
     MODEL_ROUNDING_FACTOR,
 };
-pub use truth::Truth;
+pub use truth::{GramRoute, Truth};
 pub use verdict::Verdict;
 
 use crate::error::{Error, Result};

@@ -3,14 +3,17 @@
 //!
 //! No example's whole gradient is ever held, so the judge's memory is the trace plus a few
 //! blocks, whatever the model's size: a 0.5 B-parameter model's gradient is 4 GB an example in
-//! f64, and keeping one per example is what once limited the audit to a batch of two. The Gram
-//! is taken per parameter by the cheaper of two routes: the Gram identity on the factors
-//! ([`super::inner`], T×T products, nothing of rows·cols size), or the gradient rebuilt a block
-//! of rows at a time ([`for_each_param_block`]) where rows·cols is small next to T² times the
-//! widths. Rebuilding everything took ~70 s of a B = 4 audit at the Qwen2.5-0.5B shape, most of
-//! it the 151936×896 head, whose identity route needs only T×T products over the vocabulary.
+//! f64, and keeping one per example is what once limited the audit to a batch of two. Each
+//! site's own Gram and each tied pair's cross terms are taken by the cheaper of two routes
+//! ([`GramRoute`]): the Gram identity on the factors ([`super::inner`], T×T products of width
+//! d_in + d_out, nothing of d_in·d_out size), or the gradient written a block of rows at a time
+//! (T·d_in·d_out an example). A language model's wide sites (T = 128 over d = 896..151936)
+//! take the identity: rebuilding everything took ~70 s of a B = 4 audit at the Qwen2.5-0.5B
+//! shape, most of it the 151936×896 head. A convolution stored as unfolded patches (1024
+//! output positions over 576 × 64 at 32×32) is written out: its identity would cost 18 times
+//! more an example.
 
-use super::inner::{pair_cost, param_gram, SiteSides};
+use super::inner::{pair_cost, site_inner, SiteSides};
 use crate::error::{Error, Result};
 use ghost_oracle_reference::{Reference, SiteKind, Trace as RefTrace, GRADIENT_BLOCK_BYTES};
 use ndarray::{Array2, ArrayView1};
@@ -67,7 +70,7 @@ impl Truth {
         let factors = r
             .trace
             .ok_or_else(|| Error::internal("reference ran without a trace"))?;
-        let GramAndCross { gram, param_sq, .. } = gram_and_cross(&factors, Route::ByCost)?;
+        let GramAndCross { gram, param_sq, .. } = gram_and_cross(&factors, GramRoute::ByCost)?;
         let norms: Vec<f64> = r.examples.iter().map(|e| e.norm).collect();
         for (i, n) in norms.iter().enumerate() {
             let (want, got) = (n * n, gram[i][i]);
@@ -107,11 +110,22 @@ impl Truth {
         trace: RefTrace,
         progress: &dyn Fn(usize, usize, &str),
     ) -> Result<Self> {
+        Self::from_trace_routed(trace, GramRoute::ByCost, progress)
+    }
+
+    /// [`from_trace_with_progress`](Self::from_trace_with_progress) with every site's Gram
+    /// taken by `route` ([`GramRoute::ByCost`] is what the judge uses; a forced route gives the
+    /// same figures to f64 rounding, docs/tolerances.md, and is there to be timed and tested).
+    pub fn from_trace_routed(
+        trace: RefTrace,
+        route: GramRoute,
+        progress: &dyn Fn(usize, usize, &str),
+    ) -> Result<Self> {
         let GramAndCross {
             gram,
             cross,
             param_sq,
-        } = gram_and_cross_with_progress(&trace, Route::ByCost, progress)?;
+        } = gram_and_cross_with_progress(&trace, route, progress)?;
         let mut norms = Vec::with_capacity(gram.len());
         let mut cross_share = Vec::with_capacity(gram.len());
         for (i, row) in gram.iter().enumerate() {
@@ -179,67 +193,155 @@ pub(crate) fn for_each_param_block(
     Ok(())
 }
 
-/// How the Gram of a parameter's true gradients is taken.
+/// How the Gram of a parameter's true gradients is taken: chosen by cost per site and per tied
+/// pair of sites, or one route forced for every site (the tests hold the routes equal; the
+/// `truth_gram` bench times each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "the forced routes are what the tests hold to the brute force"
-    )
-)]
-pub(crate) enum Route {
-    /// Per parameter, whichever of the two below costs fewer multiply-adds.
+pub enum GramRoute {
+    /// Per site and per pair of sites of one parameter, whichever of the two below costs fewer
+    /// multiply-adds ([`site_route`], [`pair_route`]).
     ByCost,
-    /// Every example's gradient materialized a block of rows at a time, then dot products.
+    /// Every example's gradient of the site written a block of rows at a time, then dot
+    /// products: rows·d_in·d_out per example for a dense site.
     Materialize,
-    /// The Gram identity on the factors ([`inner`](super::inner)).
+    /// The Gram identity on the factors ([`inner`](super::inner)): rows²·(d_in + d_out) per
+    /// pair of examples for a dense site, nothing of d_in·d_out size.
     Identity,
 }
 
-/// Multiply-adds of a parameter's B×B Gram by each route: (materializing, the identity).
-///
-/// Materializing writes every example's rows·cols entries (each a sum over T for a dense site,
-/// a scatter for an embedding) and takes B(B+1)/2 dot products over them; the identity takes
-/// T·S products of width rows + cols for every pair of examples and sites. At the Qwen2.5-0.5B
-/// shape with B = 4, T = 128 the identity wins for the head (V×d against T²·(V + d)) and the
-/// MLP, materializing for the narrow key/value projections, biases and norms.
-fn route_costs(trace: &RefTrace, js: &[usize], sides: &[SiteSides<'_>], b: usize) -> (f64, f64) {
-    let (rows, cols) = trace.site_gradient_shape(js[0]);
-    let entries = (rows * cols) as f64;
-    let bf = b as f64;
-    let pairs = bf * (bf + 1.0) / 2.0;
-    let mut materialize = bf * entries + pairs * entries;
-    if js.len() > 1 {
-        // Each site's block apart, its own dot product and the sum.
-        materialize += bf * js.len() as f64 * 2.0 * entries;
-    }
-    let mut identity = 0.0;
-    for (x, &j) in js.iter().enumerate() {
-        let site = &trace.sites[j];
-        let t = site.backprops.dim().1 as f64;
-        let out = site.backprops.dim().2 as f64;
-        materialize += bf
-            * match site.spec.kind {
-                SiteKind::Linear | SiteKind::Conv1d => t * entries,
-                SiteKind::Embedding => t * out,
-                SiteKind::Bias | SiteKind::LayerNorm => t * out * 2.0,
-            };
-        identity += pairs * pair_cost(&sides[x], &sides[x], rows, cols);
-        for y in sides.iter().skip(x + 1) {
-            identity += bf * bf * pair_cost(&sides[x], y, rows, cols);
-        }
-    }
-    (materialize, identity)
+/// Multiply-adds of one B×B block of ⟨G_{x,i}, G_{y,k}⟩ by each route.
+#[derive(Clone, Copy, Debug)]
+struct RouteCost {
+    materialize: f64,
+    identity: f64,
 }
 
-pub(crate) fn gram_and_cross(trace: &RefTrace, route: Route) -> Result<GramAndCross> {
+impl RouteCost {
+    fn cheaper(self) -> GramRoute {
+        if self.identity < self.materialize {
+            GramRoute::Identity
+        } else {
+            GramRoute::Materialize
+        }
+    }
+}
+
+/// Multiply-adds of writing one example's gradient of site `j`: every entry a sum over the
+/// site's rows for a dense site (rows · d_in · d_out), a scatter of its rows for an embedding.
+fn write_cost(trace: &RefTrace, j: usize) -> f64 {
+    let site = &trace.sites[j];
+    let (rows, cols) = trace.site_gradient_shape(j);
+    let (t, out) = (site.backprops.dim().1 as f64, site.backprops.dim().2 as f64);
+    match site.spec.kind {
+        SiteKind::Linear | SiteKind::Conv1d => t * (rows * cols) as f64,
+        SiteKind::Embedding => t * out,
+        SiteKind::Bias | SiteKind::LayerNorm => t * out * 2.0,
+    }
+}
+
+/// Site `j`'s own B×B Gram: materializing writes each example's gradient once and takes
+/// B(B+1)/2 dot products over its entries; the identity takes B(B+1)/2 pairs of T×T products.
+/// The cost per example is the same for every example of a site (one row count per site), so
+/// the choice per site is the choice per site and example.
+fn own_cost(trace: &RefTrace, j: usize, side: &SiteSides<'_>, b: usize) -> RouteCost {
+    let (rows, cols) = trace.site_gradient_shape(j);
+    let (bf, pairs) = (b as f64, (b * (b + 1) / 2) as f64);
+    RouteCost {
+        materialize: bf * write_cost(trace, j) + pairs * (rows * cols) as f64,
+        identity: pairs * pair_cost(side, side, rows, cols),
+    }
+}
+
+/// The B×B cross block ⟨G_{j,i}, G_{k,l}⟩ of two sites of one parameter: materializing writes
+/// the gradients of the sites not yet `written` and takes B² dot products; the identity takes
+/// B² pairs of T×S products.
+fn cross_cost(
+    trace: &RefTrace,
+    (j, k): (usize, usize),
+    (a, c): (&SiteSides<'_>, &SiteSides<'_>),
+    b: usize,
+    written: [bool; 2],
+) -> RouteCost {
+    let (rows, cols) = trace.site_gradient_shape(j);
+    let bf = b as f64;
+    let mut materialize = bf * bf * (rows * cols) as f64;
+    for (site, done) in [(j, written[0]), (k, written[1])] {
+        if !done {
+            materialize += bf * write_cost(trace, site);
+        }
+    }
+    RouteCost {
+        materialize,
+        identity: bf * bf * pair_cost(a, c, rows, cols),
+    }
+}
+
+/// The route [`GramRoute::ByCost`] takes for site `j`'s own Gram in a batch of `b`: for a
+/// dense site, materializing when rows · d_in · d_out + (B+1)/2 · d_in · d_out is below
+/// (B+1)/2 · rows² · (d_in + d_out + 1) (a convolution's many output positions over narrow
+/// channels), the identity otherwise (a language model's few positions over wide features).
+pub(super) fn site_route(trace: &RefTrace, j: usize, side: &SiteSides<'_>, b: usize) -> GramRoute {
+    own_cost(trace, j, side, b).cheaper()
+}
+
+/// The route [`GramRoute::ByCost`] takes for the cross terms of sites `j` and `k` (one
+/// parameter's two uses, `sides` theirs) in a batch of `b`, given whether each site's gradients
+/// are written already for its own Gram (then writing them costs nothing more).
+pub(super) fn pair_route(
+    trace: &RefTrace,
+    (j, k): (usize, usize),
+    sides: (&SiteSides<'_>, &SiteSides<'_>),
+    b: usize,
+    written: [bool; 2],
+) -> GramRoute {
+    cross_cost(trace, (j, k), sides, b, written).cheaper()
+}
+
+/// `forced`, or the route `by_cost` chooses.
+fn pick(forced: GramRoute, by_cost: impl FnOnce() -> GramRoute) -> GramRoute {
+    match forced {
+        GramRoute::ByCost => by_cost(),
+        GramRoute::Materialize | GramRoute::Identity => forced,
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// A route whose every figure the tests plant a relative error of 1e-6 in, to show the
+    /// brute-force comparison catches a wrong route.
+    static PLANTED: Cell<Option<GramRoute>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with a planted error in every figure `route` computes, on this thread.
+#[cfg(test)]
+pub(crate) fn with_planted_error<R>(route: GramRoute, f: impl FnOnce() -> R) -> R {
+    let before = PLANTED.with(|p| p.replace(Some(route)));
+    let r = f();
+    PLANTED.with(|p| p.set(before));
+    r
+}
+
+#[cfg(test)]
+fn planted(route: GramRoute) -> f64 {
+    if PLANTED.with(Cell::get) == Some(route) {
+        1.0 + 1e-6
+    } else {
+        1.0
+    }
+}
+
+#[cfg(not(test))]
+fn planted(_: GramRoute) -> f64 {
+    1.0
+}
+
+pub(crate) fn gram_and_cross(trace: &RefTrace, route: GramRoute) -> Result<GramAndCross> {
     gram_and_cross_with_progress(trace, route, &|_, _, _| {})
 }
 
 fn gram_and_cross_with_progress(
     trace: &RefTrace,
-    route: Route,
+    route: GramRoute,
     progress: &dyn Fn(usize, usize, &str),
 ) -> Result<GramAndCross> {
     trace.validate()?;
@@ -251,21 +353,7 @@ fn gram_and_cross_with_progress(
     let total = params.len();
     for (done, (param, js)) in params.into_iter().enumerate() {
         progress(done, total, &param);
-        let sides: Vec<SiteSides<'_>> = js.iter().map(|&j| SiteSides::of(trace, j)).collect();
-        let identity = match route {
-            Route::ByCost => {
-                let (materialize, identity) = route_costs(trace, &js, &sides, b);
-                identity < materialize
-            }
-            Route::Materialize => false,
-            Route::Identity => true,
-        };
-        let (g, c) = if identity {
-            param_gram(&sides, b)
-        } else {
-            drop(sides);
-            materialized_param_gram(trace, &js, b)?
-        };
+        let (g, c) = param_gram_by_site(trace, &js, b, route)?;
         for ((i, k), v) in g.indexed_iter() {
             gram[i][k] += v;
         }
@@ -282,51 +370,170 @@ fn gram_and_cross_with_progress(
     })
 }
 
-/// One parameter's B×B Gram and cross-site parts, every example's gradient rebuilt a block of
-/// rows at a time by the reference's own brute force.
-fn materialized_param_gram(
+/// One parameter's B×B Gram ⟨Σ_x G_{x,i}, Σ_y G_{y,k}⟩ and per example its cross-site part
+/// Σ_{x≠y}⟨G_{x,i}, G_{y,i}⟩, as a sum of each site's own Gram and each pair's cross block,
+/// every one by its own route: a convolution tied to nothing is written out while the LM head
+/// beside it takes the identity, and a pair is written out where both its sites are (their dot
+/// products are then all it costs) or writing is cheaper for it.
+fn param_gram_by_site(
     trace: &RefTrace,
     js: &[usize],
     b: usize,
+    route: GramRoute,
 ) -> Result<(Array2<f64>, Vec<f64>)> {
+    let sides: Vec<SiteSides<'_>> = js.iter().map(|&j| SiteSides::of(trace, j)).collect();
+    let own: Vec<GramRoute> = js
+        .iter()
+        .zip(&sides)
+        .map(|(&j, side)| pick(route, || site_route(trace, j, side, b)))
+        .collect();
+    let mut written: Vec<bool> = own.iter().map(|r| *r == GramRoute::Materialize).collect();
+    let mut pairs = Vec::new();
+    for x in 0..js.len() {
+        for y in x + 1..js.len() {
+            let r = pick(route, || {
+                pair_route(
+                    trace,
+                    (js[x], js[y]),
+                    (&sides[x], &sides[y]),
+                    b,
+                    [written[x], written[y]],
+                )
+            });
+            if r == GramRoute::Materialize {
+                written[x] = true;
+                written[y] = true;
+            }
+            pairs.push((x, y, r));
+        }
+    }
     let mut gram = Array2::<f64>::zeros((b, b));
     let mut cross = vec![0.0; b];
+    let bump = planted(GramRoute::Identity);
+    for (x, side) in sides.iter().enumerate() {
+        if own[x] == GramRoute::Identity {
+            add_own(&mut gram, b, |i, k| bump * site_inner(side, i, side, k));
+        }
+    }
+    for &(x, y, r) in &pairs {
+        if r == GramRoute::Identity {
+            let (a, c) = (&sides[x], &sides[y]);
+            add_cross(&mut gram, &mut cross, b, |i, k| {
+                bump * site_inner(a, i, c, k)
+            });
+        }
+    }
+    drop(sides);
+    if written.iter().any(|&w| w) {
+        let own_written: Vec<bool> = own.iter().map(|r| *r == GramRoute::Materialize).collect();
+        let pairs_written: Vec<(usize, usize)> = pairs
+            .iter()
+            .filter(|p| p.2 == GramRoute::Materialize)
+            .map(|&(x, y, _)| (x, y))
+            .collect();
+        let parts = Written {
+            sites: &written,
+            own: &own_written,
+            pairs: &pairs_written,
+        };
+        add_written(trace, js, b, &parts, &mut gram, &mut cross)?;
+    }
+    Ok((gram, cross))
+}
+
+/// Adds a site's own Gram, `inner(i, k)` = ⟨G_i, G_k⟩, each pair of examples once.
+fn add_own(gram: &mut Array2<f64>, b: usize, mut inner: impl FnMut(usize, usize) -> f64) {
+    for i in 0..b {
+        for k in i..b {
+            let v = inner(i, k);
+            gram[(i, k)] += v;
+            if k != i {
+                gram[(k, i)] += v;
+            }
+        }
+    }
+}
+
+/// Adds a pair of sites' cross block, `inner(i, k)` = ⟨G_{x,i}, G_{y,k}⟩: the parameter's
+/// (i, k) entry holds it and ⟨G_{y,i}, G_{x,k}⟩ = inner(k, i), so every (i, k) is added to
+/// both entries; the diagonal, twice, is example i's cross-site part.
+fn add_cross(
+    gram: &mut Array2<f64>,
+    cross: &mut [f64],
+    b: usize,
+    mut inner: impl FnMut(usize, usize) -> f64,
+) {
+    for i in 0..b {
+        for k in 0..b {
+            let v = inner(i, k);
+            gram[(i, k)] += v;
+            gram[(k, i)] += v;
+            if i == k {
+                cross[i] += 2.0 * v;
+            }
+        }
+    }
+}
+
+/// Which of a parameter's sites are written out, and which own Grams and cross blocks are
+/// taken from the written gradients (indices into the parameter's sites).
+struct Written<'a> {
+    sites: &'a [bool],
+    own: &'a [bool],
+    pairs: &'a [(usize, usize)],
+}
+
+/// The own Grams and cross blocks of `parts` from every example's gradient of the written
+/// sites, rebuilt a block of rows at a time by the reference's own brute force
+/// ([`RefTrace::add_site_gradient_rows`]) and held B × (written sites) blocks at once.
+fn add_written(
+    trace: &RefTrace,
+    js: &[usize],
+    b: usize,
+    parts: &Written<'_>,
+    gram: &mut Array2<f64>,
+    cross: &mut [f64],
+) -> Result<()> {
+    let bump = planted(GramRoute::Materialize);
+    let sites: Vec<usize> = (0..js.len()).filter(|&x| parts.sites[x]).collect();
+    let slot = |x: usize| {
+        sites
+            .iter()
+            .position(|&s| s == x)
+            .expect("a written part reads written sites")
+    };
     let (rows, cols) = trace.site_gradient_shape(js[0]);
-    let step = block_rows(cols, b);
+    let step = block_rows(cols, b * sites.len());
     let mut start = 0;
     while start < rows {
         let block = start..(start + step).min(rows);
         start = block.end;
-        let mut grads = Vec::with_capacity(b);
-        for (i, cross_i) in cross.iter_mut().enumerate() {
+        // grads[s][i]: example i's rows `block` at written site s.
+        let mut grads: Vec<Vec<Array2<f64>>> = Vec::with_capacity(sites.len());
+        for &x in &sites {
+            let mut per_example = Vec::with_capacity(b);
             let mut weights = vec![0.0; b];
-            weights[i] = 1.0;
-            let mut sum = Array2::zeros((block.len(), cols));
-            if js.len() == 1 {
-                trace.add_site_gradient_rows(js[0], &weights, block.clone(), &mut sum)?;
-            } else {
-                // Σ_{j≠k}⟨G_j, G_k⟩ = ‖Σ_j G_j‖² − Σ_j ‖G_j‖², block by block.
-                for &j in js {
-                    let mut g = Array2::zeros((block.len(), cols));
-                    trace.add_site_gradient_rows(j, &weights, block.clone(), &mut g)?;
-                    *cross_i -= flat_dot(&g, &g);
-                    sum += &g;
+            for i in 0..b {
+                if i > 0 {
+                    weights[i - 1] = 0.0;
                 }
-                *cross_i += flat_dot(&sum, &sum);
+                weights[i] = 1.0;
+                let mut g = Array2::zeros((block.len(), cols));
+                trace.add_site_gradient_rows(js[x], &weights, block.clone(), &mut g)?;
+                per_example.push(g);
             }
-            grads.push(sum);
+            grads.push(per_example);
         }
-        for i in 0..b {
-            for k in i..b {
-                let d = flat_dot(&grads[i], &grads[k]);
-                gram[(i, k)] += d;
-                if k != i {
-                    gram[(k, i)] += d;
-                }
-            }
+        for x in (0..js.len()).filter(|&x| parts.own[x]) {
+            let g = &grads[slot(x)];
+            add_own(gram, b, |i, k| bump * flat_dot(&g[i], &g[k]));
+        }
+        for &(x, y) in parts.pairs {
+            let (gx, gy) = (&grads[slot(x)], &grads[slot(y)]);
+            add_cross(gram, cross, b, |i, k| bump * flat_dot(&gx[i], &gy[k]));
         }
     }
-    Ok((gram, cross))
+    Ok(())
 }
 
 /// ⟨a, b⟩ of two blocks of one shape, as flat vectors (blocks are allocated here, contiguous).
@@ -347,4 +554,4 @@ fn share(x: f64, n2: f64) -> Option<f64> {
 
 #[cfg(test)]
 #[path = "truth_tests.rs"]
-mod tests;
+pub(crate) mod tests;
