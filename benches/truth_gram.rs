@@ -7,9 +7,15 @@
 //!
 //!     cargo bench --bench truth_gram -- [--layers N] [--runs N] [--batch B] [--seq T]
 //!
+//! With `--conv`, instead: one convolution stored as unfolded patches (a 3×3 conv at 32×32, 64
+//! channels in and out: 1024 rows an example over d_in = 576, d_out = 64; B = 16 unless
+//! `--batch`), its truth taken with each route forced and by cost, side by side:
+//!
+//!     cargo bench --bench truth_gram -- --conv [--runs N] [--batch B]
+//!
 //! Only the public `Truth` and `Tolerance` are called, so the same file times an older judge.
 
-use ghost_oracle::judge::{Tolerance, Truth};
+use ghost_oracle::judge::{GramRoute, Tolerance, Truth};
 use ghost_oracle_reference::{
     ExampleReport, Reduction, Reference, Site, SiteKind, SiteSpec, SplitMix64, Trace,
 };
@@ -137,8 +143,62 @@ fn arg(args: &[String], name: &str, default: usize) -> usize {
         .map_or(default, |v| v.parse().expect("a number"))
 }
 
+/// The convolution's truth by each route, and its tolerance, in seconds.
+fn conv(runs: usize, b: usize) {
+    let (rows, d_in, d_out) = (1024, 576, 64);
+    let mut g = Gen {
+        rng: SplitMix64::new(2),
+        b,
+        t: rows,
+    };
+    let trace = Trace {
+        sites: vec![Site {
+            spec: Gen::spec("conv.weight", "conv.weight", SiteKind::Linear, None),
+            activations: Some(g.dense(d_in, 1.0)),
+            ids: None,
+            backprops: g.dense(d_out, 1e-3),
+        }],
+    };
+    println!("B = {b}, {rows} rows, d_in = {d_in}, d_out = {d_out}, median of {runs}; seconds");
+    let mut grams = Vec::new();
+    for route in [
+        GramRoute::Materialize,
+        GramRoute::Identity,
+        GramRoute::ByCost,
+    ] {
+        let secs = time(runs, &trace, |t| {
+            Truth::from_trace_routed(t, route, &|_, _, _| {}).unwrap()
+        });
+        grams.push(
+            Truth::from_trace_routed(trace.clone(), route, &|_, _, _| {})
+                .unwrap()
+                .gram,
+        );
+        println!("{:<44} {secs:>10.3}", format!("Truth, {route:?}"));
+    }
+    // The same figures by every route, to f64 rounding (not a test: a line to read).
+    let worst = grams[1..]
+        .iter()
+        .flat_map(|g| g.iter().flatten().zip(grams[0].iter().flatten()))
+        .map(|(a, m)| (a - m).abs() / m.abs().max(f64::MIN_POSITIVE))
+        .fold(0.0, f64::max);
+    println!(
+        "{:<44} {worst:>10.1e}",
+        "largest relative difference of the Grams"
+    );
+    let secs = time(runs, &trace, |t| Tolerance::from_trace(&t).unwrap());
+    println!(
+        "{:<44} {secs:>10.3}",
+        "Tolerance::from_trace (per-example T×T)"
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--conv") {
+        conv(arg(&args, "--runs", 3), arg(&args, "--batch", 16));
+        return;
+    }
     let layers = arg(&args, "--layers", 1);
     let runs = arg(&args, "--runs", 3);
     let (b, t) = (arg(&args, "--batch", 4), arg(&args, "--seq", 128));
