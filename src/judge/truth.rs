@@ -199,12 +199,12 @@ pub(crate) fn for_each_param_block(
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GramRoute {
     /// Per site and per pair of sites of one parameter, whichever of the two below costs fewer
-    /// multiply-adds ([`site_route`], [`pair_route`]).
+    /// multiply-adds (`site_route`, `pair_route`).
     ByCost,
     /// Every example's gradient of the site written a block of rows at a time, then dot
     /// products: rows·d_in·d_out per example for a dense site.
     Materialize,
-    /// The Gram identity on the factors ([`inner`](super::inner)): rows²·(d_in + d_out) per
+    /// The Gram identity on the factors (`judge::inner`): rows²·(d_in + d_out) per
     /// pair of examples for a dense site, nothing of d_in·d_out size.
     Identity,
 }
