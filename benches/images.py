@@ -40,6 +40,7 @@ Models (3×32×32, 10 classes, unless said):
 import argparse
 import json
 import os
+import resource
 import struct
 import subprocess
 import sys
@@ -104,11 +105,27 @@ def opacus_cifar10_convnet(classes=10):
         nn.Flatten(start_dim=1, end_dim=-1), nn.Linear(128, classes, bias=True))
 
 
+def _basic_block_forward(self, x):
+    """torchvision's `BasicBlock.forward` with its residual add out of place."""
+    out = self.relu(self.bn1(self.conv1(x)))
+    out = self.bn2(self.conv2(out))
+    identity = x if self.downsample is None else self.downsample(x)
+    return self.relu(out + identity)
+
+
 def resnet18():
     import torchvision
     from opacus.validators import ModuleValidator
 
-    return ModuleValidator.fix(torchvision.models.resnet18(num_classes=10))
+    # Opacus's full backward hooks return views, and torch refuses to modify them in place ("Output
+    # 0 of BackwardHookFunction is a view and is being modified inplace"): the block's `out +=
+    # identity` and the in-place ReLUs after a hooked GroupNorm, written out of place here
+    torchvision.models.resnet.BasicBlock.forward = _basic_block_forward
+    model = ModuleValidator.fix(torchvision.models.resnet18(num_classes=10))
+    for m in model.modules():
+        if isinstance(m, nn.ReLU):
+            m.inplace = False
+    return model
 
 
 def vit_s16():
@@ -225,7 +242,8 @@ def judge(a, path, expect_rc):
     """`ghost-oracle check --gate` as a child process: its wall time, peak RSS and verdict."""
     out_json = path + ".report.json"
     t0 = time.perf_counter()
-    proc = subprocess.Popen([a.bin, "check", "--gate", "--json", out_json, path],
+    proc = subprocess.Popen([a.bin, "check", "--gate", "--json", out_json, path]
+                            + (["--max-memory", f"{int(a.max_memory_gb * 1e9)}"] if a.max_memory_gb else []),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     output = proc.stdout.read().decode(errors="replace")
     _, status, ru = os.wait4(proc.pid, 0)
@@ -242,10 +260,19 @@ def judge(a, path, expect_rc):
     return row
 
 
+def limit_memory(a):
+    """Caps the child's address space at `--max-memory-gb`: past it an allocation fails in that
+    process (an error, its stage reported failed) instead of the machine running out."""
+    if a.max_memory_gb:
+        cap = int(a.max_memory_gb * 1e9)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
 def run_child(a, stage):
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), stage, "--model", a.model, "--batch",
-                             str(a.batch), "--dir", a.dir], stdout=subprocess.PIPE)
+                             str(a.batch), "--dir", a.dir], stdout=subprocess.PIPE,
+                            preexec_fn=lambda: limit_memory(a))
     output = proc.stdout.read().decode()
     _, status, ru = os.wait4(proc.pid, 0)
     rc = os.waitstatus_to_exitcode(status)
@@ -314,6 +341,9 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--dir", required=True)
     p.add_argument("--bin", default=BIN, help="the ghost-oracle binary (default: the release build)")
+    p.add_argument("--max-memory-gb", type=float, default=None,
+                   help="most memory a stage may take (all): Python stages get an address-space limit, check "
+                        "its --max-memory")
     p.add_argument("--keep", action="store_true", help="keep the trace (all)")
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
