@@ -501,6 +501,23 @@ mod tests {
 
     const B: usize = 3;
     const T: usize = 4;
+
+    /// Holds the step's figures `s` to the loops' (‖X − S*‖², ‖S*‖², ⟨X, S*⟩, ‖X‖²) and
+    /// ⟨g_i, X⟩ (`bi`), each by `close`.
+    fn assert_sums_match(
+        s: &Sums,
+        (err2, ref2, cross, x2): (f64, f64, f64, f64),
+        bi: &[f64],
+        close: impl Fn(f64, f64, &str),
+    ) {
+        close(s.err2, err2, "‖X − S*‖²");
+        close(s.ref2, ref2, "‖S*‖²");
+        close(s.cross, cross, "⟨X, S*⟩");
+        close(s.x2, x2, "‖X‖²");
+        for (i, (&got, &want)) in s.b.iter().zip(bi).enumerate() {
+            close(got, want, &format!("⟨g_{i}, X⟩"));
+        }
+    }
     const V: usize = 7;
     const D: usize = 3;
 
@@ -621,13 +638,7 @@ mod tests {
                     "{bytes}-byte blocks, {tile}-byte tiles, {what}: {got:e} vs {want:e}"
                 );
             };
-            close(s.err2, err2, "‖X − S*‖²");
-            close(s.ref2, ref2, "‖S*‖²");
-            close(s.cross, cross, "⟨X, S*⟩");
-            close(s.x2, x2, "‖X‖²");
-            for (i, (&got, &want)) in s.b.iter().zip(&bi).enumerate() {
-                close(got, want, &format!("⟨g_{i}, X⟩"));
-            }
+            assert_sums_match(&s, (err2, ref2, cross, x2), &bi, &close);
             let (e, r) = s.other.unwrap();
             close(e, o.0, "‖X − Σ a_i g_i‖²");
             close(r, o.1, "‖Σ a_i g_i‖²");
@@ -705,13 +716,7 @@ mod tests {
                     "{route:?}, {what}: {got:e} vs {want:e}"
                 );
             };
-            close(s.err2, err2, "‖X − S*‖²");
-            close(s.ref2, ref2, "‖S*‖²");
-            close(s.cross, cross, "⟨X, S*⟩");
-            close(s.x2, x2, "‖X‖²");
-            for (i, (&got, &want)) in s.b.iter().zip(&bi).enumerate() {
-                close(got, want, &format!("⟨g_{i}, X⟩"));
-            }
+            assert_sums_match(&s, (err2, ref2, cross, x2), &bi, &close);
             let implied = GramSolver::new(&truth.gram).solve(&s.b);
             for (i, (&got, &want)) in implied.iter().zip(&want_implied).enumerate() {
                 close(got, want, &format!("ĉ_{i}"));
