@@ -638,7 +638,7 @@ mod tests {
                     "{bytes}-byte blocks, {tile}-byte tiles, {what}: {got:e} vs {want:e}"
                 );
             };
-            assert_sums_match(&s, (err2, ref2, cross, x2), &bi, &close);
+            assert_sums_match(&s, (err2, ref2, cross, x2), &bi, close);
             let (e, r) = s.other.unwrap();
             close(e, o.0, "‖X − Σ a_i g_i‖²");
             close(r, o.1, "‖Σ a_i g_i‖²");
@@ -716,7 +716,7 @@ mod tests {
                     "{route:?}, {what}: {got:e} vs {want:e}"
                 );
             };
-            assert_sums_match(&s, (err2, ref2, cross, x2), &bi, &close);
+            assert_sums_match(&s, (err2, ref2, cross, x2), &bi, close);
             let implied = GramSolver::new(&truth.gram).solve(&s.b);
             for (i, (&got, &want)) in implied.iter().zip(&want_implied).enumerate() {
                 close(got, want, &format!("ĉ_{i}"));
