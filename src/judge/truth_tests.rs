@@ -205,6 +205,17 @@ fn check_route(trace: &RefTrace, route: GramRoute, label: &str) {
     }
 }
 
+/// [`check_route`] by the identity, written out, and by cost.
+fn check_every_route(trace: &RefTrace, label: &str) {
+    for route in [
+        GramRoute::Identity,
+        GramRoute::Materialize,
+        GramRoute::ByCost,
+    ] {
+        check_route(trace, route, &format!("{route:?} {label}"));
+    }
+}
+
 #[test]
 fn both_routes_equal_the_materialized_gradients_on_every_kind_and_tie() {
     let mut seed = 1;
@@ -213,13 +224,7 @@ fn both_routes_equal_the_materialized_gradients_on_every_kind_and_tie() {
             seed += 1;
             let trace = random_trace(seed, b, t);
             trace.validate().unwrap();
-            for route in [
-                GramRoute::Identity,
-                GramRoute::Materialize,
-                GramRoute::ByCost,
-            ] {
-                check_route(&trace, route, &format!("{route:?} B={b} T={t}"));
-            }
+            check_every_route(&trace, &format!("B={b} T={t}"));
         }
     }
 }
@@ -271,13 +276,7 @@ fn both_routes_hold_uses_of_one_parameter_with_different_rows() {
             ],
         };
         trace.validate().unwrap();
-        for route in [
-            GramRoute::Identity,
-            GramRoute::Materialize,
-            GramRoute::ByCost,
-        ] {
-            check_route(&trace, route, &format!("{route:?} B={b} mixed rows"));
-        }
+        check_every_route(&trace, &format!("B={b} mixed rows"));
     }
 }
 
