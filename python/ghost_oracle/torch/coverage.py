@@ -78,7 +78,7 @@ def _why_no_site(p: torch.nn.Parameter, modules: Mapping[str, torch.nn.Module],
                     "exporter traces a class by its exact type, never as its base (a subclass may change "
                     f"forward). {declare}")
     return modelled_uses() + (
-        "; this parameter was used some other way (an elementwise product, a slice, a bias added with `+`). If "
+        "; this parameter was used some other way (an elementwise product, a slice, an add that scales it). If "
         "its module's class computes what one of the kinds computes, declare it: "
         "ghost_oracle.torch.register_module(cls, kind)")
 
