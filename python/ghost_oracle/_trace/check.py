@@ -10,14 +10,18 @@ every gradient. A parameter whose rebuild would cost more than `FULL_CHECK_PRODU
 checked through a ±1 probe matrix (`_probe_matrix`).
 
 The factors are numpy arrays as `Site` holds them (a bfloat16 factor as its raw bits in
-uint16); the gradient too, in the parameter's layout as its sites write it, flattened."""
+uint16); the gradient too, in the parameter's layout as its sites write it, flattened.
+
+A convolution stored as its input and geometry (`conv.py`) is rebuilt in tiles of examples, one
+kernel offset at a time, and sketched the same way: its batch is never unfolded whole."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import conv
 from .format import TraceExportError
 from .precision import low_precision as is_low_precision
 from .precision import reduction_tolerance, smallest_normal, unit_roundoff
@@ -61,6 +65,8 @@ def layout(site: Site[np.ndarray]) -> tuple[int, int]:
     """(rows, cols) of the parameter's gradient as the site writes it: the flattened parameter
     is rows blocks of cols entries (an embedding's or a head's rows are the vocabulary)."""
     out = site.tensors["backprops"].shape[-1]
+    if site.conv is not None:
+        return out, conv_cols(site)
     if site.kind == "embedding":
         if site.vocab is None:
             raise TraceExportError(f"site `{site.name}` ({site.origin}): an embedding site without its vocabulary")
@@ -73,6 +79,26 @@ def layout(site: Site[np.ndarray]) -> tuple[int, int]:
         return site.tensors["activations"].shape[-1], out
     raise TraceExportError(f"site `{site.name}` ({site.origin}): unknown site kind {site.kind!r}; the kinds are "
                            f"{', '.join(SITE_KINDS)}")
+
+
+def conv_cols(site: Site[np.ndarray]) -> int:
+    """A conv-input site's columns, C_in/g · ∏k, once its tensors are held to its geometry
+    (`conv.conv_shape`); a TraceExportError naming the site where they do not fit it."""
+    geo = site.conv
+    assert geo is not None
+    if site.kind != "linear":
+        raise TraceExportError(f"site `{site.name}` ({site.origin}): a convolution's geometry on a {site.kind} site; "
+                               "only a linear site (a convolution's weight) carries one")
+    missing = [k for k in ("inputs", "backprops") if k not in site.tensors]
+    extra = [k for k in site.tensors if k not in ("inputs", "backprops")]
+    if missing or extra:
+        raise TraceExportError(f"site `{site.name}` ({site.origin}): a conv-input site holds `inputs` and `backprops`"
+                               f"; it has {sorted(site.tensors)}")
+    try:
+        shape = conv.conv_shape(geo, site.tensors["inputs"].shape, site.tensors["backprops"].shape)
+    except ValueError as e:
+        raise TraceExportError(f"site `{site.name}` ({site.origin}): {e}") from e
+    return shape.c_in // geo.groups * geo.taps
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
@@ -122,6 +148,8 @@ class _SiteCheck:
     site: Site[np.ndarray]
     lookups: _Lookups | None = None
     probed: tuple[np.ndarray, np.ndarray] | None = None
+    #: told (tiles done, tiles in all) as a conv-input site's tiles of examples are checked
+    on_tile: Callable[[int, int], None] | None = None
 
     def sorted_lookups(self) -> _Lookups:
         if self.lookups is None:
@@ -140,6 +168,8 @@ def _rebuild(sc: _SiteCheck, rows: Rows | None) -> tuple[np.ndarray, np.ndarray]
     site, ts = sc.site, sc.site.tensors
     n_rows, _ = layout(site)
     start, stop = (0, n_rows) if rows is None else rows
+    if site.conv is not None:
+        return conv.rebuild(ts["inputs"], ts["backprops"], site.conv, (start, stop), sc.on_tile)
     if site.kind == "embedding":
         at_lookup, at_row, starts = sc.sorted_lookups().run((start, stop))
         g = widen(_flat(ts["backprops"])[at_lookup])
@@ -178,6 +208,9 @@ def _sketch(sc: _SiteCheck, rows: Rows, v: np.ndarray) -> tuple[np.ndarray, np.n
     if site.kind not in _MATRIX_KINDS:
         raise TraceExportError(f"site `{site.name}` ({site.origin}): a {site.kind} site has one column; it is "
                                "rebuilt, not sketched")
+    if site.conv is not None:  # the patches times v, formed a tile at a time: never the whole unfolded batch
+        layout(site)
+        return conv.sketch(ts["inputs"], ts["backprops"], site.conv, rows, v, sc.on_tile)
     if sc.probed is None:  # the factor along the columns, times v: the same for every block
         along = widen(_flat(ts["backprops"] if site.kind in ("embedding", "conv1d") else ts["activations"]))
         sc.probed = (along @ v, np.abs(along) @ np.abs(v))
@@ -281,19 +314,22 @@ def _autograd_rounding(site: Site[np.ndarray], block: Rows | None, cols: int,
 
 
 def check_parameter(parameter: str, uses: Sequence[Site[np.ndarray]], grad: np.ndarray,
-                    param_precision: Precision, store: Precision | None, against: Against) -> None:
+                    param_precision: Precision, store: Precision | None, against: Against,
+                    on_tile: Callable[[int, int], None] | None = None) -> None:
     """Holds the batch gradient rebuilt from `uses` (the sites of one parameter) to the
     framework's `grad` (the parameter's own, flattened in its sites' layout; a bfloat16 gradient
     as its raw bits), a block of rows at a time, entry by entry or sketched (`_probe_matrix`);
     raises naming the worst entry. `parameter`: how messages name it ("parameter `w` (module
     `fc` (Linear))"); `param_precision`: its dtype's, in which the framework adds the uses of a
-    tied parameter; `store`: the precision every factor is stored in (None: each site's own)."""
+    tied parameter; `store`: the precision every factor is stored in (None: each site's own);
+    `on_tile`: told (tiles done, tiles in all) as a conv-input site's tiles of examples are
+    checked, for a progress line."""
     if not uses:
         raise TraceExportError(f"{parameter}: no site to check it against")
     grad = grad.reshape(-1)
     numel = int(grad.size)
     check_layouts(parameter, uses, numel)
-    checks = [_SiteCheck(s) for s in uses]
+    checks = [_SiteCheck(s, on_tile=on_tile) for s in uses]
     v = _probe_matrix(uses, numel)
     cols = layout(uses[0])[1]
     mass = 1.0 if v is None else float(cols)  # Σ_i |v_ik|

@@ -13,6 +13,14 @@ from typing import Any
 from .site import PRECISIONS
 
 FORMAT = "ghost-oracle-trace/1"
+#: The format of a trace with a convolution stored as its input and geometry (a site's `conv`
+#: entry); every other trace is written as `FORMAT`, byte for byte as before it.
+FORMAT_CONV_INPUTS = "ghost-oracle-trace/2"
+
+
+def format_of(sites: Sequence[Mapping[str, Any]]) -> str:
+    """The header's `format` for these site entries: /2 where any carries `conv`, else /1."""
+    return FORMAT_CONV_INPUTS if any("conv" in s for s in sites) else FORMAT
 
 # Names of the precisions a trace records, finest first.
 PRECISION_NAMES = PRECISIONS
@@ -101,7 +109,7 @@ def trace_metadata(
                          f"got {clipping!r}")
     if model_rounding is not None and model_rounding not in MODEL_ROUNDING:
         raise ValueError(f"model_rounding must be one of {list(MODEL_ROUNDING)}, got {model_rounding!r}")
-    meta = {"format": FORMAT, "max_grad_norm": repr(float(max_grad_norm)), "clipper": str(clipper),
+    meta = {"format": format_of(sites), "max_grad_norm": repr(float(max_grad_norm)), "clipper": str(clipper),
             "sites": json.dumps([dict(s) for s in sites]), "compute_dtype": compute_dtype,
             "parameters": json.dumps(dict(parameters))}
     if noise_multiplier is not None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from . import conv
+
 #: How the header's `model_rounding` says the rounding was measured.
 REPLAY_FLOAT64 = "replay-float64"
 REPLAY_FLOAT32_SCALED = "replay-float32-scaled"
@@ -67,7 +69,9 @@ def difference_norms(sites: Sequence[SiteFactors], replayed: Mapping[str, Mappin
     Σ_t (g_t − g'_t) a_tᵀ + g'_t (a_t − a'_t)ᵀ, two terms whose factors are the small
     differences. A parameter's squared norm is then either the Gram identity over its terms'
     rows (Σ_{s,t} (l_s·l_t)(r_s·r_t), where rows are fewer than the parameter's entries) or the
-    example's difference materialized, whichever is cheaper. `RoundingNotMeasured` where the
+    example's difference materialized, whichever is cheaper. A convolution stored as its input
+    (a `conv` entry) is the same two terms, G(δ − δ', x) + G(δ', x − x'), each example's
+    materialized from its input a tile of examples at a time. `RoundingNotMeasured` where the
     replay's factors do not match the trace's (shape, ids, layout) or the difference is not
     finite."""
     by_param: dict[str, list[_Use]] = {}
@@ -83,7 +87,12 @@ def difference_norms(sites: Sequence[SiteFactors], replayed: Mapping[str, Mappin
     total = np.zeros(b)
     for param, uses in by_param.items():
         kinds = {spec["kind"] for spec, _, _ in uses}
-        if kinds <= {"bias", "layernorm"}:
+        convs = sum("conv" in spec for spec, _, _ in uses)
+        if convs and convs < len(uses):
+            raise RoundingNotMeasured(f"parameter `{param}` is used as a convolution and otherwise together")
+        if convs:
+            total += _conv_difference(uses, b)
+        elif kinds <= {"bias", "layernorm"}:
             total += (_vector_difference(uses) ** 2).sum(1)
         elif kinds <= {"linear", "conv1d", "embedding"}:
             total += _matrix_difference(uses, b)
@@ -128,6 +137,28 @@ def _terms(spec: Mapping[str, Any], ts: Mapping[str, np.ndarray], again: Mapping
     if spec["kind"] == "linear":  # rows: the output features
         return [(g - g2, a), (g2, a - a2)]
     return [(a - a2, g), (a2, g - g2)]  # conv1d: rows the input features
+
+
+def _conv_difference(uses: Sequence[_Use], b: int) -> np.ndarray:
+    """Σ of the squared per-example differences of a convolution's weight over its conv-input
+    sites, B: G(δ − δ', x) + G(δ', x − x') materialized a tile of examples at a time."""
+    out = np.zeros(b)
+    geos = [conv.ConvGeometry.of_spec(spec["conv"]) for spec, _, _ in uses]
+    spec0, ts0, _ = uses[0]
+    for t0, t1 in conv.example_tiles(geos[0], ts0["inputs"].shape, ts0["backprops"].shape):
+        diff: np.ndarray | None = None
+        for geo, (spec, ts, again) in zip(geos, uses, strict=True):
+            x, x2 = conv.f64(ts["inputs"][t0:t1]), conv.f64(again["inputs"][t0:t1])
+            g, g2 = conv.f64(ts["backprops"][t0:t1]), conv.f64(again["backprops"][t0:t1])
+            d = conv.per_example(x, g - g2, geo, 0, t1 - t0) + conv.per_example(x - x2, g2, geo, 0, t1 - t0)
+            if diff is not None and d.shape != diff.shape:
+                raise RoundingNotMeasured(f"parameter `{spec['param']}`'s sites lay it out with different shapes")
+            diff = d if diff is None else diff + d
+        assert diff is not None  # a parameter has sites
+        out[t0:t1] = (diff ** 2).sum((1, 2))
+    if not all(math.isfinite(float(v)) for v in out):
+        raise RoundingNotMeasured(f"parameter `{spec0['param']}`'s difference is not finite")
+    return out
 
 
 def _lhs_gram(x: np.ndarray, y: np.ndarray) -> np.ndarray:

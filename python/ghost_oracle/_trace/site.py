@@ -5,6 +5,10 @@ The tensors are numpy arrays with the batch first and every axis between the bat
 features a row (B×R×features; an embedding's `ids` B×R). A bfloat16 factor is held as its raw
 bits in a `uint16` array (numpy has no bfloat16 of its own), with `precision` "bf16".
 
+A convolution's weight may instead be a `linear` site that carries its geometry (`conv`): its
+tensors are then `inputs` (B×C_in×S…, the layer's input) and `backprops` (B×P×C_out), the form
+of format `ghost-oracle-trace/2` (`conv.py`).
+
 A front-end builds its sites over its own tensor type (`Site[torch.Tensor]` in the PyTorch
 handlers) and hands them over as `Site[np.ndarray]` (`with_tensors`)."""
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
+
+from .conv import ConvGeometry
 
 #: The kinds of site a trace holds; the reader in Rust knows the same five.
 SiteKind = Literal["linear", "conv1d", "embedding", "layernorm", "bias"]
@@ -42,12 +48,16 @@ class Site(Generic[T]):
     #: the rounding autograd's own backward adds where the site's factors are exact and autograd's
     #: are not (GroupNorm with one value a group), absolute, in the parameter's layout; None: none
     autograd_rounding: T | None = None
+    #: a convolution stored as its input and geometry (a `linear` site only); None: unfolded or no conv
+    conv: ConvGeometry | None = None
 
     def spec(self) -> dict[str, Any]:
         """The site's entry in the trace header."""
         s: dict[str, Any] = {"name": self.name, "param": self.param, "kind": self.kind}
         if self.vocab is not None:
             s["vocab"] = self.vocab
+        if self.conv is not None:
+            s["conv"] = self.conv.spec()
         return s
 
     def with_tensors(self, convert: Callable[[T], U]) -> Site[U]:
@@ -55,4 +65,5 @@ class Site(Generic[T]):
         return Site(name=self.name, param=self.param, kind=self.kind,
                     tensors={k: convert(v) for k, v in self.tensors.items()}, precision=self.precision,
                     origin=self.origin, vocab=self.vocab,
-                    autograd_rounding=None if self.autograd_rounding is None else convert(self.autograd_rounding))
+                    autograd_rounding=None if self.autograd_rounding is None else convert(self.autograd_rounding),
+                    conv=self.conv)

@@ -1,26 +1,32 @@
 """`nn.Conv1d`, `nn.Conv2d`, `nn.Conv3d`: a convolution is a linear map of each output position's
-input patch, so it is a **linear** site over unfolded patches: one row per output position,
-columns C_in/groups · ∏k in the weight's layout (C_out × C_in/groups × k…), and a bias site
-on the same rows.
+input patch, so its weight is a **linear** site, stored as the layer's input and the geometry
+that unfolds it (format `ghost-oracle-trace/2`, `_trace/conv.py`): `inputs` B×C_in×S… as the
+layer read it, `backprops` the output's gradient B×P×C_out (positions row-major), and the
+kernel, stride, dilation, zero padding as (lo, hi) per axis, and groups. Each input value is
+stored once; the self-check and the judge unfold it a tile at a time. The bias is a bias site on
+the same positions.
 
-Groups: output channels of group j read only input channels of group j. Each row is then an
-(output position, group) pair whose activations are that group's patch and whose backprops
-are the output's gradient at that position with the other groups' channels zeroed, so that
-Σ over rows of backprops ⊗ activations is the grouped weight's gradient, entry for entry.
-Stride, padding (numbers, "same", "valid", and the non-zero padding modes), dilation and groups
-are all read from the module.
+Padding: numbers pad both ends; "valid" none; "same" pads a total of d·(k − 1) per axis, half
+at the start and the odd one at the end, as PyTorch pads it. A padding mode other than zeros
+(reflect, replicate, circular) pads the input before the convolution: the site stores the input
+so padded (`F.pad` with the module's own padding and mode) and no zero padding on top.
+Stride, padding, dilation and groups are all read from the module.
 
 Its functional form: `F.conv1d/2d/3d(x, w, b, stride, padding, dilation, groups)`, the geometry
-read from the call's arguments."""
+read from the call's arguments.
+
+Transposed convolutions (`nn.ConvTranspose1d/2d/3d`, `F.conv_transpose*`) are not modelled
+(Opacus has no per-sample gradient of them either); a model using one with a trainable weight
+is refused by name."""
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
+from ..._trace.conv import ConvGeometry, conv_shape
 from .base import FunctionHandler, Handler, Operands, Site, Use, arg, builtin, builtin_function
 
 #: A size per spatial axis, or one for all of them.
@@ -50,38 +56,34 @@ class Geometry:
                    m._reversed_padding_repeated_twice)
 
 
-def _padded(geo: Geometry, x: torch.Tensor) -> torch.Tensor:
-    """`x` padded as the convolution pads it."""
-    n = x.dim() - 2
+def _zero_padding(geo: Geometry) -> tuple[tuple[int, int], ...]:
+    """The zero padding (lo, hi) per spatial axis the convolution applies to its input as the
+    site stores it (none where a padding mode other than zeros has padded it already)."""
+    n = len(geo.kernel)
     if geo.padding_mode != "zeros":
-        # `of_module` sets `pre_pad` for every padding mode but zeros.
-        return F.pad(x, cast(Sequence[int], geo.pre_pad), mode=geo.padding_mode)
+        return ((0, 0),) * n
     if isinstance(geo.padding, str):
         if geo.padding == "valid":
-            return x
-        pads: list[int] = []  # "same": the total padding split as PyTorch splits it, the odd one at the end
-        for d in reversed(range(n)):
-            total = geo.dilation[d] * (geo.kernel[d] - 1)
-            pads += [total // 2, total - total // 2]
-        return F.pad(x, pads)
-    pads = []
-    for d in reversed(range(n)):
-        pads += [geo.padding[d], geo.padding[d]]
-    return F.pad(x, pads)
+            return ((0, 0),) * n
+        # "same": the total padding split as PyTorch splits it, the odd one at the end
+        totals = [geo.dilation[d] * (geo.kernel[d] - 1) for d in range(n)]
+        return tuple((t // 2, t - t // 2) for t in totals)
+    return tuple((p, p) for p in geo.padding)
 
 
-def patches(geo: Geometry, x: torch.Tensor) -> torch.Tensor:
-    """B×P×C_in×∏k: every output position's input patch, positions row-major."""
-    x = _padded(geo, x)
-    n = x.dim() - 2
-    for d in range(n):
-        span = geo.dilation[d] * (geo.kernel[d] - 1) + 1
-        x = x.unfold(2 + d, span, geo.stride[d])[..., ::geo.dilation[d]]
-    # B×C×O_1…O_n×k_1…k_n → B×O_1…O_n×C×k_1…k_n
-    b, c = x.shape[:2]
-    positions = math.prod(x.shape[2:2 + n])
-    x = x.permute(0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n))
-    return x.reshape(b, positions, c, -1)
+def stored_input(geo: Geometry, x: torch.Tensor) -> torch.Tensor:
+    """The input as the site stores it: padded by a padding mode other than zeros, as the module
+    pads it before its convolution (`F.pad` in the mode, with the module's own padding)."""
+    if geo.padding_mode == "zeros":
+        return x
+    # `of_module` sets `pre_pad` for every padding mode but zeros.
+    return F.pad(x, cast(Sequence[int], geo.pre_pad), mode=geo.padding_mode)
+
+
+def conv_geometry(geo: Geometry) -> ConvGeometry:
+    """The trace's geometry of the convolution (its `conv` entry)."""
+    return ConvGeometry(kernel=geo.kernel, stride=geo.stride, dilation=geo.dilation, padding=_zero_padding(geo),
+                        groups=geo.groups)
 
 
 class Conv(Handler):
@@ -108,19 +110,16 @@ class Conv(Handler):
         if not use.trainable(weight):
             yield from use.bias_site(g)
             return
-        groups = geo.groups
-        x = patches(geo, x_in.to(use.dtype))  # B×P×C_in×∏k
-        p = x.shape[1]
-        if x.shape[1] != g.shape[1]:
-            raise use.error(f"its input unfolds to {x.shape[1]} positions but its output has {g.shape[1]}")
-        cin_g, cout_g = x.shape[2] // groups, c_out // groups
-        # rows: (position, group) pairs
-        acts = x.reshape(b, p, groups, cin_g * x.shape[3]).reshape(b, p * groups, -1)
-        mask = torch.zeros(groups, c_out, dtype=g.dtype, device=g.device)
-        for j in range(groups):
-            mask[j, j * cout_g:(j + 1) * cout_g] = 1
-        bps = (g.unsqueeze(2) * mask).reshape(b, p * groups, c_out)
-        yield use.site("weight", "linear", {"activations": acts.to(use.store), "backprops": bps.to(use.store)})
+        x = stored_input(geo, x_in.to(use.dtype)).to(use.store)
+        geometry = conv_geometry(geo)
+        try:
+            conv_shape(geometry, x.shape, g.shape)
+        except ValueError as e:  # the geometry read does not give the output autograd saw
+            raise use.error(f"as a convolution of geometry {geometry.spec()}: {e}") from e
+        g = g.to(use.store).contiguous()
+        site = use.site("weight", "linear", {"inputs": x.contiguous(), "backprops": g})
+        site.conv = geometry
+        yield site
         yield from use.bias_site(g)
 
 
