@@ -17,7 +17,7 @@ and renamed into place (`_atomic.write_atomically`)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -58,7 +58,7 @@ def write_trace(path: str, *, sites: Sequence[Site[np.ndarray]], parameters: Map
                 rounding: np.ndarray | None = None, rounding_method: str | None = None,
                 max_grad_norm: float, clipper: str, noise_multiplier: float | None = None,
                 batch_divisor: float | None = None, clip_stabilizer: float = 0.0,
-                clipping: str = "flat") -> list[dict[str, Any]]:
+                clipping: str = "flat", on_bytes: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
     """Writes the trace at `path` (atomically) and returns the header's site specs.
 
     `sites`: checked sites, their factors in the dtype they are stored in (ids int64 or int32,
@@ -68,7 +68,9 @@ def write_trace(path: str, *, sites: Sequence[Site[np.ndarray]], parameters: Map
     manifest's order (written as `claimed.<what>.<param>`). `rounding`: the B values of
     `model.rounding`, measured as `rounding_method` says. The header's `compute_dtype` is the
     coarsest of the sites' precisions. The numbers are checked as `format.trace_metadata`
-    checks them."""
+    checks them. The header's `format` is `ghost-oracle-trace/2` where a site carries a
+    convolution's geometry, `/1` otherwise (`format.format_of`). `on_bytes`: told (bytes
+    written, bytes in all) as the tensors are written, for a progress line."""
     if not sites:
         raise TraceExportError("no site to write: no modelled use of a parameter reached the loss")
     step = step or {}
@@ -106,7 +108,7 @@ def write_trace(path: str, *, sites: Sequence[Site[np.ndarray]], parameters: Map
                              f"{sorted(parameters)}, each once")
         for param, array in given.items():
             add(f"claimed.{what}.{param}", array, _FLOAT_DTYPES, what)
-    write_atomically(path, "path", lambda tmp: _write_safetensors(tmp, tensors, meta))
+    write_atomically(path, "path", lambda tmp: _write_safetensors(tmp, tensors, meta, on_bytes))
     return specs
 
 
@@ -124,13 +126,19 @@ def _header(tensors: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> tuple
     return text + b" " * (-len(text) % 8), order
 
 
-def _write_safetensors(tmp: str, tensors: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> None:
+def _write_safetensors(tmp: str, tensors: Mapping[str, np.ndarray], meta: Mapping[str, str],
+                       on_bytes: Callable[[int, int], None] | None = None) -> None:
     header, order = _header(tensors, meta)
+    total = sum(a.nbytes for a in tensors.values())
+    written = 0
     with open(tmp, "wb") as f:
         f.write(len(header).to_bytes(8, "little"))
         f.write(header)
         for name in order:
             _write_array(f, tensors[name])
+            written += tensors[name].nbytes
+            if on_bytes is not None:
+                on_bytes(written, total)
 
 
 def _write_array(f: BinaryIO, a: np.ndarray) -> None:

@@ -6,7 +6,7 @@ exporters share (`ghost_oracle._trace.check`); this hands it each parameter's si
 gradient as numpy arrays, one parameter at a time."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,8 +44,18 @@ def self_check(model: torch.nn.Module, sites: Sequence[Site[torch.Tensor]], name
         precision = DTYPE_NAMES.get(p.dtype)
         if precision is None:
             raise TraceExportError(f"{parameter} is {p.dtype}; traces record {list(DTYPE_NAMES)}")
+        on_tile = None if progress is None else _tiles_of(progress, name, n, len(params))
         check_parameter(parameter, [numpy_site(s) for s in by_param[name]], host_array(p.grad), precision,
-                        store, AUTOGRAD)
+                        store, AUTOGRAD, on_tile=on_tile)
+
+
+def _tiles_of(progress: Any, name: str, n: int, count: int) -> Callable[[int, int], None]:
+    """The progress of one parameter's check a tile of examples at a time (a convolution stored
+    as its input is rebuilt so: at a CNN's batch sizes one parameter takes seconds)."""
+    def on_tile(done: int, total: int) -> None:
+        progress.step(f"self-check against autograd, parameter {n + 1}/{count} `{name}`, tiles of examples", done,
+                      total)
+    return on_tile
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:

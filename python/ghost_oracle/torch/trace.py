@@ -156,7 +156,7 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
     progress = Progress()
     watch = CastWatch()
     entries, b = _record_batch(model, per_example_loss, inputs, b_inputs, batch_axis, progress, watch)
-    sites = _collect_sites(entries, names, dtype, b)
+    sites = _collect_sites(entries, names, dtype, b, progress)
     self_check(model, sites, names, param_owners(model), dtype, progress)
     specs = [s.spec() for s in sites]
     compute_dtype = _site_precisions(sites, specs, args.compute_dtype)
@@ -184,7 +184,8 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
                         rounding=None if rounding is None else _host(rounding.rounding),
                         rounding_method=None if rounding is None else rounding.method,
                         max_grad_norm=args.max_grad_norm, clipper=clipper, noise_multiplier=args.noise_multiplier,
-                        batch_divisor=args.batch_divisor, clip_stabilizer=args.clip_stabilizer, clipping=clipping)
+                        batch_divisor=args.batch_divisor, clip_stabilizer=args.clip_stabilizer, clipping=clipping,
+                        on_bytes=lambda done, total: progress.step("writing the trace, MiB", done >> 20, total >> 20))
     progress.done()
     return specs
 
@@ -279,13 +280,15 @@ def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.M
 
 
 def _collect_sites(entries: list[Use], names: Mapping[int, str], dtype: torch.dtype | None,
-                   b: int) -> list[Site[torch.Tensor]]:
+                   b: int, progress: Progress | None = None) -> list[Site[torch.Tensor]]:
     """Every use's sites, each name once, their factors as written; a use's capture is let go as
     its sites are formed."""
     sites: list[Site[torch.Tensor]] = []
     seen: set[str] = set()
     owned: set[int] = set()
-    for use in entries:
+    for n, use in enumerate(entries):
+        if progress is not None:
+            progress.step("forming the sites, uses", n, len(entries))
         for site in use.form_sites(names, dtype, b):
             if site.name in seen:
                 raise TraceExportError(f"site name `{site.name}` appears twice")
