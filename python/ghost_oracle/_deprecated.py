@@ -42,8 +42,7 @@ def renamed_keywords(**new_by_old: str) -> Callable[[F], F]:
                     continue
                 if new in kwargs:
                     raise TypeError(f"{where}() got both {new}= and its deprecated spelling {old}=: pass {new}= only")
-                warnings.warn(f"{where}({old}=) is deprecated and goes in {REMOVED_IN}: use {new}=",
-                              DeprecationWarning, stacklevel=2)
+                warn_renamed(f"{where}({old}=)", f"{new}=")
                 kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 
@@ -52,12 +51,24 @@ def renamed_keywords(**new_by_old: str) -> Callable[[F], F]:
     return decorate
 
 
+def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """Warns that `old` (a public name, spelled in full) is deprecated in favour of `new`: the
+    one message every alias here gives."""
+    warnings.warn(f"{old} is deprecated and goes in {REMOVED_IN}: use {new}", DeprecationWarning,
+                  stacklevel=stacklevel)
+
+
+_ABSENT = object()
+
+
 class RenamedAttribute:
     """A class attribute `old = RenamedAttribute("new")`: reading (or setting) `obj.old` reads
-    (sets) `obj.new`, with a `DeprecationWarning`."""
+    (sets) `obj.new`, with a `DeprecationWarning`. `new` may be a path (`"divisor.implied"`):
+    where a step of it is None, reading gives `missing` (and setting is refused)."""
 
-    def __init__(self, new: str) -> None:
+    def __init__(self, new: str, *, missing: Any = None) -> None:
         self.new = new
+        self.missing = missing
         self.old = ""
         self.owner = ""
 
@@ -66,15 +77,25 @@ class RenamedAttribute:
         self.owner = f"{_public(owner.__module__)}.{owner.__qualname__}"
 
     def _warn(self) -> None:
-        warnings.warn(f"{self.owner}.{self.old} is deprecated and goes in {REMOVED_IN}: use {self.owner}.{self.new}",
-                      DeprecationWarning, stacklevel=3)
+        warn_renamed(f"{self.owner}.{self.old}", f"{self.owner}.{self.new}", stacklevel=4)
 
     def __get__(self, obj: object, objtype: type | None = None) -> Any:
         if obj is None:
             return self
         self._warn()
-        return getattr(obj, self.new)
+        value: Any = obj
+        for step in self.new.split("."):
+            if value is None:
+                return self.missing
+            value = getattr(value, step)
+        return value
 
     def __set__(self, obj: object, value: Any) -> None:
         self._warn()
-        setattr(obj, self.new, value)
+        *path, last = self.new.split(".")
+        target: Any = obj
+        for step in path:
+            target = getattr(target, step)
+            if target is None:
+                raise AttributeError(f"{self.owner}.{self.old} cannot be set: {self.owner}.{'.'.join(path)} is None")
+        setattr(target, last, value)

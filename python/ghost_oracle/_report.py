@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
@@ -65,12 +64,6 @@ class _Judged:
     @property
     def passed(self) -> bool:
         return self.verdict == "pass"
-
-
-def _renamed(owner: str, old: str, new: str) -> None:
-    """Warns that `owner.old` is the deprecated spelling of `owner.new`."""
-    warnings.warn(f"{owner}.{old} is deprecated, use {owner}.{new} (the judge's own name)",
-                  DeprecationWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -208,11 +201,8 @@ class NoiseCheck(_Judged):
         """The check is over the whole update, every tensor together."""
         return self.scope is None
 
-    @property
-    def param(self) -> str | None:
-        """Deprecated spelling of `scope`."""
-        _renamed("NoiseCheck", "param", "scope")
-        return self.scope
+    #: Deprecated spelling of `scope`.
+    param = RenamedAttribute("scope")
 
     @classmethod
     def _from_native(cls, d: dict[str, Any]) -> NoiseCheck:
@@ -312,17 +302,10 @@ class StepResult(_Judged):
         """The sum checks present: the clipped sum, then the update × divisor."""
         return tuple(x for x in (self.clipped_sum, self.update) if x is not None)
 
-    @property
-    def implied_divisor(self) -> float | None:
-        """Deprecated: `divisor.implied` (None where no divisor could be read)."""
-        _renamed("StepResult", "implied_divisor", "divisor.implied")
-        return None if self.divisor is None else self.divisor.implied
-
-    @property
-    def data_dependent_divisor(self) -> bool:
-        """Deprecated: `divisor.data_dependent` (False where no divisor could be read)."""
-        _renamed("StepResult", "data_dependent_divisor", "divisor.data_dependent")
-        return self.divisor is not None and self.divisor.data_dependent
+    #: Deprecated: `divisor.implied` (None where no divisor could be read).
+    implied_divisor = RenamedAttribute("divisor.implied", missing=None)
+    #: Deprecated: `divisor.data_dependent` (False where no divisor could be read).
+    data_dependent_divisor = RenamedAttribute("divisor.data_dependent", missing=False)
 
     @classmethod
     def _from_native(cls, d: dict[str, Any]) -> StepResult:
@@ -453,17 +436,10 @@ class CaseResult(_Judged):
     #: The judged step (`StepResult`), None when the trace carries no step.
     step: StepResult | None = field(default=None, repr=False)
 
-    @property
-    def name(self) -> str:
-        """Deprecated spelling of `case`."""
-        _renamed("CaseResult", "name", "case")
-        return self.case
-
-    @property
-    def max_sensitivity(self) -> float:
-        """Deprecated spelling of `max_sensitivity_ratio`."""
-        _renamed("CaseResult", "max_sensitivity", "max_sensitivity_ratio")
-        return self.max_sensitivity_ratio
+    #: Deprecated spelling of `case`.
+    name = RenamedAttribute("case")
+    #: Deprecated spelling of `max_sensitivity_ratio`.
+    max_sensitivity = RenamedAttribute("max_sensitivity_ratio")
 
     def __repr__(self) -> str:
         return (f"CaseResult({self.case!r}, {self.verdict}, B={len(self.true_norms)}, worst example "
@@ -679,11 +655,8 @@ class Report:
     max_sensitivity_ratio = _OfWorstCase[float]()
     effective_noise_multiplier = _OfWorstCase[float]()
 
-    @property
-    def max_sensitivity(self) -> float:
-        """Deprecated spelling of `max_sensitivity_ratio`."""
-        _renamed("Report", "max_sensitivity", "max_sensitivity_ratio")
-        return self.worst.max_sensitivity_ratio
+    #: Deprecated spelling of `max_sensitivity_ratio` (the worst case's).
+    max_sensitivity = RenamedAttribute("worst.max_sensitivity_ratio")
 
     # -- output ----------------------------------------------------------------------------------
 

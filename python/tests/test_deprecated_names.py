@@ -149,3 +149,35 @@ def test_a_renamed_attribute_reads_and_sets_the_new_one():
     with pytest.warns(DeprecationWarning):
         t.old = 5
     assert t.new == 5 and isinstance(Thing.old, RenamedAttribute)
+
+
+def test_a_renamed_attribute_follows_a_path_and_reads_missing_where_a_step_is_none():
+    class Inner:
+        value = 3
+
+    class Outer:
+        old = RenamedAttribute("inner.value", missing=False)
+
+        def __init__(self, inner):
+            self.inner = inner
+
+    with pytest.warns(DeprecationWarning, match=re.escape("Outer.old is deprecated and goes in 0.2: use ")) as seen:
+        assert Outer(Inner()).old == 3
+    assert seen[0].filename == __file__  # the caller's line
+    with pytest.warns(DeprecationWarning):
+        assert Outer(None).old is False
+    with pytest.warns(DeprecationWarning), pytest.raises(AttributeError, match=r"Outer\.old cannot be set"):
+        Outer(None).old = 1
+
+
+def test_the_moved_exporter_module_keeps_its_names_with_a_warning():
+    import ghost_oracle.export as moved
+    import ghost_oracle.torch
+
+    for name in moved.__all__:
+        with pytest.warns(DeprecationWarning, match=re.escape(
+                f"ghost_oracle.export.{name} is deprecated and goes in 0.2: use ghost_oracle.torch.{name}")) as seen:
+            assert getattr(moved, name) is getattr(ghost_oracle.torch, name)
+        assert seen[0].filename == __file__
+    with pytest.raises(AttributeError, match="no attribute 'made_up'"):
+        moved.made_up  # noqa: B018

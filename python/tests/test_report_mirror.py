@@ -236,5 +236,5 @@ def test_judge_names_and_their_deprecated_spellings(natives):
         (lambda: update_report.step.data_dependent_divisor, divisor.data_dependent),
     ]
     for read, expected in aliases:
-        with pytest.warns(DeprecationWarning, match="deprecated, use"):
+        with pytest.warns(DeprecationWarning, match="is deprecated and goes in 0.2: use"):
             assert read() == expected

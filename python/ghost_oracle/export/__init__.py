@@ -3,8 +3,9 @@ importable from here for one minor version, each with a `DeprecationWarning`."""
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any
+
+from .._deprecated import warn_renamed
 
 _MOVED = ("FORMAT", "KINDS", "UNCLAIMED", "Handler", "TraceExportError", "Use", "export_trace", "register_module",
           "unregister_module")
@@ -14,7 +15,6 @@ __all__ = list(_MOVED)
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
-        warnings.warn(f"ghost_oracle.export.{name} is deprecated; import it from ghost_oracle.torch",
-                      DeprecationWarning, stacklevel=2)
+        warn_renamed(f"ghost_oracle.export.{name}", f"ghost_oracle.torch.{name}")
         return getattr(importlib.import_module("ghost_oracle.torch"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,9 +45,9 @@ class FnRepeat(FunctionHandler):
         layout = use.layout
         if layout is None or layout[0] != "axis" or size[layout[1]] != 1:
             shown = "an unknown axis" if layout is None else describe_layout(layout)
+            name = (use.site_names or {}).get("bias", "bias")
             raise use.error(f"its output {list(g.shape)} holds the examples along {shown}, where the parameter "
-                            f"`{use.site_names['bias']}` {list(p.shape)} is not repeated: each example reads its own "
-                            "part of the "
+                            f"`{name}` {list(p.shape)} is not repeated: each example reads its own part of the "
                             "parameter, which a bias site (each example reads all of it) does not describe")
         a = layout[1]
         # (r_0, s_0, r_1, s_1, …): each axis split into its tiles and the tile's entries
