@@ -113,6 +113,19 @@ def brute(model, loss, x, dtype=torch.float64):
     return torch.stack(out), [n for n, _ in m.named_parameters()]
 
 
+def conv_weight_grad(x, g, conv):
+    """The weight gradient of F.convNd(x zero-padded as `conv` says, w) for output gradient g
+    (1×P×C_out), by autograd: what a conv-input site (format /2) defines."""
+    n = len(conv["kernel"])
+    x = torch.nn.functional.pad(x, [p for lo_hi in reversed(conv["padding"]) for p in lo_hi])
+    c_out = g.shape[-1]
+    w = torch.zeros(c_out, x.shape[1] // conv["groups"], *conv["kernel"], dtype=torch.float64, requires_grad=True)
+    fn = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[n]
+    y = fn(x, w, None, conv["stride"], 0, conv["dilation"], conv["groups"])
+    (gw,) = torch.autograd.grad(y, w, g.transpose(1, 2).reshape(y.shape))
+    return gw.reshape(c_out, -1)
+
+
 def traced(path, order):
     """Each example's gradient materialized in float64 from the trace's factors, laid out as
     `brute`'s (parameters in `order`, each in its own shape): B × parameters."""
@@ -124,7 +137,10 @@ def traced(path, order):
         g = ts[f"{s['name']}.backprops"].double()
         a = ts.get(f"{s['name']}.activations")
         a = None if a is None else a.double()
-        if s["kind"] == "linear":
+        if "conv" in s:  # a convolution stored as its input: each example's weight gradient by autograd
+            gi = torch.stack([conv_weight_grad(ts[f"{s['name']}.inputs"][i:i + 1].double(), g[i:i + 1], s["conv"])
+                              for i in range(g.shape[0])])
+        elif s["kind"] == "linear":
             gi = torch.einsum("bro,bri->boi", g, a)
         elif s["kind"] == "conv1d":
             gi = torch.einsum("bri,bro->bio", a, g)
