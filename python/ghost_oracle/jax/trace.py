@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -120,27 +120,71 @@ def _step_tensors(what: str, given: Any, sites: list[Site], parameters: dict[str
     return {p: out[p] for p in parameters}  # the manifest's order
 
 
-def export_trace(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any,
-                 path: str | os.PathLike[str], *, claimed_norms: Any, max_grad_norm: float,
+def export_trace(model: nn.Module | Callable[..., Any], params: Any, per_example_loss: Any, inputs: Any = None,
+                 path: str | os.PathLike[str] | None = None, *, max_grad_norm: float, claimed_norms: Any = UNCLAIMED,
                  clipper: str = "claimed", claimed_coefficients: Any = None, noise_multiplier: float | None = None,
                  dtype: str | None = None, update: Any = None, clipped_sum: Any = None,
                  batch_divisor: float | None = None, clip_stabilizer: float = 0.0, clipping: str = "flat",
-                 batch_axis: int = 0, is_padding_example: Any = None) -> list[dict[str, Any]]:
-    """Records the trace of one batch of a Flax linen model, checks it against `jax.grad` and
-    writes it with the claimed norms (and, when given, the claimed step). Returns the site
-    specs. Raises `TraceExportError` (a ValueError) instead of writing a trace that is
-    incomplete or wrong.
+                 batch_axis: int = 0, is_padding_example: Any = None, batch_argnums: int | tuple[int, ...] = 1,
+                 keep_batch_dim: bool = True) -> list[dict[str, Any]]:
+    """Records the trace of one batch, checks it against `jax.grad` and writes it with the
+    claimed norms (and, when given, the claimed step). Returns the site specs. Raises
+    `TraceExportError` (a ValueError) instead of writing a trace that is incomplete or wrong.
 
-    `per_example_loss(apply, inputs)` returns the B losses, where `apply(*args, **kwargs)` runs
-    `model.apply({"params": params}, *args, **kwargs)` under the capture (once).
-    `claimed_norms`: the B norms (array or list), or a callable `claimed_norms(params, inputs)`.
-    `clipped_sum`, `update`: dicts keyed by parameter name (the Flax path joined with '.') or the
-    params pytree itself; a parameter stacked by `nn.scan` (L×…) is written as its L layers,
-    `name[l]`, and may also be given so. `is_padding_example`: a (B,) bool array; those examples are left out of
-    the trace (and of `claimed_norms`, which has B entries). `dtype`: the precision the factors
-    are stored in ("f64", "f32", "f16", "bf16"; default each site's own). `batch_axis`: the axis
-    of `inputs` that holds the examples, as for `ghost_oracle.torch.export_trace`; 0 is the only
-    one this exporter follows (below)."""
+    Two routes, by the first argument:
+
+    - `export_trace(model, params, per_example_loss, inputs, path, ...)` with a Flax linen
+      `model` (below);
+    - `export_trace(fun, params, batch, path, ...)` with any other callable: `fun(params, batch)`
+      returns the loss of the examples in `batch` (B first), the function jax_privacy's
+      `clipped_grad` clips; `batch_argnums` and `keep_batch_dim` mean what they mean there. It is
+      captured from its jaxpr (`ghost_oracle.jax.program`); parameters are named by their pytree
+      key path joined with '.', a leaf stacked on its first axis and used a layer at a time as
+      `name[l]`.
+
+    The linen route: `per_example_loss(apply, inputs)` returns the B losses, where
+    `apply(*args, **kwargs)` runs `model.apply({"params": params}, *args, **kwargs)` under the
+    capture (once). Both routes: `claimed_norms`: the B norms (array or list), or a callable
+    `claimed_norms(params, inputs)`; default `UNCLAIMED` (placeholders). `clipped_sum`,
+    `update`: dicts keyed by parameter name or the params pytree itself; a parameter stacked by
+    `nn.scan` (L×…) is written as its L layers, `name[l]`, and may also be given so.
+    `is_padding_example`: a (B,) bool array; those examples are left out of the trace (and of
+    `claimed_norms`, which has B entries). `dtype`: the precision the factors are stored in
+    ("f64", "f32", "f16", "bf16"; default each site's own). `batch_axis`: the axis of `inputs`
+    that holds the examples, as for `ghost_oracle.torch.export_trace`; 0 is the only one this
+    exporter follows (below)."""
+    step_keywords: dict[str, Any] = dict(
+        max_grad_norm=max_grad_norm, claimed_norms=claimed_norms, clipper=clipper,
+        claimed_coefficients=claimed_coefficients, noise_multiplier=noise_multiplier, dtype=dtype, update=update,
+        clipped_sum=clipped_sum, batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping,
+        batch_axis=batch_axis, is_padding_example=is_padding_example)
+    if not isinstance(model, nn.Module):
+        from .program import export_program_trace
+
+        # the program route's path is its fourth argument (`inputs`' place), or given by keyword
+        if inputs is not None and path is not None:
+            raise TypeError("export_trace(fun, params, batch, path, ...): the program route takes one path; got "
+                            "a fifth positional argument as well")
+        target = path if inputs is None else inputs
+        if target is None:
+            raise TypeError("export_trace(fun, params, batch, path, ...): missing the path to write")
+        return export_program_trace(model, params, per_example_loss, target, batch_argnums=batch_argnums,
+                                    keep_batch_dim=keep_batch_dim, **step_keywords)
+    if batch_argnums != 1 or keep_batch_dim is not True:
+        raise ValueError("batch_argnums and keep_batch_dim are the program route's (export_trace(fun, params, batch, "
+                         "path)); a linen model takes per_example_loss and inputs instead")
+    if path is None:
+        raise TypeError("export_trace(model, params, per_example_loss, inputs, path, ...): missing the path")
+    return _export_linen(model, params, per_example_loss, inputs, path, **step_keywords)
+
+
+def _export_linen(model: nn.Module, params: Any, per_example_loss: PerExampleLoss, inputs: Any,
+                  path: str | os.PathLike[str], *, claimed_norms: Any, max_grad_norm: float,
+                  clipper: str = "claimed", claimed_coefficients: Any = None, noise_multiplier: float | None = None,
+                  dtype: str | None = None, update: Any = None, clipped_sum: Any = None,
+                  batch_divisor: float | None = None, clip_stabilizer: float = 0.0, clipping: str = "flat",
+                  batch_axis: int = 0, is_padding_example: Any = None) -> list[dict[str, Any]]:
+    """The linen route of `export_trace`: capture by `nn.intercept_methods` (`capture.py`)."""
     _check_batch_axis(batch_axis)
     path = check_target(path, "path")  # before the model runs: a path that cannot be written fails fast
     c = number(max_grad_norm, "max_grad_norm", positive=True)

@@ -1,0 +1,172 @@
+"""`export_trace` for any JAX program: the function jax_privacy clips, `fun(params, batch)`,
+traced per example to a jaxpr (`examples.py`, `capture.py`); its uses become the shared core's
+sites (`ghost_oracle._trace`), checked against `jax.grad` of the summed per-example losses
+before anything is written."""
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..._atomic import check_target
+from ..._trace import site as core
+from ..._trace.check import Against, check_parameter
+from ..._trace.format import PRECISION_NAMES, UNCLAIMED, TraceExportError, number, step_rule
+from ..._trace.site import Precision
+from ..._trace.writer import write_trace
+from ..check import STORAGE
+from ..sites import precision_of, raw_bits
+from .capture import capture
+from .examples import build, check_batch_loss, per_example_losses
+from .gather import ids_in_table
+from .naming import param_name, step_tensors
+
+JAX_GRAD = Against("jax.grad", "The program's uses were differentiated through their primal program where a custom "
+                               "derivative rule says otherwise, or a loop's trip count differs between examples")
+
+
+@dataclass
+class _Site:
+    name: str
+    param: str
+    kind: core.SiteKind
+    tensors: dict[str, np.ndarray]
+    precision: str
+    where: str
+    perm: np.ndarray
+    vocab: int | None
+
+    def handover(self) -> core.Site[np.ndarray]:
+        return core.Site(name=self.name, param=self.param, kind=self.kind,
+                         tensors={k: raw_bits(v) for k, v in self.tensors.items()},
+                         precision=cast(Precision, self.precision), origin=self.where, vocab=self.vocab)
+
+
+def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path: str | os.PathLike[str], *,
+                         max_grad_norm: float, claimed_norms: Any = UNCLAIMED, clipper: str = "claimed",
+                         claimed_coefficients: Any = None, noise_multiplier: float | None = None,
+                         dtype: str | None = None, update: Any = None, clipped_sum: Any = None,
+                         batch_divisor: float | None = None, clip_stabilizer: float = 0.0, clipping: str = "flat",
+                         batch_axis: int = 0, is_padding_example: Any = None, batch_argnums: int | tuple[int, ...] = 1,
+                         keep_batch_dim: bool = True) -> list[dict[str, Any]]:
+    from ..trace import _check_batch_axis, _per_example
+
+    _check_batch_axis(batch_axis)
+    path = check_target(path, "path")
+    c = number(max_grad_norm, "max_grad_norm", positive=True)
+    if noise_multiplier is not None:
+        number(noise_multiplier, "noise_multiplier", positive=False)
+    if dtype is not None and dtype not in PRECISION_NAMES:
+        raise ValueError(f"dtype must be one of {list(PRECISION_NAMES)}, got {dtype!r}")
+    batch_divisor, clip_stabilizer = step_rule(
+        batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping, has_update=update is not None,
+        divisor_is="jax_privacy: normalize_by, times C with rescale_to_unit_norm")
+    prog = build(fun, params, batch, batch_argnums, keep_batch_dim)
+    b = prog.batch
+    if is_padding_example is None:
+        keep = np.ones(b, dtype=bool)
+    else:
+        pad = np.asarray(is_padding_example)
+        if pad.shape != (b,) or pad.dtype != np.bool_:
+            raise ValueError(f"is_padding_example must be a bool array of shape ({b},), got {pad.dtype} "
+                             f"{list(pad.shape)}")
+        keep = ~pad
+        if not keep.any():
+            raise ValueError("is_padding_example marks every example as padding: nothing to trace")
+    check_batch_loss(prog, per_example_losses(prog))
+    captured = capture(prog)
+
+    # a leaf's uses are all of the whole leaf, or all of single layers of it (stacked on axis 0)
+    layered: dict[int, set[int | None]] = {}
+    for u in captured.uses:
+        layered.setdefault(u.leaf, set()).add(u.layer)
+    for leaf, layers in layered.items():
+        if None in layers and len(layers) > 1:
+            where = next(u.where for u in captured.uses if u.leaf == leaf and u.layer is not None)
+            raise TraceExportError(f"parameter `{prog.names[leaf]}` is used whole and one layer at a time ({where}); "
+                                   "its sites would write it in two ways")
+    stacked = {prog.names[leaf]: int(np.shape(prog.leaves[leaf])[0]) for leaf, layers in layered.items()
+               if None not in layers}
+
+    sites: list[_Site] = []
+    seen: dict[str, int] = {}
+    for u, back, rec in zip(captured.uses, captured.backprops, captured.recorded, strict=True):
+        param = param_name(prog.names[u.leaf], u.layer)
+        k = seen.get(param, 0)
+        seen[param] = k + 1
+        tensors: dict[str, np.ndarray] = {"backprops": back[keep]}
+        if u.kind == "embedding":
+            columns = rec.get("columns")
+            ids = ids_in_table(param, u, rec["ids"].reshape(b, -1).astype(np.int64),
+                               None if columns is None else np.asarray(columns))
+            tensors["ids"] = ids[keep]
+        elif "activations" in rec:
+            tensors["activations"] = rec["activations"][keep]
+        sites.append(_Site(name=param if k == 0 else f"{param}@{k}", param=param, kind=u.kind, tensors=tensors,
+                           precision=u.precision, where=u.where, perm=u.perm, vocab=u.vocab))
+    for s in sites:
+        want = STORAGE[dtype or s.precision]
+        s.tensors = {k: (v if k == "ids" else np.ascontiguousarray(v.astype(want))) for k, v in s.tensors.items()}
+
+    kept = jnp.asarray(keep)
+
+    def summed_loss(leaves: list[Any]) -> Any:
+        losses = jax.vmap(prog.example_loss, in_axes=(None, 0))(leaves, prog.batched)
+        return jnp.sum(jnp.where(kept, losses, jnp.zeros_like(losses)))
+
+    summed = jax.grad(summed_loss)(prog.leaves)
+    grads: dict[str, np.ndarray] = {}
+    for leaf, name in enumerate(prog.names):
+        g = np.asarray(summed[leaf])
+        if name in stacked:
+            for layer in range(stacked[name]):
+                grads[param_name(name, layer)] = g[layer]
+        else:
+            grads[name] = g
+    by_param: dict[str, list[_Site]] = {}
+    for s in sites:
+        by_param.setdefault(s.param, []).append(s)
+    unused = []
+    for name, grad in grads.items():
+        uses = by_param.get(name)
+        if not uses:
+            if np.any(grad != 0):
+                raise TraceExportError(f"parameter `{name}` received a gradient but has no site: the interpreter met "
+                                       "no use of it")
+            unused.append(name)
+            continue
+        if any(not np.array_equal(s.perm, uses[0].perm) for s in uses[1:]):
+            raise TraceExportError(f"parameter `{name}` is used by sites that flatten it differently "
+                                   f"({'; '.join(s.where for s in uses)}); one parameter must have one layout")
+        check_parameter(f"parameter `{name}`", [s.handover() for s in uses],
+                        raw_bits(np.ascontiguousarray(grad.reshape(-1)[uses[0].perm])),
+                        cast(Precision, precision_of(grad.dtype, f"parameter `{name}`'s gradient")),
+                        dtype, JAX_GRAD)
+    for name in unused:
+        warnings.warn(f"parameter `{name}` received no gradient: it is left out of the trace", stacklevel=3)
+    if not sites:
+        raise TraceExportError(f"the program uses none of its parameters {prog.names[:4]}: there is no site")
+    parameters = {name: int(g.size) for name, g in grads.items() if name not in unused}
+    perms = {s.param: s.perm for s in sites}
+    b_real = int(keep.sum())
+    if claimed_norms is UNCLAIMED:
+        norms = np.ones(b_real)
+    else:
+        if callable(claimed_norms):
+            claimed_norms = claimed_norms(params, batch)
+        norms = _per_example(claimed_norms, b, "claimed_norms")[keep]
+    coefficients = None if claimed_coefficients is None else \
+        _per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
+    step = {what: {k: raw_bits(v) for k, v in
+                   step_tensors(what, given, prog.names, stacked, parameters, perms).items()}
+            for what, given in (("clipped_sum", clipped_sum), ("update", update)) if given is not None}
+    return write_trace(path, sites=[s.handover() for s in sites], parameters=parameters, claimed_norms=norms,
+                       claimed_coefficients=coefficients, step=step, rounding=None, rounding_method=None,
+                       max_grad_norm=c, clipper=clipper, noise_multiplier=noise_multiplier,
+                       batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping)
