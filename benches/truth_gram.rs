@@ -57,6 +57,7 @@ impl Gen {
             activations: Some(self.dense(input, 1.0)),
             ids: None,
             backprops: self.dense(out, 1e-3),
+            conv: None,
         }
     }
 
@@ -66,6 +67,7 @@ impl Gen {
             activations: None,
             ids: None,
             backprops: self.dense(out, 1e-3),
+            conv: None,
         }
     }
 
@@ -75,6 +77,7 @@ impl Gen {
             activations: Some(self.dense(HIDDEN, 1.0)),
             ids: None,
             backprops: self.dense(HIDDEN, 1e-3),
+            conv: None,
         }
     }
 
@@ -109,6 +112,7 @@ impl Gen {
                 activations: None,
                 ids: Some(ids),
                 backprops: self.dense(HIDDEN, 1e-3),
+                conv: None,
             },
             self.norm("model.norm.weight"),
             Site {
@@ -116,6 +120,7 @@ impl Gen {
                 activations: Some(self.dense(HIDDEN, 1.0)),
                 ids: None,
                 backprops: self.dense(VOCAB, 1e-4),
+                conv: None,
             },
         ]
     }
@@ -157,6 +162,7 @@ fn conv(runs: usize, b: usize) {
             activations: Some(g.dense(d_in, 1.0)),
             ids: None,
             backprops: g.dense(d_out, 1e-3),
+            conv: None,
         }],
     };
     println!("B = {b}, {rows} rows, d_in = {d_in}, d_out = {d_out}, median of {runs}; seconds");

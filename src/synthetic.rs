@@ -97,12 +97,14 @@ pub fn synthetic_trace(spec: &SyntheticSpec, seed: u64) -> Trace {
             activations: None,
             ids: Some(ids),
             backprops: e.clone(),
+            conv: None,
         },
         Site {
             spec: site("head", "tied", SiteKind::Linear, None),
             activations: Some(e),
             ids: None,
             backprops: delta,
+            conv: None,
         },
     ];
     let (p, q) = (d, (d + 3) % 12 + 1);
@@ -113,12 +115,14 @@ pub fn synthetic_trace(spec: &SyntheticSpec, seed: u64) -> Trace {
         activations: Some(dense(&mut rng, b, t, p, sa)),
         ids: None,
         backprops: conv_bp.clone(),
+        conv: None,
     });
     sites.push(Site {
         spec: site("conv.bias", "conv.bias", SiteKind::Bias, None),
         activations: None,
         ids: None,
         backprops: conv_bp,
+        conv: None,
     });
     let sl = scale(&mut rng);
     let ln_bp = dense(&mut rng, b, t, d, sl);
@@ -127,12 +131,14 @@ pub fn synthetic_trace(spec: &SyntheticSpec, seed: u64) -> Trace {
         activations: Some(dense(&mut rng, b, t, d, 1.0)),
         ids: None,
         backprops: ln_bp.clone(),
+        conv: None,
     });
     sites.push(Site {
         spec: site("ln.bias", "ln.bias", SiteKind::Bias, None),
         activations: None,
         ids: None,
         backprops: ln_bp,
+        conv: None,
     });
     for call in 0..2 {
         let (s1, s2) = (scale(&mut rng), scale(&mut rng));
@@ -146,6 +152,7 @@ pub fn synthetic_trace(spec: &SyntheticSpec, seed: u64) -> Trace {
             activations: Some(dense(&mut rng, b, t, p, s1)),
             ids: None,
             backprops: dense(&mut rng, b, t, q, s2),
+            conv: None,
         });
     }
     // Drawn last, so that a seed's T-row sites do not depend on these.
@@ -160,6 +167,7 @@ pub fn synthetic_trace(spec: &SyntheticSpec, seed: u64) -> Trace {
         activations: Some(dense(&mut rng, b, 1, p, s1)),
         ids: None,
         backprops: dense(&mut rng, b, 1, q, s2),
+        conv: None,
     });
     let patches = 2 * t + 1;
     let (sa, sb) = (scale(&mut rng), scale(&mut rng));
@@ -169,12 +177,14 @@ pub fn synthetic_trace(spec: &SyntheticSpec, seed: u64) -> Trace {
         activations: Some(dense(&mut rng, b, patches, q, sa)),
         ids: None,
         backprops: patch_bp.clone(),
+        conv: None,
     });
     sites.push(Site {
         spec: site("patch.bias", "patch.bias", SiteKind::Bias, None),
         activations: None,
         ids: None,
         backprops: patch_bp,
+        conv: None,
     });
     Trace { sites }
 }

@@ -67,12 +67,14 @@ fn long_reductions_split_across_threads_keep_the_norm_exact() {
                 activations: None,
                 ids: Some(ids),
                 backprops: e,
+                conv: None,
             },
             Site {
                 spec: spec("head", SiteKind::Linear, None),
                 activations: Some(h),
                 ids: None,
                 backprops: delta,
+                conv: None,
             },
         ],
     };

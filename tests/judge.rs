@@ -439,6 +439,7 @@ fn sum_case() -> (Truth, Tolerance) {
         activations: None,
         ids: None,
         backprops: Array3::from_shape_fn((2, 1, rows[0].len()), |(i, _, k)| rows[i][k]),
+        conv: None,
     };
     t.factors = Some(RefTrace {
         sites: vec![
@@ -645,6 +646,7 @@ fn site(
         activations: activations.map(|a| stack(&a, false)),
         ids: ids.map(|ids| Array2::from_shape_fn((b, ids.len()), |(_, t)| ids[t])),
         backprops: stack(&backprops, true),
+        conv: None,
     }
 }
 
@@ -1020,6 +1022,7 @@ fn a_table_larger_than_a_block_is_judged_block_by_block_with_every_row_in_its_pl
         activations: None,
         ids: Some(Array2::from_shape_fn((2, 3), |(_, t)| ids[t])),
         backprops: Array3::from_shape_fn((2, 3, d), |(i, _, _)| (i + 1) as f64),
+        conv: None,
     };
     let judge = Judge::from_trace(RefTrace { sites: vec![site] }).unwrap();
     assert_eq!(judge.truth.norms, vec![48f64.sqrt(), 192f64.sqrt()]);

@@ -169,6 +169,7 @@ fn cancelling_trace() -> RefTrace {
         activations: Some(act.clone()),
         ids: None,
         backprops,
+        conv: None,
     };
     RefTrace {
         sites: vec![site("first", bp.clone()), site("second", &noise - &bp)],

@@ -97,6 +97,7 @@ fn linear(name: &str, param: &str, activations: Array3<f64>, backprops: Array3<f
         activations: Some(activations),
         ids: None,
         backprops,
+        conv: None,
     }
 }
 

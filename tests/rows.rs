@@ -63,6 +63,7 @@ impl Gen {
             activations,
             ids,
             backprops,
+            conv: None,
         }
     }
 }

@@ -37,6 +37,7 @@ fn trace() -> RefTrace {
         activations,
         ids: None,
         backprops,
+        conv: None,
     };
     let (a1, d1, a2, d2, db) = (arr(P), arr(Q), arr(P), arr(Q), arr(Q));
     RefTrace {

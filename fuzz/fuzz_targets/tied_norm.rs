@@ -48,8 +48,8 @@ fuzz_target!(|inp: Input| {
     let ids = Array2::from_shape_fn((b, t), |(i, j)| *inp.ids.get(i * t + j).unwrap_or(&0) as i64 % (v as i64 + 1));
     let rt = RefTrace {
         sites: vec![
-            Site { spec: SiteSpec { name: "emb".into(), param: "w".into(), kind: SiteKind::Embedding, vocab: Some(v) }, activations: None, ids: Some(ids), backprops: e },
-            Site { spec: SiteSpec { name: "head".into(), param: "w".into(), kind: SiteKind::Linear, vocab: None }, activations: Some(h), ids: None, backprops: delta },
+            Site { spec: SiteSpec { name: "emb".into(), param: "w".into(), kind: SiteKind::Embedding, vocab: Some(v) }, activations: None, ids: Some(ids), backprops: e, conv: None },
+            Site { spec: SiteSpec { name: "head".into(), param: "w".into(), kind: SiteKind::Linear, vocab: None }, activations: Some(h), ids: None, backprops: delta, conv: None },
         ],
     };
     let out_of_table = rt.sites[0].ids.as_ref().unwrap().iter().any(|&x| x >= v as i64);

@@ -32,7 +32,9 @@
 //! reference      gradient.rs     one example's loss and materialized gradient
 //!                reference.rs    a batch's norms and tied splits (compute)
 //! trace          site.rs         one use of a parameter: its kind, spec and gradient shape
-//! ├─ factors     trace.rs        a batch's factors per site, and their brute-force norms
+//! ├─ factors     trace.rs        a batch's factors per site, and their brute-force norms;
+//! │              conv.rs         a convolution stored as its input and geometry, unfolded an
+//! │                              example at a time
 //! ├─ shapes      trace_shape.rs  the shapes the factors must have, on dimensions alone
 //! └─ file        trace_file/     the trace file (read_trace, write_trace): mod.rs the factors
 //!                                and claimed norms, header.rs `__metadata__`, step.rs the
@@ -58,6 +60,7 @@
 mod batch;
 mod checkpoint;
 mod clipping;
+mod conv;
 mod decoder;
 mod error;
 mod families;
@@ -80,6 +83,7 @@ mod trace_shape;
 pub use batch::{Batch, IGNORE};
 pub use checkpoint::{load, load_resident, Blocks, FromCheckpoint};
 pub use clipping::Clipping;
+pub use conv::{ConvGeometry, ConvInput, MAX_CONV_ENTRY};
 pub use decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
 pub use families::gpt2::{Gpt2, Gpt2Config, Gpt2Params};
@@ -101,9 +105,9 @@ pub use safetensors::Dtype;
 pub use site::{SiteKind, SiteSpec};
 pub use stored::StoredBlocks;
 pub use tensors::Floats;
-pub use trace::{Site, TiedParameter, Trace};
+pub use trace::{Site, SiteRows, TiedParameter, Trace};
 pub use trace_file::{
     read_trace, read_trace_bytes, read_trace_bytes_within, read_trace_within, write_trace,
     MemoryBudget, ModelRounding, ParamValues, StepClaim, TraceMeta, GRADIENT_BLOCK_BYTES,
 };
-pub use trace_shape::{validate_shapes, IdAt, SiteShape};
+pub use trace_shape::{validate_shapes, ConvShape, IdAt, SiteShape};

@@ -2,12 +2,13 @@
 //! reads. The reference records them from its own forward/backward; `materialized_norms`
 //! rebuilds every per-example gradient from them by brute force.
 
+use crate::conv::ConvInput;
 use crate::error::{bail, Result};
 use crate::matmul::{product_into, Accumulate};
 use crate::precision::Precision;
 use crate::site::{SiteKind, SiteSpec};
-use crate::trace_shape::{validate_shapes, IdAt, SiteShape};
-use ndarray::{s, Array2, Array3, Axis};
+use crate::trace_shape::{validate_shapes, ConvShape, IdAt, SiteShape};
+use ndarray::{s, Array2, Array3, Axis, CowArray, Ix2};
 use std::collections::BTreeMap;
 use std::ops::Range;
 
@@ -86,12 +87,95 @@ impl SiteRecord {
 pub struct Site {
     /// Name, parameter and kind.
     pub spec: SiteSpec,
-    /// B×R×in (linear, conv1d; for layernorm the normalized input x̂).
+    /// B×R×in (linear, conv1d; for layernorm the normalized input x̂). `None` for a
+    /// convolution stored as its input ([`Site::conv`]).
     pub activations: Option<Array3<f64>>,
     /// B×R ids (embedding).
     pub ids: Option<Array2<i64>>,
-    /// B×R×out: gradient of each example's own loss with respect to the site's output.
+    /// B×R×out: gradient of each example's own loss with respect to the site's output; for a
+    /// convolution stored as its input, B×P×C_out (its output positions).
     pub backprops: Array3<f64>,
+    /// A convolution's weight (kind `linear`) stored as the convolution's input and geometry
+    /// (format /2), each input value once, instead of unfolded `activations`. Read it through
+    /// [`Site::rows`], which unfolds one example at a time.
+    pub conv: Option<ConvInput>,
+}
+
+/// One example's factors at a site in the row form every kind's gradient is written from
+/// (Σ_r backprops_r ⊗ activations_r in the parameter's layout): borrowed from a row-form site,
+/// unfolded for a convolution stored as its input.
+#[derive(Debug)]
+pub struct SiteRows<'a> {
+    /// R×in (linear, conv1d, layernorm); `None` for the kinds without activations.
+    pub activations: Option<CowArray<'a, f64, Ix2>>,
+    /// R×out.
+    pub backprops: CowArray<'a, f64, Ix2>,
+}
+
+impl Site {
+    /// Example `i`'s factors as R rows ([`SiteRows`]): the only way the reference and the judge
+    /// read a site's activations and backprops, so a convolution stored as its input (unfolded
+    /// here, one example at a time, into the /1 layout: rows (position, group), the other
+    /// groups' channels of the backprops zeroed) gives every consumer exactly the factors of
+    /// its unfolded twin.
+    pub fn rows(&self, i: usize) -> SiteRows<'_> {
+        let bp = self.backprops.index_axis(Axis(0), i);
+        match &self.conv {
+            None => SiteRows {
+                activations: self
+                    .activations
+                    .as_ref()
+                    .map(|a| a.index_axis(Axis(0), i).into()),
+                backprops: bp.into(),
+            },
+            Some(c) => SiteRows {
+                activations: Some(c.unfold(i).into()),
+                backprops: c.spread_backprops(bp),
+            },
+        }
+    }
+
+    /// R, the rows of one example's factors as [`Site::rows`] gives them: P·g for a
+    /// convolution stored as its input.
+    pub fn row_count(&self) -> usize {
+        match &self.conv {
+            None => self.backprops.dim().1,
+            Some(c) => c.rows(),
+        }
+    }
+
+    /// The rows an entry of the site's gradient sums over: R, or P for a convolution stored as
+    /// its input (of its P·g rows only the P of an entry's group are not zero).
+    pub fn accumulation_length(&self) -> usize {
+        self.backprops.dim().1
+    }
+
+    /// The width of a row's activations (C_in/g·∏k for a convolution stored as its input);
+    /// `None` for the kinds without activations.
+    pub fn input_width(&self) -> Option<usize> {
+        match &self.conv {
+            None => self.activations.as_ref().map(|a| a.dim().2),
+            Some(c) => Some(c.patch_width()),
+        }
+    }
+
+    /// The site's factors as dimensions ([`SiteShape`]).
+    pub fn shape(&self) -> SiteShape<'_> {
+        SiteShape {
+            spec: &self.spec,
+            backprops: self.backprops.shape(),
+            activations: self.activations.as_ref().map(|a| a.shape()),
+            ids: self.ids.as_ref().map(|i| i.shape()),
+            id_range: self
+                .ids
+                .as_ref()
+                .and_then(|i| IdAt::extremes(i.iter().copied(), i.ncols())),
+            conv: self.conv.as_ref().map(|c| ConvShape {
+                geometry: &c.geometry,
+                inputs: c.inputs.shape(),
+            }),
+        }
+    }
 }
 
 /// A parameter more than one site writes, with those sites' names and kinds: its gradient is
@@ -141,6 +225,7 @@ impl TraceBuilder {
                         .map(|a| Array3::zeros((b, a.nrows(), a.ncols()))),
                     ids: r.ids.as_ref().map(|ids| Array2::zeros((b, ids.len()))),
                     backprops: Array3::zeros((b, r.backprops.nrows(), r.backprops.ncols())),
+                    conv: None,
                 })
                 .collect();
         }
@@ -181,6 +266,10 @@ impl Trace {
                     activations: s.activations.as_ref().map(round),
                     ids: s.ids.clone(),
                     backprops: round(&s.backprops),
+                    conv: s.conv.as_ref().map(|c| ConvInput {
+                        geometry: c.geometry.clone(),
+                        inputs: round(&c.inputs),
+                    }),
                 })
                 .collect(),
         }
@@ -221,19 +310,7 @@ impl Trace {
 
     /// Every site's factors as dimensions.
     pub fn shapes(&self) -> Vec<SiteShape<'_>> {
-        self.sites
-            .iter()
-            .map(|s| SiteShape {
-                spec: &s.spec,
-                backprops: s.backprops.shape(),
-                activations: s.activations.as_ref().map(|a| a.shape()),
-                ids: s.ids.as_ref().map(|i| i.shape()),
-                id_range: s
-                    .ids
-                    .as_ref()
-                    .and_then(|i| IdAt::extremes(i.iter().copied(), i.ncols())),
-            })
-            .collect()
+        self.sites.iter().map(Site::shape).collect()
     }
 
     /// The factors fit together and every site of a parameter writes one gradient shape
@@ -245,7 +322,7 @@ impl Trace {
     /// (rows, cols) of the gradient site `j` writes, in its parameter's layout.
     pub fn site_gradient_shape(&self, j: usize) -> (usize, usize) {
         let site = &self.sites[j];
-        let input = site.activations.as_ref().map_or(0, |a| a.dim().2);
+        let input = site.input_width().unwrap_or(0);
         site.spec
             .kind
             .gradient_shape(site.backprops.dim().2, input, site.spec.vocab)
@@ -272,17 +349,19 @@ impl Trace {
         out: &mut Array2<f64>,
     ) -> Result<()> {
         let site = &self.sites[j];
-        let act = |i: usize| {
-            site.activations
-                .as_ref()
-                .map(|a| a.slice(s![i, .., ..]))
-                .expect("a linear, conv1d or layernorm site has activations")
-        };
         for (i, &w) in weights.iter().enumerate() {
             if w == 0.0 {
                 continue;
             }
-            let bp = site.backprops.slice(s![i, .., ..]);
+            let factors = site.rows(i);
+            let bp = factors.backprops.view();
+            let act = |_: usize| {
+                factors
+                    .activations
+                    .as_ref()
+                    .map(|a| a.view())
+                    .expect("a linear, conv1d or layernorm site has activations")
+            };
             match site.spec.kind {
                 SiteKind::Linear => product_into(
                     w,

@@ -2,6 +2,7 @@
 //! reference's arrays, a trace file's tensors and a clipper's device tensors are held to one
 //! rule with one set of messages.
 
+use crate::conv::ConvGeometry;
 use crate::error::{bail, Error, Result};
 use crate::site::{SiteKind, SiteSpec};
 use std::collections::HashMap;
@@ -60,6 +61,30 @@ pub struct SiteShape<'a> {
     pub ids: Option<&'a [usize]>,
     /// The smallest and the largest id ([`IdAt::extremes`]), when the site has ids.
     pub id_range: Option<(IdAt, IdAt)>,
+    /// A convolution stored as its input (format /2): its geometry and the inputs' dimensions.
+    pub conv: Option<ConvShape<'a>>,
+}
+
+/// A convolution stored as its input, as dimensions.
+#[derive(Clone, Copy, Debug)]
+pub struct ConvShape<'a> {
+    /// Kernel, stride, dilation, padding, groups and the input's spatial sizes.
+    pub geometry: &'a ConvGeometry,
+    /// B × C_in × ∏S_d (the spatial axes flattened).
+    pub inputs: &'a [usize],
+}
+
+impl ConvShape<'_> {
+    /// C_in/g · ∏k, the columns of the weight's gradient (0 for dimensions not yet validated).
+    fn patch_width(&self) -> usize {
+        let channels = self.inputs.get(1).copied().unwrap_or(0);
+        let kernel = self
+            .geometry
+            .kernel
+            .iter()
+            .fold(1usize, |a, &k| a.saturating_mul(k));
+        (channels / self.geometry.groups.max(1)).saturating_mul(kernel)
+    }
 }
 
 impl SiteShape<'_> {
@@ -67,11 +92,13 @@ impl SiteShape<'_> {
     /// the shapes are validated).
     pub fn gradient_shape(&self) -> (usize, usize) {
         let width = |d: Option<&[usize]>| d.and_then(|d| d.get(2)).copied().unwrap_or(0);
-        self.spec.kind.gradient_shape(
-            width(Some(self.backprops)),
-            width(self.activations),
-            self.spec.vocab,
-        )
+        let input = match &self.conv {
+            Some(c) => c.patch_width(),
+            None => width(self.activations),
+        };
+        self.spec
+            .kind
+            .gradient_shape(width(Some(self.backprops)), input, self.spec.vocab)
     }
 }
 
@@ -108,6 +135,9 @@ fn check_site(s: &SiteShape<'_>, (first, batch): (&str, usize)) -> Result<()> {
         bail!(
             "site `{n}`: `{bp}` is {b}×0×{out}: no rows; a site has at least one row per example"
         );
+    }
+    if let Some(c) = &s.conv {
+        return check_conv(s, c, [b, rows, out]);
     }
     if kind.needs_activations() {
         let an = format!("{n}.activations");
@@ -159,6 +189,69 @@ fn check_site(s: &SiteShape<'_>, (first, batch): (&str, usize)) -> Result<()> {
                 );
             }
         }
+    }
+    Ok(())
+}
+
+/// A convolution stored as its input (format /2, docs/trace-format.md): a `linear` site with no
+/// `activations` or `ids`, a consistent geometry, C_in and C_out divisible by the groups, the
+/// inputs of the batch, and one row of backprops per output position.
+fn check_conv(s: &SiteShape<'_>, c: &ConvShape<'_>, [b, rows, out]: [usize; 3]) -> Result<()> {
+    let n = &s.spec.name;
+    let kind = s.spec.kind;
+    let inp = format!("{n}.inputs");
+    let bp = format!("{n}.backprops");
+    match kind {
+        SiteKind::Linear => {}
+        SiteKind::Conv1d | SiteKind::Embedding | SiteKind::Bias | SiteKind::LayerNorm => bail!(
+            "site `{n}` ({}): `conv` is only for a convolution's weight, a site of kind `linear`",
+            kind.name()
+        ),
+    }
+    if s.activations.is_some() {
+        bail!("site `{n}`: tensor `{n}.activations` is given but the site is stored as its convolution's input (`conv`, tensor `{inp}`); a site holds one or the other");
+    }
+    if s.ids.is_some() {
+        bail!("site `{n}`: tensor `{n}.ids` is given but a convolution reads no ids");
+    }
+    let g = c.geometry;
+    let positions = g
+        .positions()
+        .map_err(|e| Error::new(format!("site `{n}`: `conv`: {e}")))?;
+    let [ib, c_in, spatial] = match *c.inputs {
+        [ib, c_in, spatial] => [ib, c_in, spatial],
+        _ => bail!(
+            "tensor `{inp}` has shape {:?}; expected batch × channels × spatial",
+            c.inputs
+        ),
+    };
+    if ib != b {
+        bail!("site `{n}`: `{inp}` holds {ib} examples but `{bp}` {b}");
+    }
+    if spatial != g.input_volume() {
+        bail!(
+            "site `{n}`: `{inp}` holds {spatial} values a channel but its spatial sizes {:?} make {}",
+            g.input_size,
+            g.input_volume()
+        );
+    }
+    if c_in == 0 || c_in % g.groups != 0 {
+        bail!(
+            "site `{n}`: `{inp}` has {c_in} channels, not a positive multiple of `conv.groups` = {}",
+            g.groups
+        );
+    }
+    if out % g.groups != 0 {
+        bail!(
+            "site `{n}`: `{bp}` has {out} output channels, not a multiple of `conv.groups` = {}",
+            g.groups
+        );
+    }
+    if rows != positions {
+        bail!(
+            "site `{n}`: `{bp}` has {rows} rows but the geometry gives {positions} output positions ({:?})",
+            g.output_size().unwrap_or_default()
+        );
     }
     Ok(())
 }

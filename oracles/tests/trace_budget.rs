@@ -90,6 +90,7 @@ fn honest_tables(path: &Path, k: usize) {
                     backprops: Array3::from_shape_fn((B, T, D), |(b, t, c)| {
                         ((b * 7 + t * 3 + c + i) as f64).sin()
                     }),
+                    conv: None,
                 }
             })
             .collect(),

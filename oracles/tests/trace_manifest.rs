@@ -43,6 +43,7 @@ fn site(
         ids: (kind == SiteKind::Embedding)
             .then(|| Array2::from_shape_fn((B, T), |(b, t)| ((b + 2 * t) % V) as i64)),
         backprops: filled((B, T, out), 1.5),
+        conv: None,
     }
 }
 

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Trace file (safetensors, format ghost-oracle-trace/1; docs/trace-format.md).
+    /// Trace file (safetensors, format ghost-oracle-trace/1 or /2; docs/trace-format.md).
     trace: PathBuf,
     /// Precision the tolerance assumes. Default: the coarser of the stored factors' dtype and
     /// the trace's `compute_dtype`.

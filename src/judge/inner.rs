@@ -8,31 +8,47 @@
 //! shared by a clipper's kernel and the judge would be invisible to the audit.
 
 use ghost_oracle_reference::{product_into, Accumulate};
-use ghost_oracle_reference::{SiteKind, Trace as RefTrace};
-use ndarray::{s, Array2, Array3, ArrayView2, ArrayView3, CowArray, Ix3, Zip};
+use ghost_oracle_reference::{Site, SiteKind, Trace as RefTrace};
+use ndarray::{s, Array2, Array3, ArrayView1, ArrayView2, CowArray, Ix2, Zip};
 
-/// The factor along the layout's rows (u_t), for every example.
-enum RowSide<'a> {
-    /// B×R×rows.
-    Dense(CowArray<'a, f64, Ix3>),
-    /// B×R ids: u_t = onehot(id_t), so a product with it is a lookup.
+/// Where a site's two factors come from, per example.
+enum Layout {
+    /// u_t = δ_t, v_t = a_t (linear; a convolution's rows unfolded by [`Site::rows`]).
+    Linear,
+    /// u_t = a_t, v_t = δ_t (HF Conv1D).
+    Conv1d,
+    /// u_t = onehot(id_t) (B×R ids, validated inside the table), v_t = δ_t.
     OneHot(Array2<usize>),
+    /// u_t = δ_t, v_t = 1.
+    Bias,
+    /// u_t = δ_t ⊙ x̂_t (B×R×out, formed once), v_t = 1.
+    LayerNorm(Array3<f64>),
 }
 
-/// The factor along the layout's columns (v_t), for every example.
+/// The factor along the layout's rows (u_t) of one example.
+enum RowSide<'a> {
+    /// R×rows.
+    Dense(CowArray<'a, f64, Ix2>),
+    /// R ids: u_t = onehot(id_t), so a product with it is a lookup.
+    OneHot(ArrayView1<'a, usize>),
+}
+
+/// The factor along the layout's columns (v_t) of one example.
 enum ColSide<'a> {
-    /// B×R×cols.
-    Dense(ArrayView3<'a, f64>),
+    /// R×cols.
+    Dense(CowArray<'a, f64, Ix2>),
     /// v_t = 1, the single column of a bias-like gradient.
     Ones,
 }
 
-/// One site's two factors in its parameter's layout.
+/// One site's two factors in its parameter's layout, read one example at a time through
+/// [`Site::rows`] (borrowed for a row-form site, unfolded for a convolution stored as its
+/// input).
 pub(super) struct SiteSides<'a> {
-    rows: RowSide<'a>,
-    cols: ColSide<'a>,
+    site: &'a Site,
+    layout: Layout,
     /// Rows R each example's gradient sums over: the site's own (T, k·T for a per-head norm, 1
-    /// for a pooled head, ...).
+    /// for a pooled head, P·g for a convolution, ...).
     terms: usize,
 }
 
@@ -41,43 +57,71 @@ impl<'a> SiteSides<'a> {
     /// them).
     pub(super) fn of(trace: &'a RefTrace, j: usize) -> Self {
         let site = &trace.sites[j];
-        let bp = site.backprops.view();
-        let act = || {
-            site.activations
-                .as_ref()
-                .expect("a validated linear, conv1d or layernorm site has activations")
-                .view()
-        };
-        let (rows, cols) = match site.spec.kind {
-            SiteKind::Linear => (RowSide::Dense(bp.into()), ColSide::Dense(act())),
-            SiteKind::Conv1d => (RowSide::Dense(act().into()), ColSide::Dense(bp)),
+        let layout = match site.spec.kind {
+            SiteKind::Linear => Layout::Linear,
+            SiteKind::Conv1d => Layout::Conv1d,
             SiteKind::Embedding => {
                 let ids = site.ids.as_ref().expect("a validated embedding has ids");
                 // Validation has put every id inside 0..vocab.
-                (
-                    RowSide::OneHot(ids.mapv(|x| x as usize)),
-                    ColSide::Dense(bp),
-                )
+                Layout::OneHot(ids.mapv(|x| x as usize))
             }
-            SiteKind::Bias => (RowSide::Dense(bp.into()), ColSide::Ones),
+            SiteKind::Bias => Layout::Bias,
             SiteKind::LayerNorm => {
-                let prod: Array3<f64> = &bp * &act();
-                (RowSide::Dense(prod.into()), ColSide::Ones)
+                let act = site
+                    .activations
+                    .as_ref()
+                    .expect("a validated layernorm site has activations");
+                Layout::LayerNorm(&site.backprops * act)
             }
         };
         SiteSides {
-            rows,
-            cols,
-            terms: bp.dim().1,
+            site,
+            layout,
+            terms: site.row_count(),
+        }
+    }
+
+    /// Example i's two factors.
+    fn example(&self, i: usize) -> (RowSide<'_>, ColSide<'_>) {
+        let dense = |rows: ghost_oracle_reference::SiteRows<'a>| {
+            let act = rows
+                .activations
+                .expect("a validated linear or conv1d site has activations");
+            (rows.backprops, act)
+        };
+        match &self.layout {
+            Layout::Linear => {
+                let (bp, act) = dense(self.site.rows(i));
+                (RowSide::Dense(bp), ColSide::Dense(act))
+            }
+            Layout::Conv1d => {
+                let (bp, act) = dense(self.site.rows(i));
+                (RowSide::Dense(act), ColSide::Dense(bp))
+            }
+            Layout::OneHot(ids) => (
+                RowSide::OneHot(ids.row(i)),
+                ColSide::Dense(self.site.rows(i).backprops),
+            ),
+            Layout::Bias => (RowSide::Dense(self.site.rows(i).backprops), ColSide::Ones),
+            Layout::LayerNorm(prod) => (
+                RowSide::Dense(prod.slice(s![i, .., ..]).into()),
+                ColSide::Ones,
+            ),
         }
     }
 
     fn dense_rows(&self) -> bool {
-        matches!(self.rows, RowSide::Dense(_))
+        match self.layout {
+            Layout::Linear | Layout::Conv1d | Layout::Bias | Layout::LayerNorm(_) => true,
+            Layout::OneHot(_) => false,
+        }
     }
 
     fn dense_cols(&self) -> bool {
-        matches!(self.cols, ColSide::Dense(_))
+        match self.layout {
+            Layout::Linear | Layout::Conv1d | Layout::OneHot(_) => true,
+            Layout::Bias | Layout::LayerNorm(_) => false,
+        }
     }
 }
 
@@ -101,42 +145,40 @@ pub(super) fn pair_cost(a: &SiteSides<'_>, b: &SiteSides<'_>, rows: usize, cols:
 /// one parameter (the same layout).
 pub(super) fn site_inner(a: &SiteSides<'_>, i: usize, b: &SiteSides<'_>, k: usize) -> f64 {
     let (t, s) = (a.terms, b.terms);
+    let (a_rows, a_cols) = a.example(i);
+    let (b_rows, b_cols) = b.example(k);
     let mut u = Array2::<f64>::zeros((t, s));
-    match (&a.rows, &b.rows) {
+    match (&a_rows, &b_rows) {
         (RowSide::Dense(x), RowSide::Dense(y)) => {
-            let (x, y) = (x.slice(s![i, .., ..]), y.slice(s![k, .., ..]));
-            product_into(1.0, x, y.t(), Accumulate::Replace, u.view_mut());
+            product_into(1.0, x.view(), y.t(), Accumulate::Replace, u.view_mut());
         }
         (RowSide::OneHot(ix), RowSide::Dense(y)) => {
-            let y = y.slice(s![k, .., ..]);
-            lookup(&mut u, &y, |p, q| (q, ix[(i, p)]));
+            lookup(&mut u, &y.view(), |p, q| (q, ix[p]));
         }
         (RowSide::Dense(x), RowSide::OneHot(iy)) => {
-            let x = x.slice(s![i, .., ..]);
-            lookup(&mut u, &x, |p, q| (p, iy[(k, q)]));
+            lookup(&mut u, &x.view(), |p, q| (p, iy[q]));
         }
         (RowSide::OneHot(ix), RowSide::OneHot(iy)) => {
             u.indexed_iter_mut().for_each(|((p, q), v)| {
-                *v = f64::from(u8::from(ix[(i, p)] == iy[(k, q)]));
+                *v = f64::from(u8::from(ix[p] == iy[q]));
             });
         }
     }
-    match (&a.cols, &b.cols) {
+    match (&a_cols, &b_cols) {
         (ColSide::Ones, ColSide::Ones) => u.sum(),
         (ColSide::Dense(x), ColSide::Dense(y)) => {
             let mut v = Array2::<f64>::zeros((t, s));
-            let (x, y) = (x.slice(s![i, .., ..]), y.slice(s![k, .., ..]));
-            product_into(1.0, x, y.t(), Accumulate::Replace, v.view_mut());
+            product_into(1.0, x.view(), y.t(), Accumulate::Replace, v.view_mut());
             Zip::from(&u).and(&v).fold(0.0, |acc, p, q| acc + p * q)
         }
         // Only a one-column layout mixes a ones side with a dense one (a linear site with one
         // input tied to a bias, say): v_t · 1 is the dense side's single value.
         (ColSide::Dense(x), ColSide::Ones) => {
-            let x = x.slice(s![i, .., 0]);
+            let x = x.column(0);
             Zip::indexed(&u).fold(0.0, |acc, (p, _), w| acc + w * x[p])
         }
         (ColSide::Ones, ColSide::Dense(y)) => {
-            let y = y.slice(s![k, .., 0]);
+            let y = y.column(0);
             Zip::indexed(&u).fold(0.0, |acc, (_, q), w| acc + w * y[q])
         }
     }

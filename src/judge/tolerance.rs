@@ -5,9 +5,9 @@
 //! clippers' kernels: a kernel bug must never move the bound together with the error it makes.
 
 use crate::error::{Error, Result};
-use ghost_oracle_reference::{product, Site, SiteKind, Trace as RefTrace};
+use ghost_oracle_reference::{product, Site, SiteKind, SiteRows, Trace as RefTrace};
 pub use ghost_oracle_reference::{ModelRounding, Precision};
-use ndarray::{s, Array2, ArrayView2};
+use ndarray::{s, Array2, ArrayView2, CowArray};
 
 /// Safety factor on the probabilistic √L growth of accumulated rounding error (Higham & Mary).
 pub const LAMBDA: f64 = 8.0;
@@ -182,12 +182,18 @@ enum Side {
 
 fn sides(site: &Site, i: usize) -> Result<(Side, Side)> {
     let name = &site.spec.name;
-    let bp = site.backprops.slice(s![i, .., ..]).to_owned();
+    // Example i's rows as every consumer reads them (a convolution stored as its input
+    // unfolded here, one example at a time).
+    let SiteRows {
+        activations,
+        backprops,
+    } = site.rows(i);
+    let bp = backprops.into_owned();
     let t = bp.nrows();
-    let act = || {
-        site.activations
-            .as_ref()
-            .map(|a| a.slice(s![i, .., ..]).to_owned())
+    let mut activations = activations.map(CowArray::into_owned);
+    let mut act = || {
+        activations
+            .take()
             .ok_or_else(|| Error::input(format!("site `{name}`: activations missing")))
     };
     Ok(match site.spec.kind {
@@ -312,7 +318,7 @@ impl Tolerance {
             seq_len: trace
                 .sites
                 .iter()
-                .map(|s| s.backprops.dim().1)
+                .map(Site::accumulation_length)
                 .max()
                 .unwrap_or(0),
             largest_param,
@@ -383,7 +389,7 @@ struct SiteWidths {
 impl SiteWidths {
     fn of(s: &Site) -> Self {
         let q = s.backprops.dim().2;
-        let in_width = s.activations.as_ref().map_or(1, |a| a.dim().2);
+        let in_width = s.input_width().unwrap_or(1);
         let param_rows = match s.spec.kind {
             SiteKind::Embedding => s.spec.vocab.unwrap_or(1),
             SiteKind::Bias | SiteKind::LayerNorm => 1,
@@ -391,7 +397,7 @@ impl SiteWidths {
         };
         let widest_in = match s.spec.kind {
             SiteKind::Linear | SiteKind::Conv1d | SiteKind::LayerNorm => {
-                s.activations.as_ref().map_or(0, |a| a.dim().2)
+                s.input_width().unwrap_or(0)
             }
             SiteKind::Embedding | SiteKind::Bias => 0,
         };
@@ -406,28 +412,27 @@ impl SiteWidths {
 /// Σ_t of the size of each row's gradient outer product, per example: the scale a site's
 /// per-example gradient is summed at.
 fn site_scale(s: &Site, b: usize) -> Vec<f64> {
-    let t = s.backprops.dim().1;
     (0..b)
         .map(|i| {
-            (0..t)
+            let rows = s.rows(i);
+            let bp = &rows.backprops;
+            (0..bp.nrows())
                 .map(|tt| {
-                    let bp = s.backprops.slice(s![i, tt, ..]);
-                    match (s.spec.kind, &s.activations) {
-                        (SiteKind::LayerNorm, Some(a)) => {
-                            let x = a.slice(s![i, tt, ..]);
-                            bp.iter()
-                                .zip(x.iter())
-                                .map(|(u, v)| (u * v) * (u * v))
-                                .sum::<f64>()
-                                .sqrt()
-                        }
+                    let u = bp.row(tt);
+                    match (s.spec.kind, &rows.activations) {
+                        (SiteKind::LayerNorm, Some(a)) => u
+                            .iter()
+                            .zip(a.row(tt).iter())
+                            .map(|(u, v)| (u * v) * (u * v))
+                            .sum::<f64>()
+                            .sqrt(),
                         (SiteKind::Linear | SiteKind::Conv1d, Some(a)) => {
-                            row_norm(bp) * row_norm(a.slice(s![i, tt, ..]))
+                            row_norm(u) * row_norm(a.row(tt))
                         }
                         // Validated traces carry the activations their kind needs.
                         (SiteKind::Embedding | SiteKind::Bias, _)
                         | (SiteKind::LayerNorm | SiteKind::Linear | SiteKind::Conv1d, None) => {
-                            row_norm(bp)
+                            row_norm(u)
                         }
                     }
                 })

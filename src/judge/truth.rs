@@ -228,10 +228,12 @@ impl RouteCost {
 
 /// Multiply-adds of writing one example's gradient of site `j`: every entry a sum over the
 /// site's rows for a dense site (rows · d_in · d_out), a scatter of its rows for an embedding.
+/// A convolution stored as its input is written from its unfolded rows (P·g of them,
+/// [`ghost_oracle_reference::Site::rows`]), as its /1 twin is.
 fn write_cost(trace: &RefTrace, j: usize) -> f64 {
     let site = &trace.sites[j];
     let (rows, cols) = trace.site_gradient_shape(j);
-    let (t, out) = (site.backprops.dim().1 as f64, site.backprops.dim().2 as f64);
+    let (t, out) = (site.row_count() as f64, site.backprops.dim().2 as f64);
     match site.spec.kind {
         SiteKind::Linear | SiteKind::Conv1d => t * (rows * cols) as f64,
         SiteKind::Embedding => t * out,

@@ -57,6 +57,7 @@ impl Gen {
             activations,
             ids,
             backprops,
+            conv: None,
         }
     }
 }

@@ -36,6 +36,7 @@ impl Trace {
                     activations: s.activations.as_ref().map(to_array3).transpose()?,
                     ids,
                     backprops: to_array3(&s.backprops)?,
+                    conv: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -86,6 +86,24 @@ fn array3_to_tensor(a: &ndarray::Array3<f64>, dtype: DType, device: &Device) -> 
         .to_device(device)?)
 }
 
+/// A site's factors as B×R×in activations and B×R×out backprops, every example's rows as
+/// [`ghost_oracle_reference::Site::rows`] gives them.
+fn unfold_site(s: &ghost_oracle_reference::Site) -> (ndarray::Array3<f64>, ndarray::Array3<f64>) {
+    let (b, rows) = (s.backprops.dim().0, s.row_count());
+    let width = s.input_width().unwrap_or(0);
+    let out = s.backprops.dim().2;
+    let mut a = ndarray::Array3::zeros((b, rows, width));
+    let mut bp = ndarray::Array3::zeros((b, rows, out));
+    for i in 0..b {
+        let r = s.rows(i);
+        if let Some(x) = &r.activations {
+            a.index_axis_mut(ndarray::Axis(0), i).assign(x);
+        }
+        bp.index_axis_mut(ndarray::Axis(0), i).assign(&r.backprops);
+    }
+    (a, bp)
+}
+
 impl Trace {
     /// The reference's f64 trace rounded to `dtype` on `device`.
     pub fn from_reference(
@@ -114,15 +132,20 @@ impl Trace {
                     }
                     None => None,
                 };
+                // A clipper reads rows: a convolution stored as its input is unfolded here,
+                // the whole batch at once, into its /1 twin's factors.
+                let unfolded = s.conv.as_ref().map(|_| unfold_site(s));
+                let (activations, backprops) = match &unfolded {
+                    Some((a, bp)) => (Some(a), bp),
+                    None => (s.activations.as_ref(), &s.backprops),
+                };
                 Ok(Site {
                     spec: s.spec.clone(),
-                    activations: s
-                        .activations
-                        .as_ref()
+                    activations: activations
                         .map(|a| array3_to_tensor(a, dtype, device))
                         .transpose()?,
                     ids,
-                    backprops: array3_to_tensor(&s.backprops, dtype, device)?,
+                    backprops: array3_to_tensor(backprops, dtype, device)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -210,6 +233,7 @@ impl Trace {
                 activations: s.activations.as_ref().map(Tensor::dims),
                 ids: s.ids.as_ref().map(Tensor::dims),
                 id_range,
+                conv: None,
             })
             .collect();
         Ok(validate_shapes(&shapes)?)

@@ -2,7 +2,8 @@
 //! the sites and the parameter manifest, read and checked before any tensor is (the step's keys
 //! are read with the step, in [`super::step`]); and the same header written back.
 
-use super::{MAX_PARAM_ENTRIES, MAX_VOCAB, TRACE_FORMAT};
+use super::{MAX_PARAM_ENTRIES, MAX_VOCAB, TRACE_FORMAT, TRACE_FORMAT_CONV};
+use crate::conv::MAX_CONV_ENTRY;
 use crate::error::{bail, Error, Result};
 use crate::precision::Precision;
 use crate::site::{SiteKind, SiteSpec};
@@ -20,6 +21,8 @@ pub(super) struct Header {
     pub compute_dtype: Option<Precision>,
     pub site_compute_dtypes: Vec<Option<Precision>>,
     pub specs: Vec<SiteSpec>,
+    /// Per site, its `conv` entry: a convolution stored as its input (format /2 only).
+    pub site_convs: Vec<Option<ConvEntry>>,
     /// The `parameters` manifest, when the exporter wrote one.
     pub manifest: Option<BTreeMap<String, usize>>,
 }
@@ -27,8 +30,8 @@ pub(super) struct Header {
 /// Reads and checks `__metadata__` (the step's keys are [`super::step`]'s).
 pub(super) fn read_header(meta: &HashMap<String, String>, label: &str) -> Result<Header> {
     let format = meta_str(meta, "format", label)?;
-    if format != TRACE_FORMAT {
-        bail!("{label}: `__metadata__.format` is {format:?}; this version reads {TRACE_FORMAT:?}");
+    if format != TRACE_FORMAT && format != TRACE_FORMAT_CONV {
+        bail!("{label}: `__metadata__.format` is {format:?}; this version reads {TRACE_FORMAT:?} and {TRACE_FORMAT_CONV:?}");
     }
     let max_grad_norm = positive(
         meta_str(meta, "max_grad_norm", label)?,
@@ -42,10 +45,20 @@ pub(super) fn read_header(meta: &HashMap<String, String>, label: &str) -> Result
         .get("noise_multiplier")
         .map(|s| positive(s, "noise_multiplier", label))
         .transpose()?;
-    let (specs, site_compute_dtypes): (Vec<SiteSpec>, Vec<Option<Precision>>) =
-        parse_specs(meta_str(meta, "sites", label)?, label)?
-            .into_iter()
-            .unzip();
+    let mut specs = Vec::new();
+    let mut site_compute_dtypes = Vec::new();
+    let mut site_convs = Vec::new();
+    for (spec, compute, conv) in parse_specs(meta_str(meta, "sites", label)?, label)? {
+        if conv.is_some() && format != TRACE_FORMAT_CONV {
+            bail!(
+                "{label}: site `{}` carries `conv` (a convolution stored as its input), which only format {TRACE_FORMAT_CONV:?} has; `__metadata__.format` is {format:?}",
+                spec.name
+            );
+        }
+        specs.push(spec);
+        site_compute_dtypes.push(compute);
+        site_convs.push(conv);
+    }
     let compute_dtype = meta
         .get("compute_dtype")
         .map(|s| parse_compute_dtype(s, label))
@@ -61,7 +74,74 @@ pub(super) fn read_header(meta: &HashMap<String, String>, label: &str) -> Result
         compute_dtype,
         site_compute_dtypes,
         specs,
+        site_convs,
         manifest,
+    })
+}
+
+/// A site's `conv` entry: the convolution's geometry, its input's spatial sizes still to come
+/// from the `inputs` tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct ConvEntry {
+    pub kernel: Vec<usize>,
+    pub stride: Vec<usize>,
+    pub dilation: Vec<usize>,
+    pub padding: Vec<(usize, usize)>,
+    pub groups: usize,
+}
+
+/// Reads a site's `conv` object: `kernel`, `stride`, `dilation` (lists of n ≥ 1 positive
+/// integers), `padding` (n pairs [lo, hi] of integers ≥ 0) and `groups` (a positive integer),
+/// nothing else; the lists' agreement with each other and with the inputs is checked with the
+/// tensors' shapes.
+fn parse_conv(v: &Value, name: &str, label: &str) -> Result<ConvEntry> {
+    let at = |key: &str| format!("{label}: site `{name}`: `conv.{key}`");
+    let obj = v.as_object().ok_or_else(|| {
+        Error::new(format!(
+            "{label}: site `{name}`: `conv` must be an object with kernel, stride, dilation, padding and groups, found {v}"
+        ))
+    })?;
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !["kernel", "stride", "dilation", "padding", "groups"].contains(&k.as_str()))
+    {
+        bail!("{label}: site `{name}`: `conv` has unknown key `{k}`; expected kernel, stride, dilation, padding and groups");
+    }
+    let int = |x: &Value, min: u64, key: &str| -> Result<usize> {
+        match x.as_u64() {
+            Some(n) if n >= min && n <= MAX_CONV_ENTRY as u64 => Ok(n as usize),
+            _ => bail!(
+                "{}: expected integers in {min}..={MAX_CONV_ENTRY}, found {x}",
+                at(key)
+            ),
+        }
+    };
+    let list = |key: &str| -> Result<&Vec<Value>> {
+        match obj.get(key) {
+            Some(Value::Array(a)) if !a.is_empty() => Ok(a),
+            Some(x) => bail!("{}: expected a non-empty list, found {x}", at(key)),
+            None => bail!("{}: missing", at(key)),
+        }
+    };
+    let positive =
+        |key: &str| -> Result<Vec<usize>> { list(key)?.iter().map(|x| int(x, 1, key)).collect() };
+    let padding = list("padding")?
+        .iter()
+        .map(|p| match p.as_array().map(Vec::as_slice) {
+            Some([lo, hi]) => Ok((int(lo, 0, "padding")?, int(hi, 0, "padding")?)),
+            _ => bail!("{}: expected pairs [lo, hi], found {p}", at("padding")),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let groups = match obj.get("groups") {
+        Some(x) => int(x, 1, "groups")?,
+        None => bail!("{}: missing", at("groups")),
+    };
+    Ok(ConvEntry {
+        kernel: positive("kernel")?,
+        stride: positive("stride")?,
+        dilation: positive("dilation")?,
+        padding,
+        groups,
     })
 }
 
@@ -163,7 +243,10 @@ pub(super) fn positive(s: &str, key: &str, label: &str) -> Result<f64> {
     }
 }
 
-fn parse_specs(text: &str, label: &str) -> Result<Vec<(SiteSpec, Option<Precision>)>> {
+/// A site of `__metadata__.sites`: its spec, its own `compute_dtype` and its `conv` entry.
+type SpecEntry = (SiteSpec, Option<Precision>, Option<ConvEntry>);
+
+fn parse_specs(text: &str, label: &str) -> Result<Vec<SpecEntry>> {
     let v: Value = serde_json::from_str(text).map_err(|e| {
         Error::new(format!(
             "{label}: `__metadata__.sites` is not valid JSON: {e}"
@@ -211,7 +294,16 @@ fn parse_specs(text: &str, label: &str) -> Result<Vec<(SiteSpec, Option<Precisio
                     ))
                 })?),
             };
-            Ok((SiteSpec { name, param, kind, vocab }, compute))
+            let conv = match s.get("conv") {
+                None | Some(Value::Null) => None,
+                Some(x) => {
+                    if kind != SiteKind::Linear {
+                        bail!("{label}: site `{name}` ({}) carries `conv`, which only a convolution's weight, a site of kind `linear`, may", kind.name());
+                    }
+                    Some(parse_conv(x, &name, label)?)
+                }
+            };
+            Ok((SiteSpec { name, param, kind, vocab }, compute, conv))
         })
         .collect()
 }
@@ -232,11 +324,28 @@ pub(super) fn written(trace: &Trace, meta: &super::TraceMeta) -> HashMap<String,
             if let Some(Some(d)) = meta.site_compute_dtypes.get(j) {
                 v["compute_dtype"] = json!(d.name());
             }
+            if let Some(c) = &s.conv {
+                let g = &c.geometry;
+                let padding: Vec<[usize; 2]> = g.padding.iter().map(|&(lo, hi)| [lo, hi]).collect();
+                v["conv"] = json!({
+                    "kernel": g.kernel,
+                    "stride": g.stride,
+                    "dilation": g.dilation,
+                    "padding": padding,
+                    "groups": g.groups,
+                });
+            }
             v
         })
         .collect();
     let mut m = HashMap::new();
-    m.insert("format".to_string(), TRACE_FORMAT.to_string());
+    // /1 unless a site needs /2, so a trace without conv-input sites reads in older versions.
+    let format = if trace.sites.iter().any(|s| s.conv.is_some()) {
+        TRACE_FORMAT_CONV
+    } else {
+        TRACE_FORMAT
+    };
+    m.insert("format".to_string(), format.to_string());
     m.insert(
         "max_grad_norm".to_string(),
         format!("{:e}", meta.max_grad_norm),

@@ -13,15 +13,16 @@ pub use budget::{MemoryBudget, GRADIENT_BLOCK_BYTES};
 pub use rounding::ModelRounding;
 pub use step::{ParamValues, StepClaim};
 
+use crate::conv::{ConvGeometry, ConvInput};
 use crate::error::{bail, Error, Result};
 use crate::io::{write_raw, RawTensor};
 use crate::precision::Precision;
 use crate::site::SiteSpec;
 use crate::tensors::{self, has};
 use crate::trace::{Site, Trace};
-use crate::trace_shape::{validate_shapes, IdAt, SiteShape};
+use crate::trace_shape::{validate_shapes, ConvShape, IdAt, SiteShape};
 use budget::Tally;
-use header::read_header;
+use header::{read_header, ConvEntry};
 use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3};
 use rounding::{read_model_rounding, write_model_rounding};
 use safetensors::SafeTensors;
@@ -30,6 +31,9 @@ use std::path::Path;
 use step::read_step;
 
 pub(crate) const TRACE_FORMAT: &str = "ghost-oracle-trace/1";
+/// The format of a trace with at least one convolution stored as its input (a site's `conv`
+/// entry and `<name>.inputs` tensor); a trace without one is written as [`TRACE_FORMAT`].
+pub(crate) const TRACE_FORMAT_CONV: &str = "ghost-oracle-trace/2";
 
 /// Embedding tables larger than this (rows) are refused: no tokenizer comes near 16.7 M tokens
 /// (Gemma's is 262 144), and a `vocab` is a count of rows a judge streams through.
@@ -159,7 +163,7 @@ pub fn read_trace_bytes_within(
     let mut expected: HashSet<String> = HashSet::new();
     let (sites, site_dtypes) = read_sites(
         &st,
-        header.specs,
+        header.specs.into_iter().zip(header.site_convs).collect(),
         header.manifest.as_ref(),
         label,
         &mut expected,
@@ -208,11 +212,18 @@ struct SiteTensors {
     backprops: Vec<usize>,
     activations: Option<Vec<usize>>,
     ids: Option<ArrayD<i64>>,
+    /// A convolution stored as its input: its geometry (spatial sizes from the tensor) and the
+    /// inputs' dimensions B × C_in × ∏S.
+    conv: Option<(ConvGeometry, [usize; 3])>,
 }
 
 impl SiteTensors {
     fn shape(&self) -> SiteShape<'_> {
         SiteShape {
+            conv: self.conv.as_ref().map(|(geometry, inputs)| ConvShape {
+                geometry,
+                inputs: inputs.as_slice(),
+            }),
             spec: &self.spec,
             backprops: &self.backprops,
             activations: self.activations.as_deref(),
@@ -229,12 +240,12 @@ impl SiteTensors {
 /// Every site's tensors as the file holds them: the float factors' shapes only, the ids read.
 fn site_tensors(
     st: &SafeTensors,
-    specs: Vec<SiteSpec>,
+    specs: Vec<(SiteSpec, Option<ConvEntry>)>,
     label: &str,
     expected: &mut HashSet<String>,
 ) -> Result<Vec<SiteTensors>> {
     let mut found = Vec::with_capacity(specs.len());
-    for spec in specs {
+    for (spec, conv) in specs {
         let n = spec.name.clone();
         let dims = |what: &str, expected: &mut HashSet<String>| -> Option<Vec<usize>> {
             let tname = format!("{n}.{what}");
@@ -248,7 +259,11 @@ fn site_tensors(
                 spec.kind.name()
             );
         };
-        let activations = if spec.kind.needs_activations() {
+        let conv = match conv {
+            Some(entry) => Some(conv_tensor(st, &n, entry, label, expected)?),
+            None => None,
+        };
+        let activations = if spec.kind.needs_activations() && conv.is_none() {
             dims("activations", expected)
         } else {
             None
@@ -265,9 +280,51 @@ fn site_tensors(
             backprops,
             activations,
             ids,
+            conv,
         });
     }
     Ok(found)
+}
+
+/// A conv-input site's `<n>.inputs` (B × C_in × S_1 × … × S_n) and its geometry, from the
+/// tensor's shape alone; a `<n>.activations` beside it is refused.
+fn conv_tensor(
+    st: &SafeTensors,
+    n: &str,
+    entry: ConvEntry,
+    label: &str,
+    expected: &mut HashSet<String>,
+) -> Result<(ConvGeometry, [usize; 3])> {
+    if has(st, &format!("{n}.activations")) {
+        bail!("{label}: site `{n}`: tensor `{n}.activations` is given but the site carries `conv` (stored as its convolution's input, tensor `{n}.inputs`); a site holds one or the other");
+    }
+    let tname = format!("{n}.inputs");
+    let Ok(view) = st.tensor(&tname) else {
+        bail!("{label}: site `{n}` (linear, `conv`): tensor `{tname}` is missing");
+    };
+    expected.insert(tname.clone());
+    let shape = view.shape();
+    let axes = entry.kernel.len();
+    if shape.len() != 2 + axes {
+        bail!("{label}: site `{n}`: tensor `{tname}` has shape {shape:?}; expected batch × channels × {axes} spatial axes (the length of `conv.kernel`)");
+    }
+    let spatial = shape[2..]
+        .iter()
+        .try_fold(1usize, |a, &x| a.checked_mul(x))
+        .ok_or_else(|| {
+            Error::new(format!(
+                "{label}: site `{n}`: tensor `{tname}`'s shape {shape:?} overflows"
+            ))
+        })?;
+    let geometry = ConvGeometry {
+        kernel: entry.kernel,
+        stride: entry.stride,
+        dilation: entry.dilation,
+        padding: entry.padding,
+        groups: entry.groups,
+        input_size: shape[2..].to_vec(),
+    };
+    Ok((geometry, [shape[0], shape[1], spatial]))
 }
 
 /// Each site's gradient against the manifest's count, and what judging the trace would hold
@@ -299,6 +356,19 @@ fn check_sizes(
         }
         if s.spec.kind == crate::site::SiteKind::LayerNorm {
             floats = floats.saturating_add(count(s.backprops));
+        }
+        if let Some(c) = &s.conv {
+            // The inputs, and one example's unfolded tile at a time: its (P·g) × (C_in/g·∏k)
+            // patches, its (P·g) × C_out spread backprops and the P × ∏k taps of the geometry.
+            let unfolded = (s.backprops[1] as u64).saturating_mul(c.geometry.groups as u64);
+            let taps = (s.backprops[1] as u64)
+                .saturating_mul(count(&c.geometry.kernel))
+                .saturating_mul(2);
+            floats = floats
+                .saturating_add(count(c.inputs))
+                .saturating_add(unfolded.saturating_mul(cols as u64))
+                .saturating_add(unfolded.saturating_mul(rows as u64))
+                .saturating_add(taps);
         }
         let ids = s.ids.map_or(0, count);
         let bytes = floats.saturating_add(ids).saturating_mul(8);
@@ -339,7 +409,7 @@ fn check_sizes(
 /// judging it holds against the budget. Returns the sites and the coarsest format each is stored in.
 fn read_sites(
     st: &SafeTensors,
-    specs: Vec<SiteSpec>,
+    specs: Vec<(SiteSpec, Option<ConvEntry>)>,
     manifest: Option<&BTreeMap<String, usize>>,
     label: &str,
     expected: &mut HashSet<String>,
@@ -355,17 +425,30 @@ fn read_sites(
         let n = &f.spec.name;
         let mut dtype = None;
         // Checked 3-D above; `tensors::to_f64` refuses every dtype that is not a float format.
-        let mut factor = |what: &str| -> Result<Array3<f64>> {
+        let mut factor = |what: &str, dims: Option<[usize; 3]>| -> Result<Array3<f64>> {
             let tname = format!("{n}.{what}");
             let a = tensors::to_f64(st, &tname, label)?;
             let stored = Precision::of_stored(st.tensor(&tname).expect("checked").dtype())
                 .expect("a float tensor");
             dtype = Some(coarser(dtype, stored));
-            Ok(a.into_dimensionality::<Ix3>().expect("checked 3-D"))
+            Ok(match dims {
+                // A convolution's inputs, their spatial axes flattened (row-major, as stored).
+                Some(d) => a
+                    .into_shape_with_order(d)
+                    .map_err(|e| Error::internal(format!("`{tname}`: {e}")))?,
+                None => a.into_dimensionality::<Ix3>().expect("checked 3-D"),
+            })
         };
-        let backprops = factor("backprops")?;
+        let backprops = factor("backprops", None)?;
         let activations = match f.activations {
-            Some(_) => Some(factor("activations")?),
+            Some(_) => Some(factor("activations", None)?),
+            None => None,
+        };
+        let conv = match f.conv {
+            Some((geometry, dims)) => Some(ConvInput {
+                geometry,
+                inputs: factor("inputs", Some(dims))?,
+            }),
             None => None,
         };
         dtypes.push(dtype.expect("a site has backprops"));
@@ -376,6 +459,7 @@ fn read_sites(
                 .map(|i| i.into_dimensionality::<Ix2>().expect("checked 2-D")),
             backprops,
             spec: f.spec,
+            conv,
         });
     }
     Ok((sites, dtypes))
@@ -436,6 +520,21 @@ pub fn write_trace(path: &Path, trace: &Trace, meta: &TraceMeta) -> Result<()> {
             raw.push((
                 format!("{n}.activations"),
                 RawTensor::from_f64(&a.view().into_dyn(), meta.dtype),
+            ));
+        }
+        if let Some(c) = &s.conv {
+            // B × C_in × S_1 × … × S_n, as torch holds a convolution's input.
+            let (b, channels, _) = c.inputs.dim();
+            let mut shape = vec![b, channels];
+            shape.extend(&c.geometry.input_size);
+            let standard = c.inputs.as_standard_layout();
+            let inputs = standard
+                .view()
+                .into_shape_with_order(shape)
+                .map_err(|e| Error::internal(format!("site `{n}`: its inputs: {e}")))?;
+            raw.push((
+                format!("{n}.inputs"),
+                RawTensor::from_f64(&inputs, meta.dtype),
             ));
         }
         if let Some(ids) = &s.ids {

@@ -543,18 +543,21 @@ mod tests {
                     // Repeated tokens within and across examples.
                     ids: Some(A2::from_shape_fn((B, T), |(b, t)| ((b + 2 * t) % 4) as i64)),
                     backprops: emb_bp,
+                    conv: None,
                 },
                 Site {
                     spec: spec("head", "wte", SiteKind::Linear, None),
                     activations: Some(head_act),
                     ids: None,
                     backprops: head_bp,
+                    conv: None,
                 },
                 Site {
                     spec: spec("fc", "fc", SiteKind::Linear, None),
                     activations: Some(fc_act),
                     ids: None,
                     backprops: fc_bp,
+                    conv: None,
                 },
             ],
         }
