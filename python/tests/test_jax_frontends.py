@@ -1,0 +1,191 @@
+"""Every JAX front-end through the program route: one tiny tied LM and one untied conv model,
+written with the same weights as a plain `jnp` function, Flax linen, Flax NNX, Keras 3 (JAX
+backend), Equinox and Haiku (`jax_frontends`), each handed to the oracle as the
+`fun(params, batch)` jax_privacy clips.
+
+Ground truth first, with no oracle: each front-end's per-example gradients
+(`jax.vmap(jax.grad(...))` of each example's own loss) equal the plain function's, and the plain
+function's equal a loop of `jax.grad` over the examples. Then, per front-end, model and precision
+(f32, x64): the exact norms pass `assert_norms`, a norm 0.1 % low fails, and the tied LM's norms
+with E's lookup and head taken as two parameters (‖g_lookup‖² + ‖g_head‖², the cross term
+dropped) fail; the exact clipped sum passes `assert_update` and one entry of it 1 % off fails;
+`export_trace` names the parameters by their pytree key paths.
+
+Keras reads KERAS_BACKEND once, at its first import: where keras was imported in this process
+with another backend, a Keras case runs itself again in a fresh process with KERAS_BACKEND=jax
+(`_elsewhere`). Keras' RMSNormalization computes in float32 even in a float64 model, so its x64 LM
+agrees with the others to f32's rounding only, and the oracle judges it at that precision."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("flax")
+pytest.importorskip("equinox")
+pytest.importorskip("haiku")
+if importlib.util.find_spec("keras") is None:  # not imported here: keras reads its backend at import
+    pytest.skip("keras is not installed", allow_module_level=True)
+
+import jax.numpy as jnp  # noqa: E402
+import jax_frontends as F  # noqa: E402
+import numpy as np  # noqa: E402
+
+import ghost_oracle  # noqa: E402
+from ghost_oracle.jax import assert_norms, assert_update, export_trace  # noqa: E402
+
+PRECISIONS = {"f32": False, "x64": True}
+MODELS = ("lm", "conv")
+
+
+def _elsewhere(front_end: str, request: pytest.FixtureRequest) -> bool:
+    """Runs this test in a fresh process with KERAS_BACKEND=jax where keras is already imported
+    here with another backend; True where it did (and passed)."""
+    if front_end != "keras" or F.keras_module() is not None:
+        return False
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        request.node.nodeid], cwd=request.config.rootpath, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, f"{request.node.nodeid} with KERAS_BACKEND=jax:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
+    return True
+
+
+def _dtype(x64: bool):
+    return jnp.float64 if x64 else jnp.float32
+
+
+@functools.cache
+def _case(front_end: str, model: str, x64: bool) -> tuple[F.Built, object, dict[str, np.ndarray]]:
+    """(the model, its batch, its per-example gradients), built once per process; call under
+    `jax.enable_x64(x64)`, as its arrays are in that precision."""
+    built, batch = F.build(front_end, model, _dtype(x64))
+    return built, batch, F.per_example_grads(built, batch)
+
+
+def _loop_grads(built: F.Built, batch) -> dict[str, np.ndarray]:
+    """Each example's gradient by its own `jax.grad` call (no vmap)."""
+    per = []
+    for i in range(F.B):
+        one = jax.tree_util.tree_map(lambda a, i=i: a[i:i + 1], batch)
+        per.append(built.canon(jax.grad(built.fun)(built.params, one)))
+    return {k: np.stack([p[k] for p in per]) for k in per[0]}
+
+
+def _assert_grads_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float) -> float:
+    assert sorted(got) == sorted(want)
+    worst = 0.0
+    for k in want:
+        assert got[k].shape == want[k].shape, k
+        err = float(np.abs(got[k] - want[k]).max() / np.abs(want[k]).max())
+        assert err <= rtol, f"{k}: relative error {err:.3g} > {rtol:g}"
+        worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("model", MODELS)
+def test_plain_function_vmap_grad_equals_a_loop_of_grads(model, precision):
+    with jax.enable_x64(PRECISIONS[precision]):
+        built, batch, grads = _case("jnp", model, PRECISIONS[precision])
+        _assert_grads_close(grads, _loop_grads(built, batch),
+                            1e-12 if PRECISIONS[precision] else 1e-5)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("front_end", [f for f in F.FRONT_ENDS if f != "jnp"])
+def test_front_ends_give_the_plain_functions_per_example_grads(front_end, model, precision, request):
+    if _elsewhere(front_end, request):
+        return
+    x64 = PRECISIONS[precision]
+    with jax.enable_x64(x64):
+        built, batch, got = _case(front_end, model, x64)
+        leaves = jax.tree_util.tree_leaves(built.params)
+        assert {leaf.dtype for leaf in leaves} == {np.dtype(_dtype(x64))}, "the weights are in the model's dtype"
+        ref, ref_batch, want = _case("jnp", model, x64)
+        # Keras in a float64 model: its losses' mean reduces in float32, and
+        # keras.layers.RMSNormalization casts x̂ and its gain to float32, so the x64 Keras loss,
+        # and the LM's gradients, agree with the others to f32's rounding only
+        mixed = front_end == "keras" and model == "lm" and x64
+        rtol = 1e-12 if x64 and not mixed else 1e-5
+        np.testing.assert_allclose(float(built.fun(built.params, batch)), float(ref.fun(ref.params, ref_batch)),
+                                   rtol=1e-5 if front_end == "keras" or not x64 else 1e-12)
+    err = _assert_grads_close(got, want, rtol)
+    if mixed:
+        assert err > 1e-12, "Keras' RMS norm now computes in float64: the x64 Keras LM is no longer mixed"
+
+
+def _key_path_names(params) -> set[str]:
+    """The names the program route gives the parameters: each leaf's key path, DictKey → its key,
+    GetAttrKey → its name, SequenceKey/FlattenedIndexKey → its index, joined with '.'."""
+    def part(k) -> str:
+        if isinstance(k, jax.tree_util.DictKey):
+            return str(k.key)
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            return k.name
+        if isinstance(k, jax.tree_util.SequenceKey | jax.tree_util.FlattenedIndexKey):
+            return str(k.idx if isinstance(k, jax.tree_util.SequenceKey) else k.key)
+        raise AssertionError(f"unexpected key {k!r}")
+
+    return {".".join(part(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("front_end", F.FRONT_ENDS)
+def test_oracle_judges_the_front_end(front_end, model, precision, request):
+    if _elsewhere(front_end, request):
+        return
+    x64 = PRECISIONS[precision]
+    with jax.enable_x64(x64):
+        built, batch, grads = _case(front_end, model, x64)
+        native = jax.vmap(jax.grad(lambda p, ex: built.fun(p, jax.tree_util.tree_map(lambda a: a[None], ex))),
+                          in_axes=(None, 0))(built.params, batch)
+        norms = F.norms_of(grads)
+        c = 0.5 * float(norms.min())  # every example clipped: a low norm is a coefficient too large
+        report = assert_norms(built.fun, built.params, batch, norms, max_grad_norm=c)
+        assert report.passed
+        np.testing.assert_allclose(report.true_norms, norms, rtol=1e-9 if x64 else 1e-4)
+
+        with pytest.raises(ghost_oracle.ClippingCheckFailed):
+            assert_norms(built.fun, built.params, batch, norms * (1 - 1e-3), max_grad_norm=c)
+        if model == "lm":
+            separate = F.lm_norms_without_cross_term(_dtype(x64))
+            # the cross term 2⟨g_lookup, g_head⟩ moves every norm by more than the 0.1 % above
+            assert (np.abs(separate / norms - 1) > 1e-3).all(), separate / norms
+            with pytest.raises(ghost_oracle.ClippingCheckFailed):
+                assert_norms(built.fun, built.params, batch, separate, max_grad_norm=c)
+
+        coef = np.minimum(1.0, c / norms)
+        summed = jax.tree_util.tree_map(lambda g: np.tensordot(coef.astype(g.dtype), np.asarray(g), 1), native)
+        update = jax.tree_util.tree_map(lambda s: s / F.B, summed)
+        report = assert_update(built.fun, built.params, batch, update, clipped_sum=summed, max_grad_norm=c,
+                               noise_multiplier=0.0, batch_divisor=F.B)
+        assert report.passed
+        wrong = jax.tree_util.tree_map(np.array, summed)
+        leaf = jax.tree_util.tree_leaves(wrong)[0]
+        leaf.reshape(-1)[0] += 0.01 * np.abs(leaf).max()
+        with pytest.raises(ghost_oracle.ClippingCheckFailed):
+            assert_update(built.fun, built.params, batch, jax.tree_util.tree_map(lambda s: s / F.B, wrong),
+                          clipped_sum=wrong, max_grad_norm=c, noise_multiplier=0.0, batch_divisor=F.B)
+
+
+@pytest.mark.parametrize("front_end", F.FRONT_ENDS)
+def test_export_names_parameters_by_key_path(front_end, tmp_path, request):
+    if _elsewhere(front_end, request):
+        return
+    built, batch, grads = _case(front_end, "lm", False)
+    norms = F.norms_of(grads)
+    path = tmp_path / f"{front_end}.safetensors"
+    specs = export_trace(built.fun, built.params, batch, path, claimed_norms=norms, max_grad_norm=1.0)
+    names = {s["name"] for s in specs}
+    assert names == _key_path_names(built.params)
+    report = ghost_oracle.check(str(path))
+    assert report.passed, report.explain()
+    np.testing.assert_allclose(report.true_norms, norms, rtol=1e-4)
