@@ -11,8 +11,9 @@
 use ghost_oracle::judge::{Claim, GramRoute, Truth};
 use ghost_oracle::{Judge, Verdict};
 use ghost_oracle_reference::{
-    read_trace, read_trace_bytes, write_raw, write_trace, ConvGeometry, ConvInput, Precision,
-    RawTensor, Site, SiteKind, SiteSpec, SplitMix64, Trace as RefTrace, TraceMeta,
+    read_trace, read_trace_bytes, read_trace_bytes_within, write_raw, write_trace, ConvGeometry,
+    ConvInput, MemoryBudget, Precision, RawTensor, Site, SiteKind, SiteSpec, SplitMix64,
+    Trace as RefTrace, TraceMeta,
 };
 use ndarray::{Array2, Array3, ArrayD, IxDyn};
 use std::collections::HashMap;
@@ -689,4 +690,28 @@ fn check_exits_2_on_a_conv_entry_in_a_format_1_trace_and_judges_a_format_2_one()
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(err.contains("site `conv.weight` carries `conv`"), "{err}");
+}
+
+#[test]
+fn the_memory_budget_counts_one_examples_unfolded_tile_before_reading() {
+    // One channel at 64×64 under a 9×9 kernel: ~100 KB of inputs a batch, but 4096 × 81
+    // values (2.5 MiB) in one example's unfolded tile.
+    let mut conv = Conv::plain(1, 1, &[9, 9], &[64, 64]);
+    conv.padding = vec![(4, 4), (4, 4)];
+    let batch = Batch::random(&conv, 500);
+    let path = tmp("budget").join("trace.safetensors");
+    let norms = vec![1.0; conv.batch];
+    write_trace(
+        &path,
+        &batch.conv_trace(),
+        &TraceMeta::norms(1.0, norms, Precision::F64),
+    )
+    .unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    assert!(bytes.len() < 1 << 20, "{} bytes", bytes.len());
+    let e = read_trace_bytes_within(&bytes, "t.safetensors", MemoryBudget::bytes(2 << 20))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("site `conv.weight`"), "{e}");
+    read_trace_bytes_within(&bytes, "t.safetensors", MemoryBudget::bytes(8 << 20)).unwrap();
 }

@@ -15,5 +15,13 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(meta.claimed_norms.len(), trace.batch_size());
         // What reads from a file satisfies the one shape rule every trace is held to.
         trace.validate().expect("a trace that reads is valid");
+        // Every site's first example reads as rows (a convolution stored as its input unfolds
+        // within the budget the reader held it to).
+        if trace.batch_size() > 0 {
+            for site in &trace.sites {
+                let rows = site.rows(0);
+                assert_eq!(rows.backprops.nrows(), site.row_count());
+            }
+        }
     }
 });

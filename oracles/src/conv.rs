@@ -124,14 +124,12 @@ impl ConvGeometry {
         self.input_size.iter().product()
     }
 
-    /// For every output position p (row-major) and kernel offset κ (row-major), the flat
-    /// spatial index of the input value it reads, or `None` where it reads padding: P × ∏k
-    /// entries, p major.
-    fn taps(&self) -> Vec<Option<usize>> {
+    /// Per axis d, for each output coordinate o and kernel offset κ (index o·k_d + κ), the
+    /// input coordinate it reads, or `None` where it reads padding: Σ_d O_d·k_d entries, so
+    /// that an unfold never holds a table of P·∏k.
+    fn axis_taps(&self) -> Vec<Vec<Option<usize>>> {
         let out = self.output_size().expect("a checked geometry");
-        let n = self.axes();
-        // Per axis: for each (o, κ), the input coordinate or None.
-        let per_axis: Vec<Vec<Option<usize>>> = (0..n)
+        (0..self.axes())
             .map(|d| {
                 let (k, s, dil, lo) = (
                     self.kernel[d],
@@ -147,35 +145,7 @@ impl ConvGeometry {
                     })
                     .collect()
             })
-            .collect();
-        // Row-major strides of the input's spatial axes.
-        let mut strides = vec![1usize; n];
-        for d in (0..n.saturating_sub(1)).rev() {
-            strides[d] = strides[d + 1] * self.input_size[d + 1];
-        }
-        let (p_total, k_total) = (
-            out.iter().product::<usize>(),
-            self.kernel.iter().product::<usize>(),
-        );
-        let mut taps = Vec::with_capacity(p_total * k_total);
-        let mut pos = vec![0usize; n];
-        let mut off = vec![0usize; n];
-        for _ in 0..p_total {
-            off.iter_mut().for_each(|x| *x = 0);
-            for _ in 0..k_total {
-                let mut flat = Some(0usize);
-                for d in 0..n {
-                    flat = match (flat, per_axis[d][pos[d] * self.kernel[d] + off[d]]) {
-                        (Some(f), Some(x)) => Some(f + x * strides[d]),
-                        _ => None,
-                    };
-                }
-                taps.push(flat);
-                advance(&mut off, &self.kernel);
-            }
-            advance(&mut pos, &out);
-        }
-        taps
+            .collect()
     }
 }
 
@@ -219,33 +189,48 @@ impl ConvInput {
     /// Example i's activations in the unfolded layout: (P·g) × (C_in/g · ∏k), row p·g + j
     /// group j's patch at output position p, zeros where the kernel reads padding.
     pub fn unfold(&self, i: usize) -> Array2<f64> {
-        let g = self.geometry.groups;
+        let geo = &self.geometry;
+        let g = geo.groups;
         let cin_g = self.channels() / g;
-        let k = self.geometry.kernel_volume();
-        let taps = self.geometry.taps();
-        let p_total = taps.len() / k.max(1);
+        let k = geo.kernel_volume();
+        let out = geo.output_size().expect("a checked geometry");
+        let p_total: usize = out.iter().product();
+        let axis_taps = geo.axis_taps();
+        let n = geo.axes();
+        // Row-major strides of the input's spatial axes.
+        let mut strides = vec![1usize; n];
+        for d in (0..n.saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1] * geo.input_size[d + 1];
+        }
         let width = cin_g * k;
         let x = self.inputs.index_axis(Axis(0), i);
         let x = x.as_standard_layout();
         let x = x.as_slice().expect("standard layout");
-        let spatial = self.geometry.input_volume();
-        let mut out = Array2::<f64>::zeros((p_total * g, width));
-        let dst = out.as_slice_mut().expect("a fresh array is contiguous");
+        let spatial = geo.input_volume();
+        let mut result = Array2::<f64>::zeros((p_total * g, width));
+        let dst = result.as_slice_mut().expect("a fresh array is contiguous");
+        let mut pos = vec![0usize; n];
+        let mut off = vec![0usize; n];
         for p in 0..p_total {
-            let taps = &taps[p * k..(p + 1) * k];
-            for j in 0..g {
-                let row = &mut dst[(p * g + j) * width..(p * g + j + 1) * width];
-                for c in 0..cin_g {
-                    let channel = &x[(j * cin_g + c) * spatial..(j * cin_g + c + 1) * spatial];
-                    for (kk, tap) in taps.iter().enumerate() {
-                        if let Some(sp) = tap {
-                            row[c * k + kk] = channel[*sp];
+            off.iter_mut().for_each(|x| *x = 0);
+            for kk in 0..k {
+                // The flat input index this (position, offset) reads, unless it is padding.
+                let tap = (0..n).try_fold(0usize, |flat, d| {
+                    axis_taps[d][pos[d] * geo.kernel[d] + off[d]].map(|x| flat + x * strides[d])
+                });
+                if let Some(sp) = tap {
+                    for j in 0..g {
+                        let row = (p * g + j) * width;
+                        for c in 0..cin_g {
+                            dst[row + c * k + kk] = x[(j * cin_g + c) * spatial + sp];
                         }
                     }
                 }
+                advance(&mut off, &geo.kernel);
             }
+            advance(&mut pos, &out);
         }
-        out
+        result
     }
 
     /// One example's backprops (P × C_out) in the unfolded layout: (P·g) × C_out, row p·g + j

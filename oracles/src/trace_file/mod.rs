@@ -359,16 +359,12 @@ fn check_sizes(
         }
         if let Some(c) = &s.conv {
             // The inputs, and one example's unfolded tile at a time: its (P·g) × (C_in/g·∏k)
-            // patches, its (P·g) × C_out spread backprops and the P × ∏k taps of the geometry.
+            // patches and its (P·g) × C_out spread backprops.
             let unfolded = (s.backprops[1] as u64).saturating_mul(c.geometry.groups as u64);
-            let taps = (s.backprops[1] as u64)
-                .saturating_mul(count(&c.geometry.kernel))
-                .saturating_mul(2);
             floats = floats
                 .saturating_add(count(c.inputs))
                 .saturating_add(unfolded.saturating_mul(cols as u64))
-                .saturating_add(unfolded.saturating_mul(rows as u64))
-                .saturating_add(taps);
+                .saturating_add(unfolded.saturating_mul(rows as u64));
         }
         let ids = s.ids.map_or(0, count);
         let bytes = floats.saturating_add(ids).saturating_mul(8);
