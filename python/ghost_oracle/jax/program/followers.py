@@ -3,9 +3,10 @@
 primal program walked (the custom rule is left: the uses inside are differentiated through
 their primal, and the self-check holds the result to `jax.grad` of the program as written);
 `cond` evaluates its branch where the index is constant, else every branch, selecting the
-outputs by the index (an untaken branch's backprops are exactly 0); `scan` and a `while` whose
-condition is constant at every step (a static trip count) are unrolled. A sub-program that no
-parameter enters is bound whole, its own rules kept."""
+outputs by the index (an untaken branch's backprops are exactly 0); `scan` is unrolled (also
+`fori_loop` with static bounds, which is a scan). A `while_loop` a parameter enters is refused:
+JAX's reverse mode does not differentiate it, so the program has no per-example gradients to
+trace. A sub-program that no parameter enters is bound whole, its own rules kept."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..._trace.format import TraceExportError
 from .values import Status, Val, View, refuse
 
 if TYPE_CHECKING:
@@ -25,9 +25,6 @@ if TYPE_CHECKING:
 CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
                    "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})
 FOLLOWED = CALLS | {"cond", "scan", "while"}
-
-#: A `while` unrolled past this many steps is refused (a trip count that is not static).
-MAX_WHILE_STEPS = 100_000
 
 
 def follow(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
@@ -131,20 +128,11 @@ def _scan(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
 
 
 def _while(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
-    p = eqn.params
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    cond_consts, body_consts, carry = vals[:nc], vals[nc:nc + nb], vals[nc + nb:]
-    for step in range(MAX_WHILE_STEPS + 1):
-        with _inside(w, f"while condition {step}"):
-            go = w.run_closed(p["cond_jaxpr"], [*cond_consts, *carry])[0]
-        if go.status != "const":
-            view = next(v.view for v in vals if v.view is not None)
-            raise refuse(w.name(view.leaf), "while", w.where("while"),
-                         "a loop whose condition depends on the data or the parameters (no static trip count to "
-                         "unroll it by)")
-        if not bool(np.asarray(go.value)):
-            return carry
-        with _inside(w, f"while step {step}"):
-            carry = w.run_closed(p["body_jaxpr"], [*body_consts, *carry])
-    raise TraceExportError(f"{w.where('while')}: a loop over a parameter still running after {MAX_WHILE_STEPS} "
-                           "steps; the program route unrolls loops with a static trip count")
+    """A parameter inside `lax.while_loop` is refused: reverse-mode differentiation does not run
+    through a while loop (`jax.grad`, and so `clipped_grad`, raise on it), so the program's own
+    per-example gradients, which the trace must hold, do not exist. `fori_loop` with static
+    bounds is a `scan`, followed above."""
+    view = next(v.view for v in vals if v.view is not None)
+    raise refuse(w.name(view.leaf), "while", w.where("while"),
+                 "a parameter inside lax.while_loop, which jax.grad (and so clipped_grad) cannot differentiate in "
+                 "reverse mode; write the loop as lax.scan or lax.fori_loop with static bounds (a scan)")
