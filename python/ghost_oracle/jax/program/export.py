@@ -79,8 +79,8 @@ def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path:
         keep = ~pad
         if not keep.any():
             raise ValueError("is_padding_example marks every example as padding: nothing to trace")
+    captured = capture(prog)  # first: a use it refuses is named before the batch's loss is weighed
     check_batch_loss(prog, per_example_losses(prog))
-    captured = capture(prog)
 
     # a leaf's uses are all of the whole leaf, or all of single layers of it (stacked on axis 0)
     layered: dict[int, set[int | None]] = {}
