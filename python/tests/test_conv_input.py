@@ -377,6 +377,14 @@ def test_an_f32_convolution_is_exported_and_judged(name, tmp_path):
     with safe_open(str(path), "pt") as f:
         name0 = next(k for k in f.keys() if k.endswith(".inputs"))
         assert f.get_tensor(name0).dtype == torch.float32
+    # the judge reads the same f32 factors: its truth is the twins' to f64 rounding
+    native = np.array([float(v) for v in ghost_oracle.check(path).true_norms])
+    np.testing.assert_allclose(native, got, rtol=1e-12)
+    c = float(truth.median())
+    low = truth.clone()
+    low[int(torch.argmax(truth))] *= 0.999
+    with pytest.raises(AssertionError, match="privacy-violation|utility-distortion"):
+        assert_norms(model, loss_fn, x, low, max_grad_norm=c)
 
 
 def test_a_transposed_convolution_is_refused_naming_the_module(tmp_path):
