@@ -157,8 +157,9 @@ def test_oracle_judges_the_front_end(front_end, model, precision, request):
             assert_norms(built.fun, built.params, batch, norms * (1 - 1e-3), max_grad_norm=c)
         if model == "lm":
             separate = F.lm_norms_without_cross_term(_dtype(x64))
-            # the cross term 2⟨g_lookup, g_head⟩ moves every norm by more than the 0.1 % above
-            assert (np.abs(separate / norms - 1) > 1e-3).all(), separate / norms
+            # without the cross term 2⟨g_lookup, g_head⟩ some example's norm is low by more than
+            # the 0.1 % above: its coefficient is too large
+            assert (separate / norms < 1 - 1e-3).any(), separate / norms
             with pytest.raises(ghost_oracle.ClippingCheckFailed):
                 assert_norms(built.fun, built.params, batch, separate, max_grad_norm=c)
 
