@@ -9,15 +9,18 @@
 //!
 //! With `--conv`, instead: one convolution stored as unfolded patches (a 3×3 conv at 32×32, 64
 //! channels in and out: 1024 rows an example over d_in = 576, d_out = 64; B = 16 unless
-//! `--batch`), its truth taken with each route forced and by cost, side by side:
+//! `--batch`), its truth taken with each route forced and by cost, and its tolerance from every
+//! R×R term and by cost, side by side; then the same shape stored as its input (format /2):
 //!
 //!     cargo bench --bench truth_gram -- --conv [--runs N] [--batch B]
 //!
-//! Only the public `Truth` and `Tolerance` are called, so the same file times an older judge.
+//! Only the public `Truth` and `Tolerance` are called; a forced route of each times the route
+//! the cost did not pick on the same machine and run.
 
-use ghost_oracle::judge::{GramRoute, Tolerance, Truth};
+use ghost_oracle::judge::{GramRoute, TermRoute, Tolerance, Truth};
 use ghost_oracle_reference::{
-    ExampleReport, Reduction, Reference, Site, SiteKind, SiteSpec, SplitMix64, Trace,
+    ConvGeometry, ConvInput, ExampleReport, Reduction, Reference, Site, SiteKind, SiteSpec,
+    SplitMix64, Trace,
 };
 use ndarray::{Array2, Array3};
 use std::time::Instant;
@@ -192,10 +195,58 @@ fn conv(runs: usize, b: usize) {
         "{:<44} {worst:>10.1e}",
         "largest relative difference of the Grams"
     );
-    let secs = time(runs, &trace, |t| Tolerance::from_trace(&t).unwrap());
+    for (route, what) in [
+        (
+            Some(TermRoute::Terms),
+            "Tolerance, every term (one triangle, blocks)",
+        ),
+        (Some(TermRoute::Moments), "Tolerance, from the moments"),
+        (None, "Tolerance, by cost"),
+    ] {
+        let secs = time(runs, &trace, |t| {
+            Tolerance::from_trace_routed(&t, route).unwrap()
+        });
+        println!("{what:<44} {secs:>10.3}");
+    }
+    // The same convolution stored as its input (format /2): 64 channels at 32×32, 3×3, padding
+    // 1, so the same 1024 rows over 576 × 64, each input value held once and unfolded an
+    // example at a time.
+    let mut g = Gen {
+        rng: SplitMix64::new(3),
+        b,
+        t: 1024,
+    };
+    let backprops = g.dense(d_out, 1e-3);
+    let inputs = Array3::from_shape_fn((b, 64, 1024), |_| {
+        3f64.sqrt() * (2.0 * g.rng.uniform() - 1.0)
+    });
+    let stored = Trace {
+        sites: vec![Site {
+            spec: Gen::spec("conv.weight", "conv.weight", SiteKind::Linear, None),
+            activations: None,
+            ids: None,
+            backprops,
+            conv: Some(ConvInput {
+                geometry: ConvGeometry {
+                    kernel: vec![3, 3],
+                    stride: vec![1, 1],
+                    dilation: vec![1, 1],
+                    padding: vec![(1, 1), (1, 1)],
+                    groups: 1,
+                    input_size: vec![32, 32],
+                },
+                inputs,
+            }),
+        }],
+    };
+    let secs = time(runs, &stored, |t| {
+        Truth::from_trace_routed(t, GramRoute::ByCost, &|_, _, _| {}).unwrap()
+    });
+    println!("{:<44} {secs:>10.3}", "stored as its input: Truth, ByCost");
+    let secs = time(runs, &stored, |t| Tolerance::from_trace(&t).unwrap());
     println!(
         "{:<44} {secs:>10.3}",
-        "Tolerance::from_trace (per-example T×T)"
+        "stored as its input: Tolerance, by cost"
     );
 }
 

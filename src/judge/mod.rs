@@ -25,8 +25,8 @@ pub use step::{
     SumCheck, SumKind,
 };
 pub use tolerance::{
-    contribution_slack, Arithmetic, ModelRounding, Precision, Tolerance, JUDGEABLE_BOUND,
-    MODEL_ROUNDING_FACTOR,
+    contribution_slack, Arithmetic, ModelRounding, Precision, TermRoute, Tolerance,
+    JUDGEABLE_BOUND, MODEL_ROUNDING_FACTOR,
 };
 pub use truth::{GramRoute, Truth};
 pub use verdict::Verdict;
