@@ -715,3 +715,21 @@ fn the_memory_budget_counts_one_examples_unfolded_tile_before_reading() {
     assert!(e.contains("site `conv.weight`"), "{e}");
     read_trace_bytes_within(&bytes, "t.safetensors", MemoryBudget::bytes(8 << 20)).unwrap();
 }
+
+#[test]
+fn a_clippers_device_trace_of_a_conv_input_site_holds_its_unfolded_twins_rows() {
+    use candle_core::{DType, Device};
+    for (seed, (what, conv)) in cases().into_iter().enumerate() {
+        let batch = Batch::random(&conv, 600 + seed as u64);
+        let device =
+            ghost_oracle::Trace::from_reference(&batch.conv_trace(), DType::F64, &Device::Cpu)
+                .unwrap();
+        let back = device.to_reference().unwrap();
+        let twin = batch.unfolded_trace();
+        for (got, want) in back.sites.iter().zip(&twin.sites) {
+            assert!(got.conv.is_none(), "{what}");
+            assert_eq!(got.activations, want.activations, "{what}");
+            assert_eq!(got.backprops, want.backprops, "{what}");
+        }
+    }
+}
