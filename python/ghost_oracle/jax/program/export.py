@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..._atomic import check_target
@@ -114,21 +113,24 @@ def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path:
         want = STORAGE[dtype or s.precision]
         s.tensors = {k: (v if k == "ids" else np.ascontiguousarray(v.astype(want))) for k, v in s.tensors.items()}
 
-    kept = jnp.asarray(keep)
-
-    def summed_loss(leaves: list[Any]) -> Any:
-        losses = jax.vmap(prog.example_loss, in_axes=(None, 0))(leaves, prog.batched)
-        return jnp.sum(jnp.where(kept, losses, jnp.zeros_like(losses)))
-
-    summed = jax.grad(summed_loss)(prog.leaves)
+    # the batch gradient the sites are held to: jax.grad of each example's own loss (vmapped and
+    # compiled as the capture is, so that both compute the backward up to each use the same way
+    # and round it alike), summed over the kept examples in f64; the leaf's dtype is the
+    # precision it is judged in
+    each = jax.jit(jax.vmap(jax.grad(prog.example_loss), in_axes=(None, 0)))(prog.leaves, prog.batched)
+    summed = [np.asarray(g, dtype=np.float64)[keep].sum(0) for g in each]
     grads: dict[str, np.ndarray] = {}
+    leaf_precision: dict[str, Precision] = {}
     for leaf, name in enumerate(prog.names):
-        g = np.asarray(summed[leaf])
+        precision = cast(Precision, precision_of(prog.leaves[leaf].dtype, f"parameter `{name}`"))
+        g = summed[leaf]
         if name in stacked:
             for layer in range(stacked[name]):
                 grads[param_name(name, layer)] = g[layer]
+                leaf_precision[param_name(name, layer)] = precision
         else:
             grads[name] = g
+            leaf_precision[name] = precision
     by_param: dict[str, list[_Site]] = {}
     for s in sites:
         by_param.setdefault(s.param, []).append(s)
@@ -145,8 +147,7 @@ def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path:
             raise TraceExportError(f"parameter `{name}` is used by sites that flatten it differently "
                                    f"({'; '.join(s.where for s in uses)}); one parameter must have one layout")
         check_parameter(f"parameter `{name}`", [s.handover() for s in uses],
-                        raw_bits(np.ascontiguousarray(grad.reshape(-1)[uses[0].perm])),
-                        cast(Precision, precision_of(grad.dtype, f"parameter `{name}`'s gradient")),
+                        np.ascontiguousarray(grad.reshape(-1)[uses[0].perm]), leaf_precision[name],
                         dtype, JAX_GRAD)
     for name in unused:
         warnings.warn(f"parameter `{name}` received no gradient: it is left out of the trace", stacklevel=3)
