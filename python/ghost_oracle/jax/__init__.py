@@ -1,5 +1,23 @@
-"""JAX side: export a trace of a Flax linen model on a batch, and assert a clipper's norms or
-its DP step in one call (docs/python.md, "JAX").
+"""JAX side: export a trace of a batch, and assert a clipper's norms or its DP step in one call
+(docs/python.md, "JAX"). Two routes, dispatched on the first argument:
+
+**Any JAX program** (the function jax_privacy's `clipped_grad` clips; plain `jnp`, Flax NNX,
+Keras 3 on JAX, Equinox, Haiku, a linen model's `apply` wrapped in a function):
+
+    def fun(params, batch):                 # the loss of the examples in batch (B first)
+        ...
+    assert_norms(fun, params, batch, claimed_norms, max_grad_norm=1.0)   # batch_argnums=1,
+    assert_update(fun, params, batch, update, max_grad_norm=1.0, ...)    # keep_batch_dim=True
+    export_trace(fun, params, batch, "trace.safetensors", max_grad_norm=1.0)
+
+`batch_argnums` and `keep_batch_dim` are read as `clipped_grad` reads them. Each example's loss
+is traced to a jaxpr and its parameters followed to their uses (`program/`: dot_general, gather
+of table rows, an elementwise scale or shift, conv_general_dilated; through jit, remat,
+custom_jvp/vjp, cond and scan); anything else a parameter reaches is refused by name. A
+parameter is named by its pytree key path joined with '.' (`layers.0.w`); a leaf stacked on its
+first axis and used a layer at a time (a scan over layers) by its layers, `name[l]`.
+
+**A Flax linen model**, captured by its modules:
 
     from ghost_oracle.jax import assert_norms
 
