@@ -28,10 +28,11 @@ def capture(prog: Program) -> Captured:
     example0 = jax.tree_util.tree_map(lambda a: a[0], prog.batched)
     closed = jax.make_jaxpr(prog.example_loss)(prog.leaves, example0)
     shapes = [tuple(int(d) for d in np.shape(x)) for x in prog.leaves]
-    indices = [np.arange(int(np.prod(s)), dtype=np.int64).reshape(s) for s in shapes]
+    indices = [np.arange(int(np.prod(s)), dtype=np.int32 if np.prod(s) < 2**31 else np.int64).reshape(s)
+               for s in shapes]
 
     def walk(perturbations: dict[int, Any] | None, leaves: list[Any], example: Any) -> tuple[Any, Walker]:
-        w = Walker(prog.names, shapes, perturbations)
+        w = Walker(prog.names, indices, perturbations)
         args = [Val(x, "view", View(i, indices[i])) for i, x in enumerate(leaves)]
         args += [Val.plain(x) for x in jax.tree_util.tree_leaves(example)]
         outs = w.run_closed(closed, args)

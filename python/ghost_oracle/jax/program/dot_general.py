@@ -14,7 +14,7 @@ import numpy as np
 
 from ..._trace.site import SiteKind
 from ..sites import precision_of
-from .layout import is_identity, resolve
+from .layout import resolve
 from .values import Use, Val, refuse, rows_mapper
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def use(w: Walker, eqn: object, vals: list[Val], where: str) -> list[Val]:
     index = p.view.index
     layer, perm = resolve(w, p.view.leaf, np.transpose(index, pc + p_free), "dot_general", where)
     kind: SiteKind = "conv1d"
-    if not is_identity(perm):
+    if perm is not None:
         layer, perm = resolve(w, p.view.leaf, np.transpose(index, p_free + pc), "dot_general", where)
         kind = "linear"
     dtype = p.value.dtype

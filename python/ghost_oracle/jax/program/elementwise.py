@@ -23,8 +23,9 @@ ELEMENTWISE = frozenset({"mul", "add", "sub", "add_any"})
 
 def feature_axes(index: np.ndarray) -> list[int]:
     """The axes along which the parameter's entries change (the others repeat one entry)."""
-    return [d for d in range(index.ndim)
-            if index.shape[d] > 1 and not bool((index == np.take(index, [0], axis=d)).all())]
+    return [d for d in range(index.ndim)  # a broadcast axis (stride 0) repeats one entry: not compared
+            if index.shape[d] > 1 and index.strides[d] != 0
+            and not bool((index == np.take(index, [0], axis=d)).all())]
 
 
 def use(w: Walker, eqn: object, vals: list[Val], where: str) -> list[Val]:
@@ -47,11 +48,12 @@ def use(w: Walker, eqn: object, vals: list[Val], where: str) -> list[Val]:
                      "models a scale or a shift by the parameter itself")
     if name != "mul" and other.status == "const":
         # w + c: still the parameter, shifted by a constant (the (1 + w) of a norm's gain)
-        return [Val(out, "view", View(p.view.leaf, np.ascontiguousarray(index)))]
+        return [Val(out, "view", View(p.view.leaf, index))]
     features = feature_axes(index)
     at_first_row = tuple(slice(None) if d in features else 0 for d in range(len(out_shape)))
-    layer, perm = resolve(w, p.view.leaf, index[at_first_row], name, where)
-    width = perm.size
+    entries = index[at_first_row]
+    layer, perm = resolve(w, p.view.leaf, entries, name, where)
+    width = int(entries.size)
     axes = move_last(len(out_shape), features)
     dtype = out.dtype
     kind: SiteKind

@@ -24,6 +24,7 @@ from ..sites import precision_of, raw_bits
 from .capture import capture
 from .examples import build, check_batch_loss, per_example_losses
 from .gather import ids_in_table
+from .layout import in_layout
 from .naming import param_name, step_tensors
 
 JAX_GRAD = Against("jax.grad", "The program's uses were differentiated through their primal program where a custom "
@@ -38,13 +39,17 @@ class _Site:
     tensors: dict[str, np.ndarray]
     precision: str
     where: str
-    perm: np.ndarray
+    perm: np.ndarray | None
     vocab: int | None
 
     def handover(self) -> core.Site[np.ndarray]:
         return core.Site(name=self.name, param=self.param, kind=self.kind,
                          tensors={k: raw_bits(v) for k, v in self.tensors.items()},
                          precision=cast(Precision, self.precision), origin=self.where, vocab=self.vocab)
+
+
+def _same_layout(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return a is None and b is None or (a is not None and b is not None and np.array_equal(a, b))
 
 
 def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path: str | os.PathLike[str], *,
@@ -143,11 +148,11 @@ def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path:
                                        "no use of it")
             unused.append(name)
             continue
-        if any(not np.array_equal(s.perm, uses[0].perm) for s in uses[1:]):
+        if any(not _same_layout(s.perm, uses[0].perm) for s in uses[1:]):
             raise TraceExportError(f"parameter `{name}` is used by sites that flatten it differently "
                                    f"({'; '.join(s.where for s in uses)}); one parameter must have one layout")
         check_parameter(f"parameter `{name}`", [s.handover() for s in uses],
-                        np.ascontiguousarray(grad.reshape(-1)[uses[0].perm]), leaf_precision[name],
+                        np.ascontiguousarray(in_layout(grad, uses[0].perm)), leaf_precision[name],
                         dtype, JAX_GRAD)
     for name in unused:
         warnings.warn(f"parameter `{name}` received no gradient: it is left out of the trace", stacklevel=3)

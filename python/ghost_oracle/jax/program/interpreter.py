@@ -44,10 +44,12 @@ class Walker:
     """One walk of the program. `perturbations` None: the abstract walk that lists the uses;
     otherwise the k-th use's output gets `perturbations[k]` added and its factors recorded."""
 
-    def __init__(self, names: Sequence[str], leaf_shapes: Sequence[tuple[int, ...]],
+    def __init__(self, names: Sequence[str], indices: Sequence[np.ndarray],
                  perturbations: dict[int, Any] | None) -> None:
         self.names = list(names)
-        self.leaf_shapes = list(leaf_shapes)
+        # each leaf's `arange(size)` in its shape: a parameter's views are views of it
+        self.indices = list(indices)
+        self.leaf_shapes = [tuple(int(d) for d in a.shape) for a in indices]
         self.perturbations = perturbations
         self.uses: list[Use] = []
         self.recorded: dict[int, dict[str, Any]] = {}

@@ -45,7 +45,7 @@ def param_name(leaf_name: str, layer: int | None) -> str:
 
 
 def step_tensors(what: str, given: Any, leaf_names: Sequence[str], stacked: Mapping[str, int],
-                 parameters: Mapping[str, int], perms: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+                 parameters: Mapping[str, int], perms: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
     """`what`'s tensor of every parameter of the manifest, in its order, flattened in the layout
     its sites write (`perms`): from a pytree like the parameters or a dict keyed by names."""
     try:
@@ -76,7 +76,8 @@ def step_tensors(what: str, given: Any, leaf_names: Sequence[str], stacked: Mapp
             if part.size != parameters[name]:
                 raise ValueError(f"{what}: the array for parameter `{name}` has shape {list(part.shape)} "
                                  f"({part.size} elements); the parameter has {parameters[name]}")
-            out[name] = np.ascontiguousarray(part.reshape(-1)[perms[name]])
+            flat = part.reshape(-1)
+            out[name] = np.ascontiguousarray(flat if perms[name] is None else flat[perms[name]])
     missing = [p for p in parameters if p not in out]
     if missing:
         raise ValueError(f"{what}: no array for parameter(s) {', '.join(f'`{m}`' for m in missing)}: it must cover "

@@ -42,13 +42,14 @@ class Val:
 class Use:
     """One use of a parameter: a site. `perm[j]` is the flat position, in the parameter (the
     leaf, or its layer `layer` when the leaf is stacked), of entry j of the site's layout
-    (linear out×in, conv1d in×out, embedding V×d, layernorm/bias k) flattened. `rows_of`
+    (linear out×in, conv1d in×out, embedding V×d, layernorm/bias k) flattened; None where that
+    is the parameter's own order. `rows_of`
     maps the per-example output gradients (B×out_shape) to the site's backprops B×R×out."""
 
     kind: SiteKind
     leaf: int
     layer: int | None
-    perm: np.ndarray
+    perm: np.ndarray | None
     precision: str
     where: str
     rows_of: Callable[[np.ndarray], np.ndarray]
