@@ -40,7 +40,7 @@ fi
 echo "python/ci.sh: installing the wheel and the test dependencies"
 "$venv_python" -m pip install --quiet --disable-pip-version-check "$work"/dist/ghost_oracle-*.whl \
     pytest pytest-xdist hypothesis numpy torch safetensors transformers "accelerate>=1.1" "opacus>=1.6,<1.7" \
-    "jax[cpu]" flax optax "jax-privacy>=2.0,<3" gemma "protobuf>=7,<8"
+    "jax[cpu]" flax optax "jax-privacy>=2.0,<3" gemma "protobuf>=7,<8" equinox dm-haiku "keras>=3.10"
 (cd "$work" && "$venv_python" - <<'PY'
 import sys
 import ghost_oracle

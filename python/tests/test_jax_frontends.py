@@ -121,9 +121,10 @@ def test_front_ends_give_the_plain_functions_per_example_grads(front_end, model,
         assert err > 1e-12, "Keras' RMS norm now computes in float64: the x64 Keras LM is no longer mixed"
 
 
-def _key_path_names(params) -> set[str]:
-    """The names the program route gives the parameters: each leaf's key path, DictKey → its key,
-    GetAttrKey → its name, SequenceKey/FlattenedIndexKey → its index, joined with '.'."""
+def _key_path_names(params) -> dict[str, tuple[int, ...]]:
+    """The names the program route gives the parameters (with their shapes): each leaf's key
+    path, DictKey → its key, GetAttrKey → its name, SequenceKey/FlattenedIndexKey → its index,
+    joined with '.'."""
     def part(k) -> str:
         if isinstance(k, jax.tree_util.DictKey):
             return str(k.key)
@@ -133,7 +134,8 @@ def _key_path_names(params) -> set[str]:
             return str(k.idx if isinstance(k, jax.tree_util.SequenceKey) else k.key)
         raise AssertionError(f"unexpected key {k!r}")
 
-    return {".".join(part(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return {".".join(part(k) for k in path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -185,8 +187,46 @@ def test_export_names_parameters_by_key_path(front_end, tmp_path, request):
     norms = F.norms_of(grads)
     path = tmp_path / f"{front_end}.safetensors"
     specs = export_trace(built.fun, built.params, batch, path, claimed_norms=norms, max_grad_norm=1.0)
-    names = {s["name"] for s in specs}
-    assert names == _key_path_names(built.params)
+    assert {s["param"] for s in specs} == set(_key_path_names(built.params))
+    # E is used twice: the lookup and the head, two sites of the one (V, D) parameter
+    tied = [name for name, shape in _key_path_names(built.params).items() if shape == (F.V, F.D)]
+    assert len(tied) == 1
+    assert sorted(s["kind"] for s in specs if s["param"] == tied[0]) == ["embedding", "linear"]
+    assert len(specs) == len(_key_path_names(built.params)) + 1
     report = ghost_oracle.check(str(path))
     assert report.passed, report.explain()
     np.testing.assert_allclose(report.true_norms, norms, rtol=1e-4)
+
+
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "python.md")
+DOCS_SECTION = "### Any JAX program"
+
+
+def _docs_blocks() -> list[str]:
+    """The ```python blocks of docs/python.md's section on any JAX program, as printed."""
+    with open(DOCS, encoding="utf-8") as f:
+        text = f.read()
+    start = text.index(DOCS_SECTION)
+    end = min(i for i in (text.find("\n## ", start), text.find("\n### ", start + 1)) if i > 0)
+    return [b.split("\n```", 1)[0] for b in text[start:end].split("```python\n")[1:]]
+
+
+def test_docs_section_has_one_example_per_front_end():
+    blocks = _docs_blocks()
+    imports = ["flax.linen", "from flax import nnx", "import keras", "import equinox", "import haiku",
+               "jax_privacy import clipping"]
+    assert len(blocks) == 7
+    for block, wanted in zip(blocks[1:], imports, strict=True):
+        assert wanted in block
+    assert "params[\"embed\"][ids]" in blocks[0]  # the plain function
+
+
+@pytest.mark.parametrize("index", range(7), ids=["jnp", "linen", "nnx", "keras", "equinox", "haiku", "shadow"])
+def test_docs_example_runs_as_printed(index, request):
+    block = _docs_blocks()[index]
+    if "import keras" in block and "keras" in sys.modules and F.keras_module() is None:
+        r = subprocess.run([sys.executable, "-c", block], env={**os.environ, "KERAS_BACKEND": "jax"},
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return
+    exec(compile(block, f"docs/python.md example {index}", "exec"), {"__name__": f"docs_example_{index}"})
