@@ -8,8 +8,9 @@ Ground truth first, with no oracle: each front-end's per-example gradients
 function's equal a loop of `jax.grad` over the examples. Then, per front-end, model and precision
 (f32, x64): the exact norms pass `assert_norms`, a norm 0.1 % low fails, and the tied LM's norms
 with E's lookup and head taken as two parameters (‖g_lookup‖² + ‖g_head‖², the cross term
-dropped) fail; the exact clipped sum passes `assert_update` and one entry of it 1 % off fails;
-`export_trace` names the parameters by their pytree key paths.
+dropped) fail; the tied LM's exact clipped sum, shaped like each front-end's params, passes
+`assert_update` and one entry of it 1 % off fails; `export_trace` names the parameters by their
+pytree key paths. docs/python.md's examples of the program route run as printed.
 
 Keras reads KERAS_BACKEND once, at its first import: where keras was imported in this process
 with another backend, a Keras case runs itself again in a fresh process with KERAS_BACKEND=jax
@@ -147,8 +148,6 @@ def test_oracle_judges_the_front_end(front_end, model, precision, request):
     x64 = PRECISIONS[precision]
     with jax.enable_x64(x64):
         built, batch, grads = _case(front_end, model, x64)
-        native = jax.vmap(jax.grad(lambda p, ex: built.fun(p, jax.tree_util.tree_map(lambda a: a[None], ex))),
-                          in_axes=(None, 0))(built.params, batch)
         norms = F.norms_of(grads)
         c = 0.5 * float(norms.min())  # every example clipped: a low norm is a coefficient too large
         report = assert_norms(built.fun, built.params, batch, norms, max_grad_norm=c)
@@ -165,18 +164,30 @@ def test_oracle_judges_the_front_end(front_end, model, precision, request):
             with pytest.raises(ghost_oracle.ClippingCheckFailed):
                 assert_norms(built.fun, built.params, batch, separate, max_grad_norm=c)
 
-        coef = np.minimum(1.0, c / norms)
-        summed = jax.tree_util.tree_map(lambda g: np.tensordot(coef.astype(g.dtype), np.asarray(g), 1), native)
-        update = jax.tree_util.tree_map(lambda s: s / F.B, summed)
-        report = assert_update(built.fun, built.params, batch, update, clipped_sum=summed, max_grad_norm=c,
-                               noise_multiplier=0.0, batch_divisor=F.B)
-        assert report.passed
-        wrong = jax.tree_util.tree_map(np.array, summed)
-        leaf = jax.tree_util.tree_leaves(wrong)[0]
-        leaf.reshape(-1)[0] += 0.01 * np.abs(leaf).max()
-        with pytest.raises(ghost_oracle.ClippingCheckFailed):
-            assert_update(built.fun, built.params, batch, jax.tree_util.tree_map(lambda s: s / F.B, wrong),
-                          clipped_sum=wrong, max_grad_norm=c, noise_multiplier=0.0, batch_divisor=F.B)
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier 0")
+@pytest.mark.parametrize("front_end", F.FRONT_ENDS)
+def test_oracle_judges_the_front_ends_clipped_sum(front_end, request):
+    """The tied LM's clipped sum Σ c_i g_i, given as a pytree shaped like the front-end's own
+    params (a dict, an NNX state, Keras' list, an Equinox module, Haiku's mapping)."""
+    if _elsewhere(front_end, request):
+        return
+    built, batch, grads = _case(front_end, "lm", False)
+    native = jax.vmap(jax.grad(lambda p, ex: built.fun(p, ex[None])), in_axes=(None, 0))(built.params, batch)
+    norms = F.norms_of(grads)
+    c = float(np.median(norms))  # some examples clipped, some not
+    coef = np.minimum(1.0, c / norms)
+    summed = jax.tree_util.tree_map(lambda g: np.tensordot(coef.astype(g.dtype), np.asarray(g), 1), native)
+    update = jax.tree_util.tree_map(lambda s: s / F.B, summed)
+    report = assert_update(built.fun, built.params, batch, update, clipped_sum=summed, max_grad_norm=c,
+                           noise_multiplier=0.0, batch_divisor=F.B)
+    assert report.passed
+    wrong = jax.tree_util.tree_map(np.array, summed)
+    leaf = jax.tree_util.tree_leaves(wrong)[0]
+    leaf.reshape(-1)[0] += 0.01 * np.abs(leaf).max()
+    with pytest.raises(ghost_oracle.ClippingCheckFailed):
+        assert_update(built.fun, built.params, batch, jax.tree_util.tree_map(lambda s: s / F.B, wrong),
+                      clipped_sum=wrong, max_grad_norm=c, noise_multiplier=0.0, batch_divisor=F.B)
 
 
 @pytest.mark.parametrize("front_end", F.FRONT_ENDS)
