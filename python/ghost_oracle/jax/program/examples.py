@@ -108,9 +108,11 @@ def check_batch_loss(prog: Program, losses: np.ndarray) -> None:
     if not hasattr(whole, "shape") or int(np.prod(whole.shape)) != 1:
         raise TraceExportError(f"fun(params, batch) returned {type(whole).__name__} of shape "
                                f"{list(getattr(whole, 'shape', []))}; it must return the batch's loss, one number")
-    value = np.float64(np.asarray(whole, dtype=np.float64).reshape(()))
+    value = np.float64(np.asarray(whole).astype(np.float64).reshape(()))
     each = losses.astype(np.float64)
-    eps = float(np.finfo(losses.dtype).eps) if losses.dtype.kind == "f" else float(np.finfo(np.float32).eps)
+    # the coarser of the two losses' precisions (jnp.finfo knows bfloat16; an integer loss: f32's)
+    eps = max(float(jnp.finfo(d).eps) if jnp.issubdtype(d, jnp.floating) else float(np.finfo(np.float32).eps)
+              for d in (losses.dtype, np.asarray(whole).dtype))
     scale = float(np.abs(each).sum()) + abs(float(value))
     tol = 64 * eps * max(scale, 1e-30) + np.finfo(np.float64).tiny
     mean, total = float(each.mean()), float(each.sum())
