@@ -152,7 +152,11 @@ def test_oracle_judges_the_front_end(front_end, model, precision, request):
         c = 0.5 * float(norms.min())  # every example clipped: a low norm is a coefficient too large
         report = assert_norms(built.fun, built.params, batch, norms, max_grad_norm=c)
         assert report.passed
-        np.testing.assert_allclose(report.true_norms, norms, rtol=1e-9 if x64 else 1e-4)
+        # judged at the precision the program computes in: f32 for Keras' x64 LM, whose RMS norm
+        # runs in float32 (its truth here, vmap(grad), carries that rounding too)
+        mixed = front_end == "keras" and model == "lm" and x64
+        assert report.precision == ("f64" if x64 and not mixed else "f32")
+        np.testing.assert_allclose(report.true_norms, norms, rtol=1e-9 if report.precision == "f64" else 1e-4)
 
         with pytest.raises(ghost_oracle.ClippingCheckFailed):
             assert_norms(built.fun, built.params, batch, norms * (1 - 1e-3), max_grad_norm=c)
