@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..._trace.format import TraceExportError
+from ..._trace.precision import unit_roundoff
+from ..._trace.site import Precision
+from ..sites import PRECISION_OF
 from .naming import check_leaves, named_leaves
 
 
@@ -110,8 +113,8 @@ def check_batch_loss(prog: Program, losses: np.ndarray) -> None:
                                f"{list(getattr(whole, 'shape', []))}; it must return the batch's loss, one number")
     value = np.float64(np.asarray(whole).astype(np.float64).reshape(()))
     each = losses.astype(np.float64)
-    # the coarser of the two losses' precisions (jnp.finfo knows bfloat16; an integer loss: f32's)
-    eps = max(float(jnp.finfo(d).eps) if jnp.issubdtype(d, jnp.floating) else float(np.finfo(np.float32).eps)
+    # the coarser of the two losses' precisions (bfloat16's too; any other loss: f32's)
+    eps = max(2 * unit_roundoff(cast(Precision, PRECISION_OF.get(np.dtype(d).name, "f32")))
               for d in (losses.dtype, np.asarray(whole).dtype))
     scale = float(np.abs(each).sum()) + abs(float(value))
     tol = 64 * eps * max(scale, 1e-30) + np.finfo(np.float64).tiny
