@@ -52,6 +52,9 @@ def step_tensors(what: str, given: Any, leaf_names: Sequence[str], stacked: Mapp
         flat = named_leaves(given, what)
     except TypeError as e:
         raise TypeError(f"{what} must be a pytree shaped like params or a dict keyed by parameter names") from e
+    if "" in flat:
+        raise TypeError(f"{what} must be a pytree shaped like params or a dict keyed by parameter names, got a bare "
+                        f"{type(flat['']).__name__}")
     out: dict[str, np.ndarray] = {}
     for key, value in flat.items():
         arr = np.asarray(value)
