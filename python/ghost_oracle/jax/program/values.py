@@ -4,7 +4,7 @@ a parameter seen through layout-only steps (`View`), and what one use of a param
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -57,7 +57,6 @@ class Use:
     out_dtype: Any = None
     vocab: int | None = None
     clip_ids: bool = False  # the gather clamps its ids into the table (GatherScatterMode.CLIP)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def move_last(out_ndim: int, feature_axes: list[int]) -> tuple[int, ...]:
