@@ -209,24 +209,32 @@ impl ConvInput {
         let spatial = geo.input_volume();
         let mut result = Array2::<f64>::zeros((p_total * g, width));
         let dst = result.as_slice_mut().expect("a fresh array is contiguous");
+        // The flat input index each kernel offset reads at the current position, or
+        // `usize::MAX` where it reads padding (left zero).
+        let mut taps = vec![usize::MAX; k];
         let mut pos = vec![0usize; n];
         let mut off = vec![0usize; n];
         for p in 0..p_total {
             off.iter_mut().for_each(|x| *x = 0);
-            for kk in 0..k {
-                // The flat input index this (position, offset) reads, unless it is padding.
-                let tap = (0..n).try_fold(0usize, |flat, d| {
-                    axis_taps[d][pos[d] * geo.kernel[d] + off[d]].map(|x| flat + x * strides[d])
-                });
-                if let Some(sp) = tap {
-                    for j in 0..g {
-                        let row = (p * g + j) * width;
-                        for c in 0..cin_g {
-                            dst[row + c * k + kk] = x[(j * cin_g + c) * spatial + sp];
+            for tap in taps.iter_mut() {
+                *tap = (0..n)
+                    .try_fold(0usize, |flat, d| {
+                        axis_taps[d][pos[d] * geo.kernel[d] + off[d]].map(|x| flat + x * strides[d])
+                    })
+                    .unwrap_or(usize::MAX);
+                advance(&mut off, &geo.kernel);
+            }
+            // Each row written in order: channel c's k offsets, then channel c + 1's.
+            for j in 0..g {
+                let row = &mut dst[(p * g + j) * width..(p * g + j + 1) * width];
+                for (c, cols) in row.chunks_exact_mut(k).enumerate() {
+                    let channel = &x[(j * cin_g + c) * spatial..(j * cin_g + c + 1) * spatial];
+                    for (v, &tap) in cols.iter_mut().zip(&taps) {
+                        if tap != usize::MAX {
+                            *v = channel[tap];
                         }
                     }
                 }
-                advance(&mut off, &geo.kernel);
             }
             advance(&mut pos, &out);
         }
