@@ -3,9 +3,10 @@ d 16, 2 layers: one sliding-window layer with window 3 < T, one global): the sam
 same per-example gradients (an autograd loop over the HF model in float64, HF's float32 islands
 removed as oracles/golden/make_golden.py does, against jax.vmap(jax.grad) of the jnp model in
 x64), and the program route's trace of the jnp model holds those norms, the tied embedding's
-cross term included: a claim without it fails."""
+cross term included: the same trace claiming them without it, or 0.1 % low, fails."""
 import importlib.util
 import os
+import shutil
 import sys
 
 import pytest
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ghost_oracle
-from ghost_oracle import ClippingCheckFailed
+from ghost_oracle._gate import _replace_claimed_norms
 from ghost_oracle import jax as gjax
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -116,9 +117,12 @@ def test_jnp_gemma3_matches_hf_and_the_trace_holds_its_norms(jax_route, hf_f64, 
         report = ghost_oracle.check(path)
         np.testing.assert_allclose(report.true_norms, truth, rtol=1e-9)
         assert report.passed
-        gjax.assert_norms(fun, params, jids, truth, max_grad_norm=1.0)
-        with pytest.raises(ClippingCheckFailed):
-            gjax.assert_norms(fun, params, jids, no_cross, max_grad_norm=1.0)
-        with pytest.raises(ClippingCheckFailed):
-            gjax.assert_norms(fun, params, jids, truth * (1 - 1e-3), max_grad_norm=1.0)
+    # the same trace judged for other claims (one capture: the claims are rewritten in place)
+    for wrong in (no_cross, truth * (1 - 1e-3)):
+        other = str(tmp_path / "claimed.safetensors")
+        shutil.copyfile(path, other)
+        _replace_claimed_norms(other, wrong)
+        judged = ghost_oracle.check(other)
+        np.testing.assert_array_equal(judged.true_norms, report.true_norms)
+        assert not judged.passed
 
