@@ -209,12 +209,18 @@ def sketch(inputs: np.ndarray, backprops: np.ndarray, geo: ConvGeometry, rows: t
     for n, (t0, t1) in enumerate(tiles):
         t, tp = t1 - t0, (t1 - t0) * shape.positions
         x, dg = _tile(inputs, backprops, geo, shape, (t0, t1), (j0, gs))
-        y = np.zeros((t, gs, shape.positions, m))
-        yabs = np.zeros((t, gs, shape.positions, m))
+        # the channels contracted first, on the whole padded tile (one product for every offset
+        # and probe), then each offset's strided view of it summed: the tile is read once
+        xs = x.reshape(t, gs, cin_g, *x.shape[2:])
+        z = np.tensordot(xs, vk.reshape(cin_g, k * m), axes=([2], [0])).reshape(*xs.shape[:2], *x.shape[2:], k, m)
+        zabs = np.tensordot(np.abs(xs), vabs.reshape(cin_g, k * m), axes=([2], [0])).reshape(z.shape)
+        y = np.zeros((t, gs, *shape.outputs, m))
+        yabs = np.zeros((t, gs, *shape.outputs, m))
         for kappa, view in enumerate(geo.offsets(shape.outputs)):
-            xk = x[(slice(None), slice(None)) + view].reshape(t, gs, cin_g, shape.positions)
-            y += np.einsum("tgcp,cm->tgpm", xk, vk[:, kappa], optimize=True)
-            yabs += np.einsum("tgcp,cm->tgpm", np.abs(xk), vabs[:, kappa], optimize=True)
+            at = (slice(None), slice(None)) + view + (kappa,)
+            y += z[at]
+            yabs += zabs[at]
+        y, yabs = y.reshape(t, gs, shape.positions, m), yabs.reshape(t, gs, shape.positions, m)
         out += dg @ np.ascontiguousarray(y.transpose(1, 0, 2, 3)).reshape(gs, tp, m)
         mag += np.abs(dg) @ np.ascontiguousarray(yabs.transpose(1, 0, 2, 3)).reshape(gs, tp, m)
         if on_tile is not None:
@@ -229,11 +235,13 @@ def per_example(inputs: np.ndarray, backprops: np.ndarray, geo: ConvGeometry, t0
     g, k, t = geo.groups, geo.taps, t1 - t0
     cin_g, cout_g = shape.c_in // g, shape.c_out // g
     x = _padded(geo, f64(inputs[t0:t1]))
-    d = f64(backprops[t0:t1]).reshape(t, shape.positions, g, cout_g).transpose(0, 2, 3, 1)  # t×g×cout_g×P
-    out = np.zeros((t, g, cout_g, cin_g, k))
+    # t×g×cout_g×P and, per offset, t×g×P×cin_g, each contiguous: numpy's matmul calls BLAS on
+    # contiguous stacks only (a strided view goes through its own loop, 100× slower)
+    d = np.ascontiguousarray(f64(backprops[t0:t1]).reshape(t, shape.positions, g, cout_g).transpose(0, 2, 3, 1))
+    out = np.empty((t, g, cout_g, cin_g, k))
     for kappa, view in enumerate(geo.offsets(shape.outputs)):
         xk = x[(slice(None), slice(None)) + view].reshape(t, g, cin_g, shape.positions)
-        out[..., kappa] = d @ xk.transpose(0, 1, 3, 2)
+        out[..., kappa] = d @ np.ascontiguousarray(xk.transpose(0, 1, 3, 2))
     return out.reshape(t, shape.c_out, cin_g * k)
 
 
