@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ghost_oracle
-from ghost_oracle._gate import _replace_claimed_norms
 from ghost_oracle import jax as gjax
+from ghost_oracle._gate import _replace_claimed_norms
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=1,
