@@ -527,7 +527,9 @@ def per_example_grads(built: Built, batch: Any) -> dict[str, np.ndarray]:
     def own(p: Any, example: Any) -> jax.Array:
         return built.fun(p, jax.tree_util.tree_map(lambda a: a[None], example))
 
-    grads = jax.vmap(jax.grad(own), in_axes=(None, 0))(built.params, batch)
+    # compiled once: op by op, every primitive of every front-end would be compiled on its own
+    grads = jax.tree_util.tree_map(np.asarray, jax.jit(jax.vmap(jax.grad(own), in_axes=(None, 0)))(
+        built.params, batch))
     per = [built.canon(jax.tree_util.tree_map(lambda g, i=i: g[i], grads)) for i in range(B)]
     return {k: np.stack([p[k] for p in per]) for k in per[0]}
 
