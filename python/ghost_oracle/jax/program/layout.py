@@ -109,6 +109,12 @@ def resolve(w: Walker, leaf: int, entries: np.ndarray, primitive: str,
             return None, None
         if layers and entries.size == per_layer and first % per_layer == 0:
             return first // per_layer, None
+    if entries.size == size and np.may_share_memory(entries, w.indices[leaf]) and _without_overlap(entries):
+        # a transposed view of the whole leaf's arange (the tied head's E.T, first tried in the
+        # other layout): a permutation, and not the identity, which is C-contiguous and read
+        # above; one copy of its order, with no int64 cast, bincount or arange beside it (for a
+        # 262144-row table those cost 8 GB and half a minute)
+        return None, entries.reshape(-1)
     t = entries.reshape(-1).astype(np.int64)
     if is_permutation(t, size):
         return None, (None if is_identity(t) else t)
@@ -120,6 +126,18 @@ def resolve(w: Walker, leaf: int, entries: np.ndarray, primitive: str,
     raise refuse(w.name(leaf), primitive, where,
                  f"the use reaches {t.size} entries of the parameter's {size} ({np.unique(t).size} distinct), not the "
                  "whole parameter nor one layer of it stacked on its first axis; a site covers a parameter whole")
+
+
+def _without_overlap(view: np.ndarray) -> bool:
+    """No two positions of `view` share an element: its axes (extent > 1), ordered by |stride|,
+    each step past the whole extent of the ones below it. Sufficient, not necessary."""
+    axes = sorted((abs(s), n) for s, n in zip(view.strides, view.shape, strict=True) if n > 1)
+    reach = view.itemsize
+    for stride, extent in axes:
+        if stride < reach:
+            return False
+        reach = stride * extent
+    return True
 
 
 def is_identity(perm: np.ndarray) -> bool:
