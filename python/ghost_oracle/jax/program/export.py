@@ -53,17 +53,6 @@ def _same_layout(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return a is None and b is None or (a is not None and b is not None and np.array_equal(a, b))
 
 
-def _kept_sum(g: Any, keep: np.ndarray) -> np.ndarray:
-    """The kept examples' rows of `g` (examples on axis 0) summed in f64, one example at a time:
-    no f64 copy of all B rows and no copy of the kept ones (for a 262144 × 1152 table at B = 2
-    those were 4.8 GB each beside the 2.4 GB sum)."""
-    rows = np.asarray(g)
-    total = np.zeros(rows.shape[1:], dtype=np.float64)
-    for i in np.flatnonzero(keep):
-        total += rows[i]
-    return total
-
-
 def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path: str | os.PathLike[str], *,
                          max_grad_norm: float, claimed_norms: Any = UNCLAIMED, clipper: str = "claimed",
                          claimed_coefficients: Any = None, noise_multiplier: float | None = None,
