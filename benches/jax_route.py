@@ -14,6 +14,7 @@ Each stage runs in its own process, so that its peak RSS (printed as `peak_rss_g
     python3 benches/jax_route.py norms   --layers 1 --dir /tmp/jr   # exact norms, a jax.grad per example
     python3 benches/jax_route.py export  --layers 1 --dir /tmp/jr   # the trace, those norms claimed
     python3 benches/jax_route.py check   --layers 1 --dir /tmp/jr   # target/release/ghost-oracle check
+                                                                     # (--trace torch: the torch stage's)
     python3 benches/jax_route.py torch   --layers 1 --dir /tmp/jr   # the same weights, PyTorch's export
     python3 benches/jax_route.py parity  --layers 1 --dir /tmp/jr   # both traces' true norms compared
 
@@ -304,6 +305,7 @@ def main():
     p.add_argument("--dtype", choices=["f32", "x64"], default="f32")
     p.add_argument("--layers", type=int, default=None, help="fewer blocks than the model's 26 (default: all)")
     p.add_argument("--dir", required=True)
+    p.add_argument("--trace", choices=["jax", "torch"], default="jax", help="which route's trace `check` judges")
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     stem = stem_of(a)
@@ -311,7 +313,6 @@ def main():
            "seq": a.seq, "dtype": a.dtype}
     t0 = time.perf_counter()
     if a.stage == "weights":
-        import torch
         from safetensors.numpy import save_file
 
         model, cfg = hf_model(a.layers, "f32")
@@ -322,7 +323,6 @@ def main():
             json.dump(shape.__dict__, f)
         np.save(stem + ".ids.npy", batch_ids(shape.vocab, a.batch, a.seq))
         out["parameters"] = sum(v.size for v in state.values())
-        del torch
     elif a.stage == "norms":
         import jax
 
@@ -351,9 +351,8 @@ def main():
         out["trace_bytes"] = os.path.getsize(stem + ".jax.safetensors")
     elif a.stage == "check":
         binary = os.path.join(ROOT, "target", "release", "ghost-oracle")
-        which = os.environ.get("TRACE", "jax")
-        run = subprocess.run([binary, "check", f"{stem}.{which}.safetensors"], capture_output=True, text=True)
-        out["trace"] = which
+        run = subprocess.run([binary, "check", f"{stem}.{a.trace}.safetensors"], capture_output=True, text=True)
+        out["trace"] = a.trace
         out["rc"] = run.returncode
         out["check_peak_rss_gb"] = round(peak_rss_gb(resource.RUSAGE_CHILDREN), 3)
         out["stdout_tail"] = run.stdout[-1500:]
