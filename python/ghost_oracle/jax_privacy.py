@@ -58,9 +58,8 @@ from ._types import Precision
 from .jax.capture import PerExampleLoss, flat_params
 from .jax.gate import assert_norms as _assert_norms
 from .jax.gate import assert_update as _assert_update
-from .shadow.computation import Outcome, OutcomeKind
+from .shadow.computation import OnFailure, Outcome, OutcomeKind, ShadowCheckFailed, describe
 from .shadow.report import JsonlReport
-from .shadow.session import OnFailure, ShadowCheckFailed, describe
 from .shadow.summary import Summary
 
 if TYPE_CHECKING:

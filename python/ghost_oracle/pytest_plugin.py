@@ -72,7 +72,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
         session.flush()  # the test's last computations (on_failure="record": never raises)
     failed = [o for o in session.outcomes[first:] if o.failed]
     if failed:
-        from ghost_oracle.shadow.session import describe
+        from ghost_oracle.shadow.computation import describe
 
         text = "\n\n".join(describe(o) + "\n" + (o.explanation or "") for o in failed)
         item.add_report_section("call", "ghost-oracle", text)

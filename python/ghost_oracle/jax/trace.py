@@ -17,6 +17,7 @@ from .._atomic import check_target
 from .._trace.format import PRECISION_NAMES, TraceExportError, number, step_rule
 from .._trace.format import UNCLAIMED as UNCLAIMED  # re-exported: one placeholder for both exporters
 from .._trace.writer import write_trace
+from .arguments import check_batch_axis, per_example
 from .capture import PerExampleLoss, capture, flat_params
 from .check import STORAGE, self_check
 from .kinds import handler_for
@@ -48,35 +49,6 @@ def batch_size(inputs: Any) -> int:
                 raise ValueError(f"inputs: array {k} holds {what} (first at index {first}): the losses and "
                                  "gradients are not numbers")
     return b
-
-
-def _check_batch_axis(batch_axis: object) -> None:
-    """`batch_axis` 0, or a ValueError naming it. The PyTorch exporter also takes 1 (seq-first
-    data), finding each module's own batch axis by its probes; the Flax capture reads B from
-    axis 0 and its probes and sites hold every module's examples on axis 0, so a model whose
-    arrays are T×B inside could only be refused later, or worse: it is refused here."""
-    if type(batch_axis) is not int or batch_axis not in (0, 1):
-        raise ValueError(f"batch_axis must be 0 (batch × sequence, the default), got {batch_axis!r}")
-    if batch_axis == 1:
-        raise ValueError("batch_axis=1 (sequence × batch): the JAX exporter follows the examples along axis 0 only, "
-                         "of the inputs and of every modelled module's input and output; give the model its batch "
-                         "first (batch_axis=0)")
-
-
-def _per_example(values: Any, b: int, what: str) -> np.ndarray:
-    try:
-        raw = np.asarray(values)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{what} must be an array or list of {b} numbers, got {type(values).__name__}") from e
-    if np.iscomplexobj(raw):  # a cast to float64 would drop the imaginary part with only a warning
-        raise TypeError(f"{what} is complex ({raw.dtype}): norms and coefficients are real numbers")
-    if raw.dtype.kind not in "fiu" and raw.dtype != ml_dtypes.bfloat16:
-        raise TypeError(f"{what} must be an array or list of {b} numbers, got {type(values).__name__} of "
-                        f"{raw.dtype}")
-    arr = raw.astype(np.float64).reshape(-1)
-    if arr.shape != (b,):
-        raise ValueError(f"{what} has {arr.size} entries; the batch has {b} examples")
-    return arr
 
 
 def _site_names(sites: list[Site]) -> None:
@@ -185,7 +157,7 @@ def _export_linen(model: nn.Module, params: Any, per_example_loss: PerExampleLos
                   batch_divisor: float | None = None, clip_stabilizer: float = 0.0, clipping: str = "flat",
                   batch_axis: int = 0, is_padding_example: Any = None) -> list[dict[str, Any]]:
     """The linen route of `export_trace`: capture by `nn.intercept_methods` (`capture.py`)."""
-    _check_batch_axis(batch_axis)
+    check_batch_axis(batch_axis)
     path = check_target(path, "path")  # before the model runs: a path that cannot be written fails fast
     c = number(max_grad_norm, "max_grad_norm", positive=True)
     if noise_multiplier is not None:
@@ -235,9 +207,9 @@ def _export_linen(model: nn.Module, params: Any, per_example_loss: PerExampleLos
     else:
         if callable(claimed_norms):
             claimed_norms = claimed_norms(params, inputs)
-        norms = _per_example(claimed_norms, b, "claimed_norms")[keep]
+        norms = per_example(claimed_norms, b, "claimed_norms")[keep]
     coefficients = None if claimed_coefficients is None else \
-        _per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
+        per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
     step = {what: _step_tensors(what, given, sites, parameters, captured.scans)
             for what, given in (("clipped_sum", clipped_sum), ("update", update)) if given is not None}
     # the rounding of the model's own forward and backward in the factors as written, measured

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import os
 
-from .computation import Computation, Outcome
+from .computation import Computation, OnFailure, Outcome, ShadowCheckFailed
 from .report import JsonlReport
-from .session import DEFAULT_MAX_PARAMS, OnFailure, Shadow, ShadowCheckFailed
+from .session import DEFAULT_MAX_PARAMS, Shadow
 from .summary import Summary
 
 __all__ = ["DEFAULT_MAX_PARAMS", "Computation", "JsonlReport", "OnFailure", "Outcome", "Shadow",

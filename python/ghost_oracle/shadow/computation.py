@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .._failure import ClippingCheckFailed
+
 #: judged: the exporter traced it and the judge gave a verdict; refused: the exporter cannot
 #: trace it faithfully (a layer it cannot model, examples that mix), with its reason; skipped:
 #: not judged, by a rule stated in the reason (an empty batch, over a budget, every=N).
@@ -109,3 +111,28 @@ class Outcome:
             "max_rel_err": None if err is None or not math.isfinite(err) else err,
             "message": self.message, "seconds": round(self.seconds, 6),
         }
+
+
+#: What a session does with a wrong computation: raise `ShadowCheckFailed`, warn, or only record it.
+OnFailure = Literal["raise", "warn", "record"]
+
+
+class ShadowCheckFailed(ClippingCheckFailed):
+    """A computation shadow mode judged was wrong. `.outcome` is its record, `.report` the
+    judge's `Report`."""
+
+    __module__ = "ghost_oracle"
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.report)
+        self.outcome = outcome
+        self.args = (describe(outcome) + "\n" + (outcome.explanation or ""),)
+
+
+def describe(o: Outcome) -> str:
+    where = f" in {o.test}" if o.test else ""
+    route = "" if o.wrapped else " (wrap_model=False)"
+    what = "computation" if o.what == "norms" else "optimizer step, computation"
+    return (f"ghost-oracle shadow: {o.library} {o.mode}{route} on {o.module} (B={o.batch_size}), {what} "
+            f"{o.call}{where}: {o.outcome}" + (f", verdict {o.verdict}" if o.verdict else "")
+            + (f", max relative error {o.max_rel_err:.3g}" if o.max_rel_err is not None else ""))

@@ -26,7 +26,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .session import DEFAULT_MAX_PARAMS, OnFailure, Shadow
+from .computation import OnFailure
+from .session import DEFAULT_MAX_PARAMS, Shadow
 
 
 class ShadowCallback(TrainerCallback):

@@ -13,14 +13,10 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Literal
 
-from .._failure import ClippingCheckFailed
-from .computation import Computation, Outcome, StepClaims
+from .computation import Computation, OnFailure, Outcome, ShadowCheckFailed, StepClaims, describe
 from .report import JsonlReport
 from .summary import Summary
-
-OnFailure = Literal["raise", "warn", "record"]
 
 #: library name → (module whose `install() -> uninstall` hooks that library, the package that
 #: must be importable for it to apply).
@@ -53,27 +49,6 @@ class StepWindow:
     @property
     def computations(self) -> list[Computation]:
         return self.clipped + self.open
-
-
-class ShadowCheckFailed(ClippingCheckFailed):
-    """A computation shadow mode judged was wrong. `.outcome` is its record, `.report` the
-    judge's `Report`."""
-
-    __module__ = "ghost_oracle"
-
-    def __init__(self, outcome: Outcome) -> None:
-        super().__init__(outcome.report)
-        self.outcome = outcome
-        self.args = (describe(outcome) + "\n" + (outcome.explanation or ""),)
-
-
-def describe(o: Outcome) -> str:
-    where = f" in {o.test}" if o.test else ""
-    route = "" if o.wrapped else " (wrap_model=False)"
-    what = "computation" if o.what == "norms" else "optimizer step, computation"
-    return (f"ghost-oracle shadow: {o.library} {o.mode}{route} on {o.module} (B={o.batch_size}), {what} "
-            f"{o.call}{where}: {o.outcome}" + (f", verdict {o.verdict}" if o.verdict else "")
-            + (f", max relative error {o.max_rel_err:.3g}" if o.max_rel_err is not None else ""))
 
 
 _lock = threading.RLock()

@@ -5,22 +5,16 @@ the kernel's order), so the kernel's view is read as (I, window…, O). Grouped 
 a parameter as the convolved input are refused."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from ..sites import precision_of
 from .layout import resolve
-from .values import Use, Val, move_last, refuse, rows_mapper
-
-if TYPE_CHECKING:
-    from .interpreter import Walker
+from .values import Use, Val, Walking, bind, move_last, refuse, rows_mapper
 
 
-def use(w: Walker, eqn: object, vals: list[Val], where: str) -> list[Val]:
-    from .interpreter import bind
+def use(w: Walking, eqn: object, vals: list[Val], where: str) -> list[Val]:
 
     params = eqn.params  # type: ignore[attr-defined]
     lhs, rhs = vals

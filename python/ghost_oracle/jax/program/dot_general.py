@@ -7,22 +7,16 @@ brings it there. Batch dimensions (a parameter mapped over by `vmap`) are refuse
 would have its own weight."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax.numpy as jnp
 import numpy as np
 
 from ..._trace.site import SiteKind
 from ..sites import precision_of
 from .layout import resolve
-from .values import Use, Val, refuse, rows_mapper
-
-if TYPE_CHECKING:
-    from .interpreter import Walker
+from .values import Use, Val, Walking, bind, refuse, rows_mapper
 
 
-def use(w: Walker, eqn: object, vals: list[Val], where: str) -> list[Val]:
-    from .interpreter import bind
+def use(w: Walking, eqn: object, vals: list[Val], where: str) -> list[Val]:
 
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]  # type: ignore[attr-defined]
     lhs, rhs = vals

@@ -5,18 +5,13 @@ features are the output's axes along which the parameter's entries change, the r
 other axis (along which it is broadcast). `x - b` and `c - w` negate the parameter: refused."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax.numpy as jnp
 import numpy as np
 
 from ..._trace.site import SiteKind
 from ..sites import precision_of
 from .layout import resolve
-from .values import Use, Val, View, move_last, refuse, rows_mapper
-
-if TYPE_CHECKING:
-    from .interpreter import Walker
+from .values import Use, Val, View, Walking, bind, move_last, refuse, rows_mapper
 
 ELEMENTWISE = frozenset({"mul", "add", "sub", "add_any"})
 
@@ -28,8 +23,7 @@ def feature_axes(index: np.ndarray) -> list[int]:
             and not bool((index == np.take(index, [0], axis=d)).all())]
 
 
-def use(w: Walker, eqn: object, vals: list[Val], where: str) -> list[Val]:
-    from .interpreter import bind
+def use(w: Walking, eqn: object, vals: list[Val], where: str) -> list[Val]:
 
     name = eqn.primitive.name  # type: ignore[attr-defined]
     a, b = vals

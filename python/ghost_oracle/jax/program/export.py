@@ -20,6 +20,7 @@ from ..._trace.check import Against, check_parameter
 from ..._trace.format import PRECISION_NAMES, UNCLAIMED, TraceExportError, number, step_rule
 from ..._trace.site import Precision
 from ..._trace.writer import write_trace
+from ..arguments import check_batch_axis, per_example
 from ..check import STORAGE
 from ..sites import precision_of, raw_bits
 from .capture import capture
@@ -60,9 +61,7 @@ def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path:
                          batch_divisor: float | None = None, clip_stabilizer: float = 0.0, clipping: str = "flat",
                          batch_axis: int = 0, is_padding_example: Any = None, batch_argnums: int | tuple[int, ...] = 1,
                          keep_batch_dim: bool = True) -> list[dict[str, Any]]:
-    from ..trace import _check_batch_axis, _per_example
-
-    _check_batch_axis(batch_axis)
+    check_batch_axis(batch_axis)
     path = check_target(path, "path")
     c = number(max_grad_norm, "max_grad_norm", positive=True)
     if noise_multiplier is not None:
@@ -173,9 +172,9 @@ def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path:
     else:
         if callable(claimed_norms):
             claimed_norms = claimed_norms(params, batch)
-        norms = _per_example(claimed_norms, b, "claimed_norms")[keep]
+        norms = per_example(claimed_norms, b, "claimed_norms")[keep]
     coefficients = None if claimed_coefficients is None else \
-        _per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
+        per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
     step = {what: {k: raw_bits(v) for k, v in
                    step_tensors(what, given, prog.names, stacked, parameters, perms).items()}
             for what, given in (("clipped_sum", clipped_sum), ("update", update)) if given is not None}

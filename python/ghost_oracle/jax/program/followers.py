@@ -9,7 +9,7 @@ JAX's reverse mode does not differentiate it, so the program has no per-example 
 trace. A sub-program that no parameter enters is bound whole, its own rules kept."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.extend.core as jcore
@@ -17,17 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .values import Status, Val, View, refuse
-
-if TYPE_CHECKING:
-    from .interpreter import Walker
+from .values import Status, Val, View, Walking, refuse
 
 CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
                    "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})
 FOLLOWED = CALLS | {"cond", "scan", "while"}
 
 
-def follow(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
+def follow(w: Walking, eqn: Any, vals: list[Val]) -> list[Val]:
     name = eqn.primitive.name
     if name in CALLS:
         return _call(w, eqn, vals)
@@ -38,7 +35,7 @@ def follow(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
     return _while(w, eqn, vals)
 
 
-def _inside(w: Walker, what: str) -> Any:
+def _inside(w: Walking, what: str) -> Any:
     class Scope:
         def __enter__(self) -> None:
             w.context.append(what)
@@ -48,13 +45,13 @@ def _inside(w: Walker, what: str) -> Any:
     return Scope()
 
 
-def _run(w: Walker, program: Any, args: list[Val]) -> list[Val]:
+def _run(w: Walking, program: Any, args: list[Val]) -> list[Val]:
     if isinstance(program, jcore.ClosedJaxpr):
         return w.run_closed(program, args)
     return w.run(program, [], args)
 
 
-def _call(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
+def _call(w: Walking, eqn: Any, vals: list[Val]) -> list[Val]:
     params = eqn.params
     program = next((params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in params), None)
     label = f"{eqn.primitive.name} `{params['name']}`" if "name" in params else eqn.primitive.name
@@ -67,14 +64,14 @@ def _call(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
         return _run(w, program, vals)
 
 
-def _no_view_out(w: Walker, outs: list[Val], primitive: str) -> None:
+def _no_view_out(w: Walking, outs: list[Val], primitive: str) -> None:
     for v in outs:
         if v.view is not None:
             raise refuse(w.name(v.view.leaf), primitive, w.where(primitive),
                          "the parameter itself leaves the sub-program as an output selected or stacked by it")
 
 
-def _cond(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
+def _cond(w: Walking, eqn: Any, vals: list[Val]) -> list[Val]:
     branches = eqn.params["branches"]
     index, ops = vals[0], vals[1:]
     if index.status == "const":
@@ -102,7 +99,7 @@ def _slice(v: Val, i: int) -> Val:
     return Val(value, v.status)
 
 
-def _scan(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
+def _scan(w: Walking, eqn: Any, vals: list[Val]) -> list[Val]:
     p = eqn.params
     n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
     consts, carry, xs = vals[:n_consts], vals[n_consts:n_consts + n_carry], vals[n_consts + n_carry:]
@@ -127,7 +124,7 @@ def _scan(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
     return [*carry, *stacked]
 
 
-def _while(w: Walker, eqn: Any, vals: list[Val]) -> list[Val]:
+def _while(w: Walking, eqn: Any, vals: list[Val]) -> list[Val]:
     """A parameter inside `lax.while_loop` is refused: reverse-mode differentiation does not run
     through a while loop (`jax.grad`, and so `clipped_grad`, raise on it), so the program's own
     per-example gradients, which the trace must hold, do not exist. `fori_loop` with static

@@ -5,21 +5,16 @@ an id. An `embedding` site: ids B×R, backprops B×R×d. The ids are checked to 
 after the walk (`ids_in_table`), clamped where the gather clamps them."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax.numpy as jnp
 import numpy as np
 
 from ..._trace.format import TraceExportError
 from ..sites import precision_of
 from .layout import resolve
-from .values import Use, Val, refuse, rows_mapper
-
-if TYPE_CHECKING:
-    from .interpreter import Walker
+from .values import Use, Val, Walking, bind, refuse, rows_mapper
 
 
-def _table(w: Walker, val: Val, primitive: str, where: str) -> tuple[int, int]:
+def _table(w: Walking, val: Val, primitive: str, where: str) -> tuple[int, int]:
     assert val.view is not None
     shape = np.shape(val.value)
     if len(shape) != 2:
@@ -29,8 +24,7 @@ def _table(w: Walker, val: Val, primitive: str, where: str) -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
-def use(w: Walker, eqn: object, vals: list[Val], where: str) -> list[Val]:
-    from .interpreter import bind
+def use(w: Walking, eqn: object, vals: list[Val], where: str) -> list[Val]:
 
     name = eqn.primitive.name  # type: ignore[attr-defined]
     params = eqn.params  # type: ignore[attr-defined]

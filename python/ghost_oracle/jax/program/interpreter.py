@@ -24,20 +24,10 @@ import numpy as np
 
 from ..._trace.format import TraceExportError
 from . import conv, dot_general, elementwise, followers, gather, layout
-from .values import Use, Val, refuse
+from .values import Use, Val, bind, refuse
 
 #: Variables of a jaxpr, and the equation type: `jax.extend.core` names them.
 Var = Any
-
-
-def bind(eqn: Any, values: Sequence[Any]) -> list[Any]:
-    """`eqn`'s primitive applied to `values`, as `jax.core.eval_jaxpr` applies it."""
-    got = eqn.primitive.get_bind_params(eqn.params)
-    # older JAX returns (subfuns, params), newer the params alone
-    subfuns, params = got if isinstance(got, tuple) else ((), got)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*subfuns, *values, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 class Walker:
@@ -105,6 +95,8 @@ class Walker:
             return [Val.plain(o) for o in bind(eqn, [v.value for v in vals])]
         where = self.where(name)
         if name in layout.LAYOUT:
+            if layout.is_lookup(eqn, vals):
+                return gather.use(self, eqn, vals, where)
             return layout.step(self, eqn, vals, where)
         if name in followers.FOLLOWED:
             return followers.follow(self, eqn, vals)

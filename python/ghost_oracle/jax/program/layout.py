@@ -4,16 +4,13 @@ a constant index of a stacked axis, copy) and where a use's entries lie in the p
 as the linen route names the layers of `nn.scan` (each layer a parameter of its own)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .values import Val, View, refuse
-
-if TYPE_CHECKING:
-    from .interpreter import Walker
+from .values import Val, View, Walking, bind, refuse
 
 #: Primitives that move, repeat or select a parameter's entries without computing with them
 #: (convert and reduce_precision round them, which is the precision the use computes in).
@@ -58,17 +55,20 @@ def _numpy_step(name: str, params: dict[str, Any], index: np.ndarray, rest: list
     return None
 
 
-def step(w: Walker, eqn: Any, vals: list[Val], where: str) -> list[Val]:
-    """A layout step of a view (operand 0), its other operands (slice starts, gather indices)
-    constant; a slice or gather at indices computed from the data is a lookup (`gather.py`)."""
-    from . import gather
-    from .interpreter import bind
+def is_lookup(eqn: Any, vals: list[Val]) -> bool:
+    """A slice or gather of a parameter's view at indices computed from the data: a lookup
+    (`gather.py`), not a layout step."""
+    return (eqn.primitive.name in ("gather", "dynamic_slice") and vals[0].view is not None
+            and any(v.status != "const" for v in vals[1:]))
 
+
+def step(w: Walking, eqn: Any, vals: list[Val], where: str) -> list[Val]:
+    """A layout step of a view (operand 0), its other operands (slice starts, gather indices)
+    constant; a slice or gather at indices computed from the data is a lookup (`is_lookup`,
+    `gather.py`), dispatched there before this is called."""
     name = eqn.primitive.name
     head, rest = vals[0], vals[1:]
     if head.view is None or any(v.status != "const" for v in rest):
-        if name in ("gather", "dynamic_slice") and head.view is not None:
-            return gather.use(w, eqn, vals, where)
         view = next(v.view for v in vals if v.view is not None)
         raise refuse(w.name(view.leaf), name, where, "a parameter used as the indices of a lookup or slice")
     out = bind(eqn, [v.value for v in vals])[0]
@@ -91,7 +91,7 @@ def is_permutation(t: np.ndarray, n: int) -> bool:
     return bool((np.bincount(t, minlength=n) == 1).all())
 
 
-def resolve(w: Walker, leaf: int, entries: np.ndarray, primitive: str,
+def resolve(w: Walking, leaf: int, entries: np.ndarray, primitive: str,
             where: str) -> tuple[int | None, np.ndarray | None]:
     """(layer, perm): the use's entries (positions in the leaf, in the site's layout order) as a
     permutation of the whole leaf (layer None) or of one layer of it stacked on its first axis

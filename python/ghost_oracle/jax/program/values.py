@@ -3,9 +3,9 @@ a parameter seen through layout-only steps (`View`), and what one use of a param
 (`Use`: a site of the trace, in the parameter's own flattened layout)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -78,3 +78,35 @@ def refuse(name: str, primitive: str, where: str, why: str) -> TraceExportError:
                             "a parameter used through layout-only steps (reshape, transpose, broadcast, convert, "
                             "slicing of a stacked axis) by dot_general, gather of rows of a 2-D table, an "
                             "elementwise scale or shift, or conv_general_dilated")
+
+
+def bind(eqn: Any, values: Sequence[Any]) -> list[Any]:
+    """`eqn`'s primitive applied to `values`, as `jax.core.eval_jaxpr` applies it."""
+    got = eqn.primitive.get_bind_params(eqn.params)
+    # older JAX returns (subfuns, params), newer the params alone
+    subfuns, params = got if isinstance(got, tuple) else ((), got)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+class Walking(Protocol):
+    """What a use's or a sub-program's handler reads of the walk it is part of (the
+    interpreter's `Walker`; a protocol here so that the handlers and the interpreter that
+    dispatches to them import nothing of each other)."""
+
+    #: the sub-programs the walk is inside, outermost first (for messages)
+    context: list[str]
+    #: each parameter leaf's `arange(size)` in its shape, and its shape
+    indices: list[np.ndarray]
+    leaf_shapes: list[tuple[int, ...]]
+
+    def where(self, primitive: str) -> str: ...
+
+    def site(self, use: Use, out: Any, recorded: dict[str, Any]) -> Any: ...
+
+    def run_closed(self, closed: Any, args: Sequence[Val]) -> list[Val]: ...
+
+    def run(self, jaxpr: Any, consts: Sequence[Val], args: Sequence[Val]) -> list[Val]: ...
+
+    def name(self, leaf: int) -> str: ...
