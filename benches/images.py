@@ -198,7 +198,7 @@ def stage_export(a):
     inputs = batch(a.model, a.batch)
     t0 = time.perf_counter()
     export_trace(model, per_example_loss, inputs, stem(a) + ".safetensors", claimed_norms=claim["norms"],
-                 max_grad_norm=claim["max_grad_norm"])
+                 max_grad_norm=claim["max_grad_norm"], model_rounding=a.model_rounding)
     return {"seconds": round(time.perf_counter() - t0, 2), "trace_bytes": os.path.getsize(stem(a) + ".safetensors"),
             "ghost_oracle": os.path.dirname(ghost_oracle.__file__)}
 
@@ -271,7 +271,8 @@ def limit_memory(a):
 def run_child(a, stage):
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), stage, "--model", a.model, "--batch",
-                             str(a.batch), "--dir", a.dir], stdout=subprocess.PIPE,
+                             str(a.batch), "--dir", a.dir]
+                            + ([] if a.model_rounding else ["--no-model-rounding"]), stdout=subprocess.PIPE,
                             preexec_fn=lambda: limit_memory(a))
     output = proc.stdout.read().decode()
     _, status, ru = os.wait4(proc.pid, 0)
@@ -321,7 +322,7 @@ def stage_all(a):
         "export_peak_x": round(rows["export"]["peak_gb"] / ref_gb, 1),
         "check_time_x": round(rows["check"]["seconds"] / ref_s, 1),
         "check_peak_x": round(rows["check"]["peak_gb"] / ref_gb, 1),
-        "verdict": rows["check"]["verdict"], "low_verdict": rows["low"]["verdict"],
+        "verdict": rows["check"]["verdict"], "low_verdict": rows["low"]["verdict"], "model_rounding": a.model_rounding,
         "load_1min_before_after": [round(load[0], 2), round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(summary))
@@ -345,6 +346,9 @@ def main():
                    help="most memory a stage may take (all): Python stages get an address-space limit, check "
                         "its --max-memory")
     p.add_argument("--keep", action="store_true", help="keep the trace (all)")
+    p.add_argument("--no-model-rounding", dest="model_rounding", action="store_false",
+                   help="export without the replays that measure the model's own rounding (export_trace's "
+                        "model_rounding=False)")
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     if a.stage == "all":

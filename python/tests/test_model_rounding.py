@@ -4,8 +4,8 @@ Ground truth is brute force: each example's gradient by an autograd loop on a fl
 of the model (each example's loss differentiated alone), and the traced gradient materialized
 here in float64 from the trace's factors, independently of the exporter's own arithmetic."""
 import copy
-import importlib
 import json
+import warnings
 
 import pytest
 import torch
@@ -241,9 +241,7 @@ def test_the_users_model_parameters_grads_hooks_mode_and_rng_are_untouched(tmp_p
     assert rounding is not None and meta["model_rounding"] == "replay-float64+random-rounding"
     with_replay = len(calls)
     calls.clear()
-    with pytest.MonkeyPatch.context() as mp:  # the same export without the replay
-        mp.setattr(importlib.import_module("ghost_oracle.torch.trace"), "model_rounding", lambda *args: None)
-        export(model, loss, x, tmp_path / "u.safetensors")
+    export(model, loss, x, tmp_path / "u.safetensors", model_rounding=False)  # the same export without the replay
     assert len(calls) == with_replay  # the replay ran none of the user's hooks
     assert torch.equal(torch.get_rng_state(), rng)
     assert model.training and all(p.dtype == torch.float32 for p in model.parameters())
@@ -266,6 +264,23 @@ def test_over_the_memory_budget_the_replay_is_skipped_with_a_warning(tmp_path, m
     with pytest.warns(UserWarning, match=r"not measured.*copy of the model at f64.*more than 1e-12 of the"):
         meta, rounding = export(model, loss, x, tmp_path / "t.safetensors")
     assert rounding is None and "model_rounding" not in meta
+
+
+def test_model_rounding_false_leaves_the_replay_out_and_nothing_else(tmp_path):
+    model, x, loss = case("tied")
+    export(model, loss, x, tmp_path / "with.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for: no warning
+        meta, rounding = export(model, loss, x, tmp_path / "without.safetensors", model_rounding=False)
+    assert rounding is None and "model_rounding" not in meta
+    with safe_open(str(tmp_path / "with.safetensors"), "pt") as a, safe_open(str(tmp_path / "without.safetensors"),
+                                                                                "pt") as b:
+        assert set(a.keys()) - set(b.keys()) == {"model.rounding"}
+        for k in b.keys():
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+    with pytest.raises(TypeError, match="model_rounding must be True or False"):
+        export(model, loss, x, tmp_path / "bad.safetensors", model_rounding="no")
+    assert not (tmp_path / "bad.safetensors").exists()
 
 
 def test_a_loss_that_does_not_run_at_f64_skips_the_replay_with_a_warning(tmp_path):

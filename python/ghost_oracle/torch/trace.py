@@ -97,7 +97,8 @@ from .precision import DTYPE_NAMES, unit_roundoff, with_islands
 from .precision import compute_dtype as model_compute_dtype
 from .progress import Progress
 from .record import param_names, param_owners, record
-from .rounding import CastWatch, model_rounding
+from .rounding import CastWatch
+from .rounding import model_rounding as measure_model_rounding
 from .step import _resolve_step
 
 
@@ -123,7 +124,8 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
                  clipper: str = "claimed", claimed_coefficients: Any = None, noise_multiplier: float | None = None,
                  dtype: torch.dtype | None = None, update: Mapping[str, torch.Tensor] | None = None,
                  clipped_sum: Mapping[str, torch.Tensor] | None = None, batch_divisor: float | None = None,
-                 clip_stabilizer: float = 0.0, clipping: str = "flat", batch_axis: int = 0) -> list[dict[str, Any]]:
+                 clip_stabilizer: float = 0.0, clipping: str = "flat", batch_axis: int = 0,
+                 model_rounding: bool = True) -> list[dict[str, Any]]:
     """Records the trace of one batch, checks it against autograd and writes it with the claimed
     norms (and, when given, the claimed step: `clipped_sum`, `update`, `batch_divisor`,
     `clip_stabilizer`, `clipping`; see the module's docstring). Returns the site specs. Raises
@@ -139,9 +141,17 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
     else. A model that mixes examples is refused, naming the first use where it shows; so is a
     use fed the inputs directly whose examples lie along another axis than `batch_axis`.
 
+    `model_rounding=False` leaves out the replays that measure the model's own rounding
+    (`model.rounding`, docs/trace-format.md): the judge then bounds the clipper's arithmetic on
+    the traced factors only, as where the replays do not fit in memory. They are a float64
+    forward and backward of the batch and random-rounding ones (tens of times the step on a
+    CNN at a DP batch size, docs/results.md).
+
     Runs one forward and backward pass of `per_example_loss(model, inputs).sum()`, then one
     backward per probed example: the model's `.grad`s are reset first and hold the batch
     gradient afterwards."""
+    if not isinstance(model_rounding, bool):
+        raise TypeError(f"model_rounding must be True or False, got {model_rounding!r}")
     batch_axis = _check_batch_axis(batch_axis)
     path = check_target(path, "path")  # before the model runs: a path that cannot be written fails fast
     if isinstance(inputs, list):  # micro-batches
@@ -161,9 +171,11 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
     specs = [s.spec() for s in sites]
     compute_dtype = _site_precisions(sites, specs, args.compute_dtype)
     compute_dtype = with_islands(specs, compute_dtype, watch.coarsest)
-    progress.step("replaying the model at another precision (its own rounding)", 0, 1)
-    rounding = model_rounding(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch,
-                              args.compute_dtype, compute_dtype)
+    rounding = None
+    if model_rounding:
+        progress.step("replaying the model at another precision (its own rounding)", 0, 1)
+        rounding = measure_model_rounding(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites,
+                                          watch, args.compute_dtype, compute_dtype)
     parameters = _manifest(model, names)
     if claimed_norms is UNCLAIMED:
         claimed_norms = torch.ones(b, dtype=torch.float64)
