@@ -83,6 +83,9 @@ GEOMETRIES = {
     "2d-stride2-dilation2": ((9, 8), 3, 5, (3, 3), (2, 2), (2, 2), ((1, 1), (1, 1)), 1),
     "3d-groups2": ((4, 5, 3), 4, 4, (2, 3, 2), (1, 2, 1), (1, 1, 2), ((1, 0), (0, 0), (1, 1)), 2),
     "2d-kernel1": ((3, 4), 6, 4, (1, 1), (1, 1), (1, 1), ((0, 0), (0, 0)), 2),
+    # a vision transformer's patch embedding: stride = kernel, so the input has k² times the
+    # positions the output has
+    "2d-patch-embedding": ((16, 12), 3, 6, (4, 4), (4, 4), (1, 1), ((0, 0), (0, 0)), 1),
 }
 
 

@@ -209,18 +209,30 @@ def sketch(inputs: np.ndarray, backprops: np.ndarray, geo: ConvGeometry, rows: t
     for n, (t0, t1) in enumerate(tiles):
         t, tp = t1 - t0, (t1 - t0) * shape.positions
         x, dg = _tile(inputs, backprops, geo, shape, (t0, t1), (j0, gs))
-        # the channels contracted first, on the whole padded tile (one product for every offset
-        # and probe), then each offset's strided view of it summed: the tile is read once
-        xs = x.reshape(t, gs, cin_g, *x.shape[2:])
-        z = np.tensordot(xs, vk.reshape(cin_g, k * m), axes=([2], [0])).reshape(*xs.shape[:2], *x.shape[2:], k, m)
-        zabs = np.tensordot(np.abs(xs), vabs.reshape(cin_g, k * m), axes=([2], [0])).reshape(z.shape)
-        y = np.zeros((t, gs, *shape.outputs, m))
-        yabs = np.zeros((t, gs, *shape.outputs, m))
-        for kappa, view in enumerate(geo.offsets(shape.outputs)):
-            at = (slice(None), slice(None)) + view + (kappa,)
-            y += z[at]
-            yabs += zabs[at]
-        y, yabs = y.reshape(t, gs, shape.positions, m), yabs.reshape(t, gs, shape.positions, m)
+        if math.prod(x.shape[2:]) <= 2 * shape.positions:
+            # stride 1: the channels contracted first, on the whole padded tile (one product for
+            # every offset and probe), then each offset's strided view of it summed: the tile is
+            # read once
+            xs = x.reshape(t, gs, cin_g, *x.shape[2:])
+            z = np.tensordot(xs, vk.reshape(cin_g, k * m), axes=([2], [0])).reshape(*xs.shape[:2], *x.shape[2:], k, m)
+            zabs = np.tensordot(np.abs(xs), vabs.reshape(cin_g, k * m), axes=([2], [0])).reshape(z.shape)
+            y = np.zeros((t, gs, *shape.outputs, m))
+            yabs = np.zeros((t, gs, *shape.outputs, m))
+            for kappa, view in enumerate(geo.offsets(shape.outputs)):
+                at = (slice(None), slice(None)) + view + (kappa,)
+                y += z[at]
+                yabs += zabs[at]
+            y, yabs = y.reshape(t, gs, shape.positions, m), yabs.reshape(t, gs, shape.positions, m)
+        else:
+            # strided (a patch embedding, stride = kernel): the whole tile times every offset
+            # would be (input positions / output positions) times the work and memory, so each
+            # offset's own view is contracted alone
+            y = np.zeros((t, gs, shape.positions, m))
+            yabs = np.zeros((t, gs, shape.positions, m))
+            for kappa, view in enumerate(geo.offsets(shape.outputs)):
+                xk = x[(slice(None), slice(None)) + view].reshape(t, gs, cin_g, shape.positions)
+                y += np.tensordot(xk, vk[:, kappa], axes=([2], [0]))
+                yabs += np.tensordot(np.abs(xk), vabs[:, kappa], axes=([2], [0]))
         out += dg @ np.ascontiguousarray(y.transpose(1, 0, 2, 3)).reshape(gs, tp, m)
         mag += np.abs(dg) @ np.ascontiguousarray(yabs.transpose(1, 0, 2, 3)).reshape(gs, tp, m)
         if on_tile is not None:
