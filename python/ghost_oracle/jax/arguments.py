@@ -1,5 +1,5 @@
-"""The arguments both JAX routes (linen and program) check the same way: the batch axis, and a
-per-example array (claimed norms, coefficients) of B numbers."""
+"""The arguments both JAX routes (linen and program) check the same way: the batch axis, a
+per-example array (claimed norms, coefficients) of B numbers, and the padding examples."""
 from __future__ import annotations
 
 from typing import Any
@@ -35,3 +35,18 @@ def per_example(values: Any, b: int, what: str) -> np.ndarray:
     if arr.shape != (b,):
         raise ValueError(f"{what} has {arr.size} entries; the batch has {b} examples")
     return arr
+
+
+def kept_examples(is_padding_example: Any, b: int) -> np.ndarray:
+    """The examples the trace keeps (a bool array of B): all but those `is_padding_example` marks
+    (jax_privacy leaves padding examples out of its sum, so the trace leaves them out too)."""
+    if is_padding_example is None:
+        return np.ones(b, dtype=bool)
+    pad = np.asarray(is_padding_example)
+    if pad.shape != (b,) or pad.dtype != np.bool_:
+        raise ValueError(f"is_padding_example must be a bool array of shape ({b},), got {pad.dtype} "
+                         f"{list(pad.shape)}")
+    keep = ~pad
+    if not keep.any():
+        raise ValueError("is_padding_example marks every example as padding: nothing to trace")
+    return keep

@@ -17,7 +17,7 @@ from .._atomic import check_target
 from .._trace.format import PRECISION_NAMES, TraceExportError, number, step_rule
 from .._trace.format import UNCLAIMED as UNCLAIMED  # re-exported: one placeholder for both exporters
 from .._trace.writer import write_trace
-from .arguments import check_batch_axis, per_example
+from .arguments import check_batch_axis, kept_examples, per_example
 from .capture import PerExampleLoss, capture, flat_params
 from .check import STORAGE, self_check
 from .kinds import handler_for
@@ -170,16 +170,7 @@ def _export_linen(model: nn.Module, params: Any, per_example_loss: PerExampleLos
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a flax.linen Module, got {type(model).__name__}")
     b = batch_size(inputs)
-    if is_padding_example is None:
-        keep = np.ones(b, dtype=bool)
-    else:
-        pad = np.asarray(is_padding_example)
-        if pad.shape != (b,) or pad.dtype != np.bool_:
-            raise ValueError(f"is_padding_example must be a bool array of shape ({b},), got {pad.dtype} "
-                             f"{list(pad.shape)}")
-        keep = ~pad
-        if not keep.any():
-            raise ValueError("is_padding_example marks every example as padding: nothing to trace")
+    keep = kept_examples(is_padding_example, b)
     captured = capture(model, params, per_example_loss, inputs, b, keep.astype(np.float64))
     b_real = int(keep.sum())
     sites: list[Site] = []

@@ -20,7 +20,7 @@ from ..._trace.check import Against, check_parameter
 from ..._trace.format import PRECISION_NAMES, UNCLAIMED, TraceExportError, number, step_rule
 from ..._trace.site import Precision
 from ..._trace.writer import write_trace
-from ..arguments import check_batch_axis, per_example
+from ..arguments import check_batch_axis, kept_examples, per_example
 from ..check import STORAGE
 from ..sites import precision_of, raw_bits
 from .capture import capture
@@ -73,16 +73,7 @@ def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path:
         divisor_is="jax_privacy: normalize_by, times C with rescale_to_unit_norm")
     prog = build(fun, params, batch, batch_argnums, keep_batch_dim)
     b = prog.batch
-    if is_padding_example is None:
-        keep = np.ones(b, dtype=bool)
-    else:
-        pad = np.asarray(is_padding_example)
-        if pad.shape != (b,) or pad.dtype != np.bool_:
-            raise ValueError(f"is_padding_example must be a bool array of shape ({b},), got {pad.dtype} "
-                             f"{list(pad.shape)}")
-        keep = ~pad
-        if not keep.any():
-            raise ValueError("is_padding_example marks every example as padding: nothing to trace")
+    keep = kept_examples(is_padding_example, b)
     captured = capture(prog)  # first: a use it refuses is named before the batch's loss is weighed
     check_batch_loss(prog, per_example_losses(prog))
 
