@@ -403,9 +403,12 @@ def test_a_transposed_convolution_is_refused_naming_the_module(tmp_path):
 
 def test_a_long_export_of_a_cnn_reports_its_progress(tmp_path, monkeypatch, capfd):
     """With the progress line forced on (no quiet start, no interval), exporting a CNN reports the
-    probes, forming the sites, the conv parameters' tiles of examples in the self-check and the
-    writing of the trace; without forcing, a small export stays silent."""
+    probes, forming the sites, the conv parameters' tiles of examples in the self-check, each
+    model-rounding replay and the writing of the trace; without forcing, a small export stays
+    silent."""
     model, x = build("conv2d-groups2")
+    # an export shorter than the quiet start is silent (a minute: not a timing this test could lose)
+    monkeypatch.setattr(progress_module, "QUIET_S", 60.0)
     export_trace(model, loss_fn, x, tmp_path / "quiet.safetensors", claimed_norms=UNCLAIMED, max_grad_norm=1.0)
     assert "ghost-oracle export" not in capfd.readouterr().err
     monkeypatch.setattr(progress_module, "QUIET_S", 0.0)
@@ -413,5 +416,6 @@ def test_a_long_export_of_a_cnn_reports_its_progress(tmp_path, monkeypatch, capf
     export_trace(model, loss_fn, x, tmp_path / "t.safetensors", claimed_norms=UNCLAIMED, max_grad_norm=1.0)
     err = capfd.readouterr().err
     for stage in ("per-example probes", "forming the sites", "parameter 1/4 `conv.weight`, tiles of examples 1/1",
-                  "writing the trace", "done in"):
+                  "replaying the model at another precision (its own rounding), replays 0/3",
+                  "(its own rounding), replays 3/3", "writing the trace", "done in"):
         assert stage in err, (stage, err)

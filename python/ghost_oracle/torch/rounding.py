@@ -415,15 +415,25 @@ def _accumulated(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], out:
 
 def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
                    b_inputs: int | None, batch_axis: int, b: int, entries: Sequence[Use], sites: Sites,
-                   watch: CastWatch, model_dtype: torch.dtype, judged_dtype: torch.dtype) -> ModelRounding | None:
+                   watch: CastWatch, model_dtype: torch.dtype, judged_dtype: torch.dtype,
+                   on_replay: Callable[[int, int], None] | None = None) -> ModelRounding | None:
     """The rounding of the traced gradient, per example, by a replay and replays in random
     rounding at `judged_dtype`'s unit roundoff (the precision the trace is judged at; see the
-    module's docstring); None, with a warning saying why, where it cannot be measured."""
+    module's docstring); None, with a warning saying why, where it cannot be measured.
+    `on_replay(done, total)` as each replay starts and once after the last (each is a forward
+    and backward of the batch in float64: minutes on a CNN at a DP batch size)."""
+    total = 1 + RANDOM_ROUNDING_REPLAYS
+
+    def replaying(done: int) -> None:
+        if on_replay is not None:
+            on_replay(done, total)
+
     dtype = replay_dtype(model_dtype, watch.coarsest)
     try:
         why = _over_budget(model, sites, torch.float64)
         if why is not None:
             raise _GiveUp(why)
+        replaying(0)
         replayed = _replay(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch, dtype,
                            probe_mixing=dtype == torch.float64)
         diff = _difference_norms(sites, replayed, b)
@@ -433,10 +443,12 @@ def model_rounding(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.
         # f64 model's own traced factors
         exact = sites if dtype == torch.float32 else [replace(s, tensors=replayed[s.name]) for s in sites]
         for k in range(RANDOM_ROUNDING_REPLAYS):
+            replaying(1 + k)
             noisy = _replay(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites, watch,
                             torch.float64, probe_mixing=False,
                             rounding=_RandomRounding(unit_roundoff(judged_dtype), RANDOM_ROUNDING_SEED + k))
             diff = torch.maximum(diff, _difference_norms(exact, noisy, b))
+        replaying(total)
     except _GiveUp as e:
         warn_not_measured(e, stacklevel=3)
         return None

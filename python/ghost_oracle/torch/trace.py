@@ -173,9 +173,11 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
     compute_dtype = with_islands(specs, compute_dtype, watch.coarsest)
     rounding = None
     if model_rounding:
-        progress.step("replaying the model at another precision (its own rounding)", 0, 1)
+        def on_replay(done: int, total: int) -> None:
+            progress.step("replaying the model at another precision (its own rounding), replays", done, total)
+
         rounding = measure_model_rounding(model, per_example_loss, inputs, b_inputs, batch_axis, b, entries, sites,
-                                          watch, args.compute_dtype, compute_dtype)
+                                          watch, args.compute_dtype, compute_dtype, on_replay)
     parameters = _manifest(model, names)
     if claimed_norms is UNCLAIMED:
         claimed_norms = torch.ones(b, dtype=torch.float64)
