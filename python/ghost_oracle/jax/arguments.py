@@ -1,11 +1,18 @@
-"""The arguments both JAX routes (linen and program) check the same way: the batch axis, a
-per-example array (claimed norms, coefficients) of B numbers, and the padding examples."""
+"""The arguments both JAX routes (linen and program) check the same way: the batch axis, the
+header's numbers before the model runs, a per-example array (claimed norms, coefficients) of B
+numbers, and the padding examples."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from .._atomic import check_target
+from .._trace.format import PRECISION_NAMES, UNCLAIMED, number, step_rule
+from .._trace.site import Precision
 
 
 def check_batch_axis(batch_axis: object) -> None:
@@ -50,3 +57,47 @@ def kept_examples(is_padding_example: Any, b: int) -> np.ndarray:
     if not keep.any():
         raise ValueError("is_padding_example marks every example as padding: nothing to trace")
     return keep
+
+
+@dataclass(frozen=True)
+class HeaderArguments:
+    """An export's header numbers, checked before the model runs (a path that cannot be written
+    fails fast): the path as a str, C, the storage precision asked for (or None), and the step's
+    D (or None) and γ."""
+
+    path: str
+    max_grad_norm: float
+    dtype: Precision | None
+    batch_divisor: float | None
+    clip_stabilizer: float
+
+
+def header_arguments(path: Any, *, batch_axis: object, max_grad_norm: Any, noise_multiplier: Any, dtype: Any,
+                     batch_divisor: Any, clip_stabilizer: Any, clipping: str, has_update: bool) -> HeaderArguments:
+    """Both JAX exporters' argument checks before anything runs, each error naming its argument."""
+    check_batch_axis(batch_axis)
+    target = check_target(path, "path")
+    c = number(max_grad_norm, "max_grad_norm", positive=True)
+    if noise_multiplier is not None:
+        number(noise_multiplier, "noise_multiplier", positive=False)
+    if dtype is not None and dtype not in PRECISION_NAMES:
+        raise ValueError(f"dtype must be one of {list(PRECISION_NAMES)}, got {dtype!r}")
+    divisor, stabilizer = step_rule(
+        batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping, has_update=has_update,
+        divisor_is="jax_privacy: normalize_by, times C with rescale_to_unit_norm")
+    return HeaderArguments(target, c, dtype, divisor, stabilizer)
+
+
+def kept_claims(claimed_norms: Any, claimed_coefficients: Any, b: int, keep: np.ndarray,
+                call: Callable[[Any], Any]) -> tuple[np.ndarray, np.ndarray | None]:
+    """The claimed norms (ones where UNCLAIMED; `call(claimed_norms)` where they are a function
+    of the model's arguments) and coefficients (or None) of the kept examples."""
+    if claimed_norms is UNCLAIMED:
+        norms = np.ones(int(keep.sum()))
+    else:
+        if callable(claimed_norms):
+            claimed_norms = call(claimed_norms)
+        norms = per_example(claimed_norms, b, "claimed_norms")[keep]
+    coefficients = None if claimed_coefficients is None else \
+        per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
+    return norms, coefficients

@@ -13,11 +13,10 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from .._atomic import check_target
-from .._trace.format import PRECISION_NAMES, TraceExportError, number, step_rule
 from .._trace.format import UNCLAIMED as UNCLAIMED  # re-exported: one placeholder for both exporters
+from .._trace.format import TraceExportError
 from .._trace.writer import write_trace
-from .arguments import check_batch_axis, kept_examples, per_example
+from .arguments import header_arguments, kept_claims, kept_examples
 from .capture import PerExampleLoss, capture, flat_params
 from .check import STORAGE, self_check
 from .kinds import handler_for
@@ -157,22 +156,16 @@ def _export_linen(model: nn.Module, params: Any, per_example_loss: PerExampleLos
                   batch_divisor: float | None = None, clip_stabilizer: float = 0.0, clipping: str = "flat",
                   batch_axis: int = 0, is_padding_example: Any = None) -> list[dict[str, Any]]:
     """The linen route of `export_trace`: capture by `nn.intercept_methods` (`capture.py`)."""
-    check_batch_axis(batch_axis)
-    path = check_target(path, "path")  # before the model runs: a path that cannot be written fails fast
-    c = number(max_grad_norm, "max_grad_norm", positive=True)
-    if noise_multiplier is not None:
-        number(noise_multiplier, "noise_multiplier", positive=False)
-    if dtype is not None and dtype not in PRECISION_NAMES:
-        raise ValueError(f"dtype must be one of {list(PRECISION_NAMES)}, got {dtype!r}")
-    batch_divisor, clip_stabilizer = step_rule(
-        batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping, has_update=update is not None,
-        divisor_is="jax_privacy: normalize_by, times C with rescale_to_unit_norm")
+    header = header_arguments(path, batch_axis=batch_axis, max_grad_norm=max_grad_norm,
+                              noise_multiplier=noise_multiplier, dtype=dtype, batch_divisor=batch_divisor,
+                              clip_stabilizer=clip_stabilizer, clipping=clipping, has_update=update is not None)
+    path, c, dtype = header.path, header.max_grad_norm, header.dtype
+    batch_divisor, clip_stabilizer = header.batch_divisor, header.clip_stabilizer
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a flax.linen Module, got {type(model).__name__}")
     b = batch_size(inputs)
     keep = kept_examples(is_padding_example, b)
     captured = capture(model, params, per_example_loss, inputs, b, keep.astype(np.float64))
-    b_real = int(keep.sum())
     sites: list[Site] = []
     for call in captured.calls:
         handler = handler_for(call.module, call.method)
@@ -193,14 +186,8 @@ def _export_linen(model: nn.Module, params: Any, per_example_loss: PerExampleLos
     if not sites:
         raise TraceExportError(f"no modelled module was called: the model's parameters {list(grads)[:4]} have no site")
     parameters = {name: int(np.asarray(g).size) for name, g in grads.items() if name not in unused}
-    if claimed_norms is UNCLAIMED:
-        norms = np.ones(b_real)
-    else:
-        if callable(claimed_norms):
-            claimed_norms = claimed_norms(params, inputs)
-        norms = per_example(claimed_norms, b, "claimed_norms")[keep]
-    coefficients = None if claimed_coefficients is None else \
-        per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
+    norms, coefficients = kept_claims(claimed_norms, claimed_coefficients, b, keep,
+                                      lambda claim: claim(params, inputs))
     step = {what: _step_tensors(what, given, sites, parameters, captured.scans)
             for what, given in (("clipped_sum", clipped_sum), ("update", update)) if given is not None}
     # the rounding of the model's own forward and backward in the factors as written, measured

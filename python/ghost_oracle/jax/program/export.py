@@ -14,13 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._atomic import check_target
 from ..._trace import site as core
 from ..._trace.check import Against, check_parameter
-from ..._trace.format import PRECISION_NAMES, UNCLAIMED, TraceExportError, number, step_rule
+from ..._trace.format import UNCLAIMED, TraceExportError
 from ..._trace.site import Precision
 from ..._trace.writer import write_trace
-from ..arguments import check_batch_axis, kept_examples, per_example
+from ..arguments import header_arguments, kept_claims, kept_examples
 from ..check import STORAGE
 from ..sites import precision_of, raw_bits
 from .capture import capture
@@ -61,16 +60,11 @@ def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path:
                          batch_divisor: float | None = None, clip_stabilizer: float = 0.0, clipping: str = "flat",
                          batch_axis: int = 0, is_padding_example: Any = None, batch_argnums: int | tuple[int, ...] = 1,
                          keep_batch_dim: bool = True) -> list[dict[str, Any]]:
-    check_batch_axis(batch_axis)
-    path = check_target(path, "path")
-    c = number(max_grad_norm, "max_grad_norm", positive=True)
-    if noise_multiplier is not None:
-        number(noise_multiplier, "noise_multiplier", positive=False)
-    if dtype is not None and dtype not in PRECISION_NAMES:
-        raise ValueError(f"dtype must be one of {list(PRECISION_NAMES)}, got {dtype!r}")
-    batch_divisor, clip_stabilizer = step_rule(
-        batch_divisor=batch_divisor, clip_stabilizer=clip_stabilizer, clipping=clipping, has_update=update is not None,
-        divisor_is="jax_privacy: normalize_by, times C with rescale_to_unit_norm")
+    header = header_arguments(path, batch_axis=batch_axis, max_grad_norm=max_grad_norm,
+                              noise_multiplier=noise_multiplier, dtype=dtype, batch_divisor=batch_divisor,
+                              clip_stabilizer=clip_stabilizer, clipping=clipping, has_update=update is not None)
+    path, c, dtype = header.path, header.max_grad_norm, header.dtype
+    batch_divisor, clip_stabilizer = header.batch_divisor, header.clip_stabilizer
     prog = build(fun, params, batch, batch_argnums, keep_batch_dim)
     b = prog.batch
     keep = kept_examples(is_padding_example, b)
@@ -157,15 +151,8 @@ def export_program_trace(fun: Callable[..., Any], params: Any, batch: Any, path:
         raise TraceExportError(f"the program uses none of its parameters {prog.names[:4]}: there is no site")
     parameters = {name: int(g.size) for name, g in grads.items() if name not in unused}
     perms = {s.param: s.perm for s in sites}
-    b_real = int(keep.sum())
-    if claimed_norms is UNCLAIMED:
-        norms = np.ones(b_real)
-    else:
-        if callable(claimed_norms):
-            claimed_norms = claimed_norms(params, batch)
-        norms = per_example(claimed_norms, b, "claimed_norms")[keep]
-    coefficients = None if claimed_coefficients is None else \
-        per_example(claimed_coefficients, b, "claimed_coefficients")[keep]
+    norms, coefficients = kept_claims(claimed_norms, claimed_coefficients, b, keep,
+                                      lambda claim: claim(params, batch))
     step = {what: {k: raw_bits(v) for k, v in
                    step_tensors(what, given, prog.names, stacked, parameters, perms).items()}
             for what, given in (("clipped_sum", clipped_sum), ("update", update)) if given is not None}
