@@ -241,6 +241,67 @@ impl ConvInput {
         result
     }
 
+    /// ∏(S_d + lo_d + hi_d): the positions of the zero-padded input grid.
+    pub fn padded_volume(&self) -> usize {
+        let geo = &self.geometry;
+        (0..geo.axes())
+            .map(|d| geo.input_size[d] + geo.padding[d].0 + geo.padding[d].1)
+            .product()
+    }
+
+    /// Example i's group j on the zero-padded grid: P̃ × C_in/g, row q the padded position q
+    /// (row-major), zeros in the padding. Unfolded row p of group j reads exactly the rows
+    /// `origin[p] + offset[k]` of it ([`Self::padded_taps`]), so two patches' dot product is
+    /// Σ_k ⟨x̃_{origin[t] + offset[k]}, x̃_{origin[s] + offset[k]}⟩: a sum of entries of this
+    /// grid's Gram, which a judge forms once instead of the patches' Gram over C_in/g·∏k.
+    pub fn padded_group(&self, i: usize, j: usize) -> Array2<f64> {
+        let geo = &self.geometry;
+        let n = geo.axes();
+        let cin_g = self.channels() / geo.groups;
+        let padded: Vec<usize> = (0..n)
+            .map(|d| geo.input_size[d] + geo.padding[d].0 + geo.padding[d].1)
+            .collect();
+        let mut grid = Array2::<f64>::zeros((self.padded_volume(), cin_g));
+        let x = self.inputs.index_axis(Axis(0), i);
+        let mut at = vec![0usize; n];
+        for flat in 0..geo.input_volume() {
+            let q = (0..n).fold(0usize, |acc, d| acc * padded[d] + at[d] + geo.padding[d].0);
+            for c in 0..cin_g {
+                grid[(q, c)] = x[(j * cin_g + c, flat)];
+            }
+            advance(&mut at, &geo.input_size);
+        }
+        grid
+    }
+
+    /// The padded grid's flat index of each output position's first tap (row-major over the
+    /// output, as [`Self::unfold`]'s rows) and of each kernel offset relative to it (row-major
+    /// over the kernel, as an unfolded row's columns within a channel).
+    pub fn padded_taps(&self) -> (Vec<usize>, Vec<usize>) {
+        let geo = &self.geometry;
+        let n = geo.axes();
+        let out = geo.output_size().expect("a checked geometry");
+        let padded: Vec<usize> = (0..n)
+            .map(|d| geo.input_size[d] + geo.padding[d].0 + geo.padding[d].1)
+            .collect();
+        let flat = |index: &[usize], scale: &[usize]| {
+            (0..n).fold(0usize, |acc, d| acc * padded[d] + index[d] * scale[d])
+        };
+        let mut origins = Vec::with_capacity(out.iter().product());
+        let mut at = vec![0usize; n];
+        for _ in 0..out.iter().product::<usize>() {
+            origins.push(flat(&at, &geo.stride));
+            advance(&mut at, &out);
+        }
+        let mut offsets = Vec::with_capacity(geo.kernel_volume());
+        let mut k = vec![0usize; n];
+        for _ in 0..geo.kernel_volume() {
+            offsets.push(flat(&k, &geo.dilation));
+            advance(&mut k, &geo.kernel);
+        }
+        (origins, offsets)
+    }
+
     /// One example's backprops (P × C_out) in the unfolded layout: (P·g) × C_out, row p·g + j
     /// position p's gradient with every channel outside group j zeroed. Borrowed for g = 1.
     pub fn spread_backprops<'a>(&self, bp: ArrayView2<'a, f64>) -> CowArray<'a, f64, Ix2> {

@@ -5,9 +5,11 @@
 //! clippers' kernels: a kernel bug must never move the bound together with the error it makes.
 
 use crate::error::{Error, Result};
-use ghost_oracle_reference::{product, Site, SiteKind, SiteRows, Trace as RefTrace};
+use ghost_oracle_reference::{product, ConvInput, Site, SiteKind, SiteRows, Trace as RefTrace};
 pub use ghost_oracle_reference::{ModelRounding, Precision};
 use ndarray::{s, Array2, ArrayView2, CowArray};
+use rayon::iter::{IntoParallelIterator, ParallelIterator};
+use std::ops::Range;
 
 /// Safety factor on the probabilistic √L growth of accumulated rounding error (Higham & Mary).
 pub const LAMBDA: f64 = 8.0;
@@ -322,13 +324,24 @@ const TERM_BLOCK: usize = 256;
 /// blocks on and above the diagonal are formed (those above counted twice), a TERM_BLOCK-square
 /// block at a time, never an R×R matrix.
 fn own_dense_terms(l: ArrayView2<f64>, r: ArrayView2<f64>) -> TermSample {
-    let rows = l.nrows();
+    own_terms(l.nrows(), r, |a, b| {
+        product(l.slice(s![a, ..]), l.slice(s![b, ..]).t())
+    })
+}
+
+/// [`own_dense_terms`] with the left factor's Gram given block by block: `left(a, b)` is the
+/// |a|×|b| matrix of l_t·l_s for t in a, s in b.
+fn own_terms(
+    rows: usize,
+    r: ArrayView2<f64>,
+    left: impl Fn(Range<usize>, Range<usize>) -> Array2<f64>,
+) -> TermSample {
     let mut t = TermSample::default();
     for a0 in (0..rows).step_by(TERM_BLOCK) {
         let a = a0..(a0 + TERM_BLOCK).min(rows);
         for b0 in (a0..rows).step_by(TERM_BLOCK) {
             let b = b0..(b0 + TERM_BLOCK).min(rows);
-            let gl = product(l.slice(s![a.clone(), ..]), l.slice(s![b.clone(), ..]).t());
+            let gl = left(a.clone(), b.clone());
             let gr = product(r.slice(s![a.clone(), ..]), r.slice(s![b.clone(), ..]).t());
             let w = if a0 == b0 { 1.0 } else { 2.0 };
             let mut block = TermSample::default();
@@ -352,6 +365,48 @@ fn own_dense_terms(l: ArrayView2<f64>, r: ArrayView2<f64>) -> TermSample {
         }
     }
     t
+}
+
+/// One group of a convolution stored as its input, every term taken as [`own_dense_terms`]
+/// takes them on its unfolded patches, the patches' Gram read off the padded input's own Gram
+/// instead: two patches' dot product is Σ_k of ∏k entries of the P̃×P̃ Gram of the zero-padded
+/// grid over C_in/g channels ([`ConvInput::padded_group`]). For a stride-1 3×3 convolution at
+/// 32×32 over 64 channels that is 1156²·64 multiply-adds and 9 reads a pair against
+/// 1024²/2·576 for the patches' Gram, a quarter of the work, the same figures to rounding.
+fn conv_group_terms(conv: &ConvInput, i: usize, j: usize, bp: ArrayView2<f64>) -> TermSample {
+    let grid = conv.padded_group(i, j);
+    let gram = product(grid.view(), grid.t());
+    let (origins, offsets) = conv.padded_taps();
+    own_terms(origins.len(), bp, |a, b| {
+        let mut out = Array2::<f64>::zeros((a.len(), b.len()));
+        for (x, &ot) in origins[a].iter().enumerate() {
+            let mut row = out.row_mut(x);
+            let row = row
+                .as_slice_mut()
+                .expect("a fresh array's row is contiguous");
+            for &off in &offsets {
+                let g = gram.row(ot + off);
+                let g = g.as_slice().expect("a fresh array's row is contiguous");
+                for (v, &os) in row.iter_mut().zip(&origins[b.clone()]) {
+                    *v += g[os + off];
+                }
+            }
+        }
+        out
+    })
+}
+
+/// Whether a group of a stored convolution's every-term statistics are cheaper from its padded
+/// grid's Gram (P̃²·c + P(P + 1)/2·∏k multiply-adds and reads) than from its unfolded patches'
+/// (P(P + 1)/2·c·∏k), c = C_in/g: a stride-1 kernel wider than 1 at most resolutions; a strided
+/// or 1×1 convolution reads its patches.
+fn grid_is_cheaper(conv: &ConvInput) -> bool {
+    let geo = &conv.geometry;
+    let (p, k) = (conv.rows() / geo.groups, geo.kernel_volume());
+    let (padded, c) = (conv.padded_volume(), conv.channels() / geo.groups);
+    let pairs = (p * (p + 1) / 2) as f64;
+    let grid = (padded as f64).powi(2) * c as f64 + pairs * k as f64;
+    grid < pairs * (c * k) as f64
 }
 
 /// One example's own-term statistics of a site with dense factors l (R×p) and r (R×q), G =
@@ -418,6 +473,21 @@ fn own_magnitudes(site: &Site, i: usize, route: Option<TermRoute>) -> Result<Ter
         TermRoute::Moments => moment_magnitudes(l, r),
         TermRoute::Terms => own_dense_terms(l, r),
     };
+    if let (Some(conv), SiteKind::Linear) = (&site.conv, site.spec.kind) {
+        let groups = conv.geometry.groups;
+        let bp = site.backprops.index_axis(ndarray::Axis(0), i);
+        let out_g = bp.ncols() / groups;
+        let (p, width) = (conv.rows() / groups, conv.patch_width());
+        let by_terms = route.unwrap_or_else(|| term_route(p, out_g, width)) == TermRoute::Terms;
+        if by_terms && grid_is_cheaper(conv) {
+            let mut total = TermSample::default();
+            for j in 0..groups {
+                let bp_j = bp.slice(s![.., j * out_g..(j + 1) * out_g]);
+                total.add(&conv_group_terms(conv, i, j, bp_j));
+            }
+            return Ok(total);
+        }
+    }
     match site.spec.kind {
         SiteKind::Linear | SiteKind::Conv1d => {
             let rows = site.rows(i);
@@ -444,7 +514,16 @@ fn own_magnitudes(site: &Site, i: usize, route: Option<TermRoute>) -> Result<Ter
             }
             Ok(total)
         }
-        SiteKind::Embedding | SiteKind::Bias | SiteKind::LayerNorm => {
+        SiteKind::Bias | SiteKind::LayerNorm => match sides(site, i)? {
+            // G = Σ_t x_t·1: the expansion of a dense side against the constant 1 (a column of
+            // ones), a triangle of it at a time as for any dense site. A norm's or bias's
+            // rows are a 32×32 image's 1024 positions in a CIFAR-10 network.
+            (Side::Dense(x), Side::Ones(t)) => {
+                Ok(own_dense_terms(x.view(), Array2::ones((t, 1)).view()))
+            }
+            f => Ok(term_magnitudes(&f, &f)),
+        },
+        SiteKind::Embedding => {
             let f = sides(site, i)?;
             Ok(term_magnitudes(&f, &f))
         }
@@ -663,21 +742,37 @@ impl ExampleTerms {
             tied[pair.sites.0] = true;
             tied[pair.sites.1] = true;
         }
-        for (i, abs) in abs_terms.iter_mut().enumerate() {
-            let mut factored: Vec<Option<(Side, Side)>> = Vec::with_capacity(tied.len());
-            for (j, s) in trace.sites.iter().enumerate() {
-                let t = own_magnitudes(s, i, route)?;
-                *abs += t.abs;
+        // Each example's statistics are its own (the examples are independent), taken in
+        // parallel and gathered in batch order.
+        let per_example: Vec<(Vec<TermSample>, Vec<TermSample>)> = (0..b)
+            .into_par_iter()
+            .map(|i| -> Result<_> {
+                let mut own_i = Vec::with_capacity(trace.sites.len());
+                let mut factored: Vec<Option<(Side, Side)>> = Vec::with_capacity(tied.len());
+                for (j, s) in trace.sites.iter().enumerate() {
+                    own_i.push(own_magnitudes(s, i, route)?);
+                    factored.push(if tied[j] { Some(sides(s, i)?) } else { None });
+                }
+                let cross_i = cross
+                    .iter()
+                    .map(|pair| {
+                        let (j, k) = pair.sites;
+                        let side = |x: usize| factored[x].as_ref().expect("a tied site's factors");
+                        term_magnitudes(side(j), side(k))
+                    })
+                    .collect();
+                Ok((own_i, cross_i))
+            })
+            .collect::<Result<_>>()?;
+        for (i, (own_i, cross_i)) in per_example.iter().enumerate() {
+            for (j, t) in own_i.iter().enumerate() {
+                abs_terms[i] += t.abs;
                 sqrt_d[site_param[j]][i] += t.diag.max(0.0).sqrt();
-                push(&mut own[j], &t);
-                factored.push(if tied[j] { Some(sides(s, i)?) } else { None });
+                push(&mut own[j], t);
             }
-            for pair in &mut cross {
-                let (j, k) = pair.sites;
-                let side = |x: usize| factored[x].as_ref().expect("a tied site's factors");
-                let t = term_magnitudes(side(j), side(k));
-                *abs += 2.0 * t.abs;
-                push(&mut pair.stats, &t);
+            for (pair, t) in cross.iter_mut().zip(cross_i) {
+                abs_terms[i] += 2.0 * t.abs;
+                push(&mut pair.stats, t);
             }
         }
         let dot_scale = (0..b)
@@ -992,6 +1087,130 @@ mod tests {
                 assert!(moments.abs >= whole.abs, "g = {groups}");
             }
         }
+    }
+
+    /// A stored convolution with random inputs and backprops.
+    fn conv_site(geometry: ConvGeometry, c_in: usize, c_out: usize, seed: u64) -> Site {
+        let mut rng = SplitMix64::new(seed);
+        let b = 2;
+        let positions = geometry.positions().unwrap();
+        let volume = geometry.input_volume();
+        let inputs = Array3::from_shape_simple_fn((b, c_in, volume), || rng.normal().max(0.0));
+        let backprops = Array3::from_shape_simple_fn((b, positions, c_out), || rng.normal());
+        Site {
+            spec: SiteSpec {
+                name: "conv".into(),
+                param: "conv".into(),
+                kind: SiteKind::Linear,
+                vocab: None,
+            },
+            activations: None,
+            ids: None,
+            backprops,
+            conv: Some(ConvInput { geometry, inputs }),
+        }
+    }
+
+    #[test]
+    fn a_convolutions_terms_from_its_padded_grid_equal_those_of_its_unfolded_patches() {
+        let geo = |kernel: &[usize],
+                   stride: &[usize],
+                   dilation: &[usize],
+                   padding: &[(usize, usize)],
+                   groups,
+                   input_size: &[usize]| ConvGeometry {
+            kernel: kernel.to_vec(),
+            stride: stride.to_vec(),
+            dilation: dilation.to_vec(),
+            padding: padding.to_vec(),
+            groups,
+            input_size: input_size.to_vec(),
+        };
+        let cases = [
+            (
+                geo(&[3, 3], &[1, 1], &[1, 1], &[(1, 1), (1, 1)], 1, &[9, 8]),
+                4,
+                6,
+            ),
+            (geo(&[3], &[1], &[2], &[(1, 2)], 2, &[17]), 4, 6),
+            (
+                geo(&[3, 2], &[2, 1], &[1, 1], &[(0, 1), (2, 0)], 1, &[7, 6]),
+                3,
+                5,
+            ),
+            (
+                geo(
+                    &[2, 2, 2],
+                    &[1, 1, 1],
+                    &[1, 1, 1],
+                    &[(1, 0), (0, 0), (0, 1)],
+                    3,
+                    &[3, 4, 3],
+                ),
+                3,
+                3,
+            ),
+            (
+                geo(&[1, 1], &[1, 1], &[1, 1], &[(0, 0), (0, 0)], 1, &[5, 5]),
+                4,
+                4,
+            ),
+        ];
+        for (n, (geometry, c_in, c_out)) in cases.into_iter().enumerate() {
+            let site = conv_site(geometry, c_in, c_out, n as u64);
+            let conv = site.conv.as_ref().unwrap();
+            let g = conv.geometry.groups;
+            let out_g = c_out / g;
+            for i in 0..2 {
+                let rows = site.rows(i);
+                let (act, bp) = (rows.activations.unwrap(), rows.backprops);
+                let stored = site.backprops.index_axis(ndarray::Axis(0), i);
+                for j in 0..g {
+                    let unfolded = own_dense_terms(
+                        act.slice(s![j..;g, ..]),
+                        bp.slice(s![j..;g, j * out_g..(j + 1) * out_g]),
+                    );
+                    let grid = conv_group_terms(
+                        conv,
+                        i,
+                        j,
+                        stored.slice(s![.., j * out_g..(j + 1) * out_g]),
+                    );
+                    for (what, a, b) in [
+                        ("abs", grid.abs, unfolded.abs),
+                        ("signed", grid.signed, unfolded.signed),
+                        ("sq", grid.sq, unfolded.sq),
+                        ("diag", grid.diag, unfolded.diag),
+                        ("gram mass", grid.gram_mass, unfolded.gram_mass),
+                    ] {
+                        assert!(
+                            (a - b).abs() <= 1e-12 * b.abs().max(1e-300),
+                            "case {n}, example {i}, group {j}: {what} {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+        // The judge takes the grid where it is cheaper: a 3×3 stride-1 layer at 32×32, not a
+        // 1×1 or a stride-2 one.
+        let at = |k: usize, stride: usize| {
+            conv_site(
+                geo(
+                    &[k, k],
+                    &[stride, stride],
+                    &[1, 1],
+                    &[(k / 2, k / 2); 2],
+                    1,
+                    &[32, 32],
+                ),
+                8,
+                4,
+                9,
+            )
+        };
+        assert!(grid_is_cheaper(at(3, 1).conv.as_ref().unwrap()));
+        assert!(!grid_is_cheaper(at(1, 1).conv.as_ref().unwrap()));
+        assert!(!grid_is_cheaper(at(3, 2).conv.as_ref().unwrap()));
     }
 
     /// ‖G‖² of one example computed in f32 both ways a clipper would: the Gram identity and the
