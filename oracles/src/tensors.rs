@@ -1,7 +1,8 @@
-//! Reading safetensors files into f64 / i64 arrays. A batch or trace is read whole (its size is
-//! what the disk says, not what a header claims) and the `safetensors` crate checks every offset
-//! against that length before a single tensor is touched; a checkpoint is memory-mapped after
-//! the same checks on its header ([`TensorFile`]).
+//! Reading safetensors files into f64 / i64 arrays. A batch is read whole, a trace or a
+//! checkpoint is memory-mapped ([`map_file`]); either way the length is what the disk says, not
+//! what a header claims, and every offset is checked against it before a single tensor is
+//! touched (by the `safetensors` crate for a batch or trace, by [`TensorFile`] for a
+//! checkpoint).
 
 use crate::error::{bail, Error, Result};
 use crate::sweep;
@@ -15,7 +16,9 @@ use std::sync::Arc;
 /// Refuse files larger than this before reading them (the largest GPT-2 is about 6.5 GB in f32).
 pub(crate) const MAX_FILE_BYTES: u64 = 64 << 30;
 
-pub(crate) fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
+/// The length of the file at `path`, once it is known to be a file of at most
+/// [`MAX_FILE_BYTES`]; `what` names it in messages.
+fn checked_len(path: &Path, what: &str) -> Result<u64> {
     let meta = std::fs::metadata(path)
         .map_err(|e| Error::new(format!("cannot open {what} {}: {e}", path.display())))?;
     if !meta.is_file() {
@@ -28,8 +31,60 @@ pub(crate) fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
             meta.len()
         );
     }
+    Ok(meta.len())
+}
+
+pub(crate) fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
+    checked_len(path, what)?;
     std::fs::read(path)
         .map_err(|e| Error::new(format!("cannot read {what} {}: {e}", path.display())))
+}
+
+/// The file at `path` mapped read-only, after the checks [`read_bytes`] makes: its bytes are the
+/// kernel's page-cache pages, brought in as they are touched, and the mapping's length is the
+/// file's on disk. Like every reader that maps a file, it assumes the file is not truncated or
+/// rewritten while it is mapped.
+pub(crate) fn map_file(path: &Path, what: &str) -> Result<memmap2::Mmap> {
+    let label = path.display();
+    let len = checked_len(path, what)?;
+    let file = std::fs::File::open(path)
+        .map_err(|e| Error::new(format!("cannot open {what} {label}: {e}")))?;
+    // SAFETY: the mapping is read-only; a file truncated or rewritten under it while in use is
+    // outside what any reader that maps files can guard against.
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .map_err(|e| Error::new(format!("cannot map {what} {label}: {e}")))?;
+    if map.len() as u64 != len {
+        bail!(
+            "{label} is not a valid safetensors file (it changed size while being opened ({len} bytes, then {}))",
+            map.len()
+        );
+    }
+    Ok(map)
+}
+
+/// Alignment of the ranges [`release_pages`] hands back: 64 KiB is a multiple of every base
+/// page size Linux uses (4 KiB on x86-64; 4, 16 or 64 KiB on arm64), so a range aligned to it is
+/// whole pages whatever the machine's.
+pub(crate) const RELEASE_ALIGN: usize = 64 << 10;
+
+/// Drops from the process the pages of `map` that lie wholly inside `range` (those of its
+/// 64 KiB-aligned interior, [`RELEASE_ALIGN`]): once a tensor has been copied or widened out of
+/// a mapped file, its bytes no longer count in the process's memory. The kernel may keep them in
+/// its page cache, which it reclaims as it needs. The pages at the range's ends, shared with
+/// the neighbouring tensors, stay.
+pub(crate) fn release_pages(map: &memmap2::Mmap, range: Range<usize>) -> std::io::Result<()> {
+    let start = range.start.next_multiple_of(RELEASE_ALIGN);
+    let end = range.end.min(map.len()) / RELEASE_ALIGN * RELEASE_ALIGN;
+    if start >= end {
+        return Ok(());
+    }
+    // SAFETY: MADV_DONTNEED on a read-only, file-backed mapping only unmaps the pages: they
+    // were never written (the mapping cannot be), so nothing is lost, and a later read of any
+    // byte in the range faults the page back in from the file (or the page cache), the same
+    // bytes as before. Every slice borrowed from `map` stays valid and keeps its contents, as it
+    // would if the kernel had reclaimed the pages itself under memory pressure; no anonymous or
+    // copy-on-write page (whose contents DONTNEED would zero or discard) is in this mapping.
+    unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) }
 }
 
 pub(crate) fn parse<'a>(bytes: &'a [u8], label: &str) -> Result<SafeTensors<'a>> {
@@ -42,12 +97,22 @@ pub(crate) fn parse<'a>(bytes: &'a [u8], label: &str) -> Result<SafeTensors<'a>>
 }
 
 /// Any floating tensor as f64, with NaN/Inf rejected (a non-finite weight makes every norm NaN).
+/// Widened straight from the file's bytes: no copy of it in its own dtype is made, so reading
+/// it holds its bytes and its f64 values, nothing more.
 pub(crate) fn to_f64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f64>> {
     let view = st
         .tensor(name)
         .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
-    let values = Floats::decode(view.dtype(), view.data(), name, label)?.finite(name, label)?;
-    values.into_array(view.shape(), name, label)
+    let (dtype, bytes) = (view.dtype(), view.data());
+    let width = float_width(dtype, name, label)?;
+    let mut values = vec![0.0; bytes.len() / width];
+    sweep::fill_chunks(&mut values, |start, chunk| {
+        let from = start * width;
+        widen_le_into(dtype, &bytes[from..from + chunk.len() * width], chunk)
+    });
+    check_finite(&values, 0, name, label)?;
+    ArrayD::from_shape_vec(IxDyn(view.shape()), values)
+        .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
 }
 
 /// A float tensor as f64 with NaN and ±∞ kept: for values that are a verdict when non-finite
@@ -466,37 +531,22 @@ impl TensorFile {
     /// against its dtype and shape, and the extents tiling the data section exactly, as the
     /// `safetensors` crate checks a buffer.
     pub(crate) fn open(path: &Path, what: &str) -> Result<Self> {
-        use std::io::Read;
         let label = path.display().to_string();
         let bad =
             |why: String| Error::new(format!("{label} is not a valid safetensors file ({why})"));
-        let meta = std::fs::metadata(path)
-            .map_err(|e| Error::new(format!("cannot open {what} {label}: {e}")))?;
-        if !meta.is_file() {
-            bail!("{what} {label} is not a file");
-        }
-        if meta.len() > MAX_FILE_BYTES {
-            bail!(
-                "{what} {label} is {} bytes; at most {MAX_FILE_BYTES} are accepted",
-                meta.len()
-            );
-        }
-        let mut file = std::fs::File::open(path)
-            .map_err(|e| Error::new(format!("cannot open {what} {label}: {e}")))?;
-        let mut n = [0u8; 8];
-        file.read_exact(&mut n)
-            .map_err(|_| bad("shorter than its 8-byte header length".into()))?;
-        let n = u64::from_le_bytes(n);
-        if n > MAX_HEADER_BYTES || 8 + n > meta.len() {
+        let map = map_file(path, what)?;
+        let len = map.len() as u64;
+        let Some(n) = map.get(..8) else {
+            return Err(bad("shorter than its 8-byte header length".into()));
+        };
+        let n = u64::from_le_bytes(n.try_into().expect("8 bytes"));
+        if n > MAX_HEADER_BYTES || 8 + n > len {
             return Err(bad(format!(
-                "a header of {n} bytes in a file of {} bytes",
-                meta.len()
+                "a header of {n} bytes in a file of {len} bytes"
             )));
         }
-        let mut header = vec![0u8; n as usize];
-        file.read_exact(&mut header)
-            .map_err(|e| Error::new(format!("cannot read {what} {label}: {e}")))?;
-        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        let header = &map[8..8 + n as usize];
+        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header)
             .map_err(|e| bad(format!("its header is not a JSON object: {e}")))?;
         let mut tensors = std::collections::HashMap::new();
         let mut extents = Vec::new();
@@ -536,22 +586,10 @@ impl TensorFile {
             }
             at = *end;
         }
-        if 8 + n + at != meta.len() {
+        if 8 + n + at != len {
             return Err(bad(format!(
-                "its tensors end at byte {} of a {}-byte file",
-                8 + n + at,
-                meta.len()
-            )));
-        }
-        // SAFETY: the mapping is read-only; a file truncated or rewritten under it while in
-        // use is outside what any weight loader that maps files can guard against.
-        let map = unsafe { memmap2::Mmap::map(&file) }
-            .map_err(|e| Error::new(format!("cannot map {what} {label}: {e}")))?;
-        if map.len() as u64 != meta.len() {
-            return Err(bad(format!(
-                "it changed size while being opened ({} bytes, then {})",
-                meta.len(),
-                map.len()
+                "its tensors end at byte {} of a {len}-byte file",
+                8 + n + at
             )));
         }
         Ok(TensorFile {
@@ -591,5 +629,55 @@ impl TensorSource for TensorFile {
         let (dtype, shape, range) = self.extent(name, label)?;
         let tensor = StoredTensor::mapped(self.map.clone(), dtype, range, name, label)?;
         Ok((shape, tensor))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Resident bytes of the mapping that starts at `start`, as the kernel counts them
+    /// (`Rss:` of its entry in /proc/self/smaps: the first after the entry's address line).
+    fn resident(start: *const u8) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let head = format!("{:x}-", start as usize);
+        let entry = smaps
+            .split_inclusive('\n')
+            .skip_while(|line| !line.starts_with(&head))
+            .skip(1)
+            .find_map(|line| line.strip_prefix("Rss:"))
+            .expect("the mapping's entry has an Rss line");
+        let kib: u64 = entry.trim().trim_end_matches("kB").trim().parse().unwrap();
+        kib * 1024
+    }
+
+    #[test]
+    fn released_pages_leave_the_process_and_read_back_the_same() {
+        let dir = std::env::temp_dir().join(format!("ghost-oracle-release-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("pages.bin");
+        let len = 4 << 20;
+        let content: Vec<u8> = (0..len).map(|k| (k * 7 % 251) as u8).collect();
+        std::fs::write(&path, &content).unwrap();
+        let map = map_file(&path, "test file").unwrap();
+        // Touch every page: all 4 MiB are resident.
+        let sum: u64 = map.iter().map(|&b| b as u64).sum();
+        assert_eq!(sum, content.iter().map(|&b| b as u64).sum::<u64>());
+        assert_eq!(resident(map.as_ptr()), len as u64);
+        // A range not aligned at either end: its 64 KiB-aligned interior goes, the spans at its
+        // ends stay.
+        release_pages(&map, 1000..len - 1000).unwrap();
+        let left = resident(map.as_ptr());
+        assert!(
+            left <= 2 * RELEASE_ALIGN as u64,
+            "{left} bytes still resident"
+        );
+        // A range inside one span releases nothing.
+        release_pages(&map, 10..RELEASE_ALIGN - 10).unwrap();
+        assert_eq!(resident(map.as_ptr()), left);
+        // The bytes read back from the file, unchanged.
+        assert!(map[..] == content[..]);
+        assert_eq!(resident(map.as_ptr()), len as u64);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -6,6 +6,7 @@
 //! the memory the machine has available, else what `--max-memory` (`max_memory=`) says.
 
 use crate::error::{bail, Result};
+use crate::tensors::RELEASE_ALIGN;
 use std::fmt;
 
 /// Bytes of one example set's per-example gradient rows a judge holds at once while it streams a
@@ -169,6 +170,47 @@ impl<'a> Tally<'a> {
             );
         }
         Ok(())
+    }
+
+    /// Adds what a memory-mapped trace of `file_len` bytes whose header (its length field
+    /// included) is `header` bytes holds of its own file, before the header is parsed: the
+    /// header, or the whole file where it is no longer than the header and one 64 KiB span
+    /// (what [`Tally::add_mapped_tensors`] would bring it to whatever the tensors). Returns
+    /// whether the whole file was counted.
+    pub(crate) fn add_mapped_header(&mut self, file_len: u64, header: u64) -> Result<bool> {
+        if file_len <= header.saturating_add(RELEASE_ALIGN as u64) {
+            self.add(file_len, || "the file (held while it is read)".into())?;
+            return Ok(true);
+        }
+        self.add(header, || {
+            "the file's header (parsed before any tensor is read)".into()
+        })?;
+        Ok(false)
+    }
+
+    /// Adds the rest of what a memory-mapped trace holds of its own file while it is read, after
+    /// [`Tally::add_mapped_header`] counted its header. Not the whole file: the reader copies or
+    /// widens one tensor at a time and releases its pages as soon as it has
+    /// ([`crate::tensors::release_pages`]), so at most one tensor's bytes are resident at once
+    /// (the `largest`'s bound them), with, at each of the file's `tensors`' two ends, the part of
+    /// a 64 KiB span it shares with its neighbour, which a release leaves in place (and the
+    /// kernel's fault-around, 64 KiB by default, may map). Never more than the file. The widened
+    /// factors and the copies are counted apart, as for a file held whole.
+    pub(crate) fn add_mapped_tensors(
+        &mut self,
+        file_len: u64,
+        header: u64,
+        largest: Option<(usize, &str)>,
+        tensors: usize,
+    ) -> Result<()> {
+        let ends = (RELEASE_ALIGN as u64).saturating_mul(2 * tensors as u64 + 1);
+        let (bytes, name) = largest.unwrap_or((0, ""));
+        let resident = (bytes as u64)
+            .saturating_add(ends)
+            .min(file_len.saturating_sub(header));
+        self.add(resident, || {
+            format!("the file's largest tensor `{name}` ({bytes} bytes), mapped while it is read (a tensor's pages are released once it is read), and the 64 KiB spans at each tensor's ends")
+        })
     }
 }
 

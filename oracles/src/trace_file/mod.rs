@@ -27,6 +27,7 @@ use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3};
 use rounding::{read_model_rounding, write_model_rounding};
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashSet};
+use std::ops::Range;
 use std::path::Path;
 use step::read_step;
 
@@ -122,18 +123,21 @@ pub fn read_trace(path: &Path) -> Result<(Trace, TraceMeta)> {
     read_trace_within(path, MemoryBudget::machine())
 }
 
-/// Reads and validates a trace file, refusing it before holding anything (the file included)
-/// when reading and judging it would hold more than `budget`.
+/// Reads and validates a trace file, refusing it before holding anything when reading and
+/// judging it would hold more than `budget`. The file is mapped, not read: each tensor's pages
+/// are brought in as it is copied or widened and dropped from the process once it is, so the
+/// file's bytes are never all resident together (at most its largest tensor's and its header).
 pub fn read_trace_within(path: &Path, budget: MemoryBudget) -> Result<(Trace, TraceMeta)> {
     let label = path.display().to_string();
-    if let Ok(m) = std::fs::metadata(path) {
-        if m.is_file() {
-            Tally::new(budget, &label)
-                .add(m.len(), || "the file (held while it is read)".into())?;
-        }
-    }
-    let bytes = tensors::read_bytes(path, "trace")?;
-    read_trace_bytes_within(&bytes, &label, budget)
+    let map = tensors::map_file(path, "trace")?;
+    let release = |range: Range<usize>| -> Result<()> {
+        tensors::release_pages(&map, range.clone()).map_err(|e| {
+            Error::new(format!(
+                "{label}: cannot release the pages of bytes {range:?} once read: {e}"
+            ))
+        })
+    };
+    read_trace_parts(&map, &label, budget, Some(&release))
 }
 
 /// Parses and validates a trace file's contents within the machine's available memory; `label`
@@ -150,13 +154,67 @@ pub fn read_trace_bytes_within(
     label: &str,
     budget: MemoryBudget,
 ) -> Result<(Trace, TraceMeta)> {
+    read_trace_parts(bytes, label, budget, None)
+}
+
+/// Hands back a byte range of the trace, a tensor's, once the tensor has been copied or widened
+/// out of it: the reader never touches those bytes again.
+type Release<'a> = &'a dyn Fn(Range<usize>) -> Result<()>;
+
+/// Called with a tensor's name once it has been copied or widened out of the file, once a
+/// tensor: passes its byte range to the [`Release`] hook, where there is one.
+type Done<'a> = &'a dyn Fn(&str) -> Result<()>;
+
+/// [`read_trace_bytes_within`], handing each tensor's bytes to `release` (when given) as soon as
+/// they are read. Without it the bytes are held whole all along, and count so in the budget;
+/// with it, its header and one tensor's at a time (see [`Tally::add_mapped_tensors`]).
+fn read_trace_parts(
+    bytes: &[u8],
+    label: &str,
+    budget: MemoryBudget,
+    release: Option<Release>,
+) -> Result<(Trace, TraceMeta)> {
     let mut tally = Tally::new(budget, label);
-    tally.add(bytes.len() as u64, || {
-        "the file (held while it is read)".into()
-    })?;
-    let (_, metadata) = safetensors::SafeTensors::read_metadata(bytes)
+    let file_len = bytes.len() as u64;
+    // The header's length as the file states it, where it fits the file (else the parse below
+    // refuses the file), so that a header too large for the budget is refused before it is
+    // parsed.
+    let stated_header = bytes
+        .get(..8)
+        .map(|n| u64::from_le_bytes(n.try_into().expect("8 bytes")).saturating_add(8))
+        .filter(|&h| h <= file_len);
+    let counted_whole = match (release, stated_header) {
+        (Some(_), Some(header)) => tally.add_mapped_header(file_len, header)?,
+        _ => {
+            tally.add(file_len, || "the file (held while it is read)".into())?;
+            true
+        }
+    };
+    let (header_len, metadata) = safetensors::SafeTensors::read_metadata(bytes)
         .map_err(|e| Error::new(format!("{label} is not a valid safetensors file ({e})")))?;
     let st = tensors::parse(bytes, label)?;
+    // Each tensor's range in `bytes`: after the 8-byte header length and the header.
+    let data_start = 8 + header_len;
+    let extent = |name: &str| {
+        let (start, end) = metadata
+            .info(name)
+            .expect("a tensor named in the file's header")
+            .data_offsets;
+        data_start + start..data_start + end
+    };
+    if !counted_whole {
+        let largest = st
+            .iter()
+            .map(|(name, view)| (view.data().len(), name))
+            .max();
+        tally.add_mapped_tensors(file_len, data_start as u64, largest, st.len())?;
+    }
+    let done = |name: &str| -> Result<()> {
+        match release {
+            Some(release) => release(extent(name)),
+            None => Ok(()),
+        }
+    };
     let meta = metadata.metadata().clone().unwrap_or_default();
     let header = read_header(&meta, label)?;
     // Every tensor a site or a claim reads; any other is an error.
@@ -168,6 +226,7 @@ pub fn read_trace_bytes_within(
         label,
         &mut expected,
         &mut tally,
+        &done,
     )?;
     let trace = Trace { sites };
     // The claims and the step are copied out of the file in their own formats.
@@ -178,9 +237,10 @@ pub fn read_trace_bytes_within(
         }
     }
     let (claimed_norms, claimed_coefficients) =
-        read_claims(&st, trace.batch_size(), label, &mut expected)?;
-    let step = read_step(&st, &meta, &trace, label, &mut expected)?;
-    let model_rounding = read_model_rounding(&st, &meta, trace.batch_size(), label, &mut expected)?;
+        read_claims(&st, trace.batch_size(), label, &mut expected, &done)?;
+    let step = read_step(&st, &meta, &trace, label, &mut expected, &done)?;
+    let model_rounding =
+        read_model_rounding(&st, &meta, trace.batch_size(), label, &mut expected, &done)?;
     for name in st.names() {
         if !expected.contains(name) {
             bail!("{label}: unexpected tensor `{name}` (no site in `__metadata__.sites` reads it)");
@@ -243,6 +303,7 @@ fn site_tensors(
     specs: Vec<(SiteSpec, Option<ConvEntry>)>,
     label: &str,
     expected: &mut HashSet<String>,
+    done: Done,
 ) -> Result<Vec<SiteTensors>> {
     let mut found = Vec::with_capacity(specs.len());
     for (spec, conv) in specs {
@@ -271,7 +332,9 @@ fn site_tensors(
         let ids = if spec.kind.needs_ids() && has(st, &format!("{n}.ids")) {
             let tname = format!("{n}.ids");
             expected.insert(tname.clone());
-            Some(tensors::to_i64(st, &tname, label)?)
+            let ids = tensors::to_i64(st, &tname, label)?;
+            done(&tname)?;
+            Some(ids)
         } else {
             None
         };
@@ -410,8 +473,9 @@ fn read_sites(
     label: &str,
     expected: &mut HashSet<String>,
     tally: &mut Tally,
+    done: Done,
 ) -> Result<(Vec<Site>, Vec<Precision>)> {
-    let found = site_tensors(st, specs, label, expected)?;
+    let found = site_tensors(st, specs, label, expected, done)?;
     let shapes: Vec<SiteShape> = found.iter().map(SiteTensors::shape).collect();
     validate_shapes(&shapes).map_err(|e| Error::new(format!("{label}: {e}")))?;
     check_sizes(&shapes, manifest, label, tally)?;
@@ -424,6 +488,9 @@ fn read_sites(
         let mut factor = |what: &str, dims: Option<[usize; 3]>| -> Result<Array3<f64>> {
             let tname = format!("{n}.{what}");
             let a = tensors::to_f64(st, &tname, label)?;
+            // Its bytes are read: a mapped file's pages go back as each factor is widened, so
+            // the file and the widened factors are never resident together.
+            done(&tname)?;
             let stored = Precision::of_stored(st.tensor(&tname).expect("checked").dtype())
                 .expect("a float tensor");
             dtype = Some(coarser(dtype, stored));
@@ -468,10 +535,12 @@ fn read_claims(
     b: usize,
     label: &str,
     expected: &mut HashSet<String>,
+    done: Done,
 ) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
     let mut vector = |name: &str| -> Result<Vec<f64>> {
         expected.insert(name.to_string());
         let a = tensors::to_f64_unchecked(st, name, label)?;
+        done(name)?;
         let shape = a.shape().to_vec();
         let a = a.into_dimensionality::<Ix1>().map_err(|_| {
             Error::new(format!(
@@ -563,4 +632,163 @@ pub fn write_trace(path: &Path, trace: &Trace, meta: &TraceMeta) -> Result<()> {
         write_model_rounding(r, &mut raw, &mut m);
     }
     write_raw(path, &raw, Some(m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::site::SiteKind;
+    use crate::tensors::Floats;
+    use std::cell::RefCell;
+
+    fn spec(name: &str, kind: SiteKind, vocab: Option<usize>) -> SiteSpec {
+        SiteSpec {
+            name: name.to_string(),
+            param: format!("{name}.weight"),
+            kind,
+            vocab,
+        }
+    }
+
+    /// Values that differ from tensor to tensor and entry to entry.
+    fn values(shape: (usize, usize, usize), seed: f64) -> Array3<f64> {
+        Array3::from_shape_fn(shape, |(i, r, c)| {
+            ((i * 31 + r * 7 + c) as f64 * 0.37 + seed).sin()
+        })
+    }
+
+    /// A /2 trace holding every kind of tensor a trace file can: ids, activations, a
+    /// convolution's inputs, backprops, the claimed norms and coefficients, the step's sums and
+    /// update, and the model's rounding; factors in f32.
+    fn every_tensor() -> (Trace, TraceMeta) {
+        let b = 2;
+        let geometry = ConvGeometry {
+            kernel: vec![2],
+            stride: vec![1],
+            dilation: vec![1],
+            padding: vec![(0, 0)],
+            groups: 1,
+            input_size: vec![4],
+        };
+        let sites = vec![
+            Site {
+                spec: spec("emb", SiteKind::Embedding, Some(5)),
+                activations: None,
+                ids: Some(ndarray::Array2::from_shape_fn((b, 3), |(i, t)| {
+                    ((i + 2 * t) % 5) as i64
+                })),
+                backprops: values((b, 3, 4), 0.1),
+                conv: None,
+            },
+            Site {
+                spec: spec("fc", SiteKind::Linear, None),
+                activations: Some(values((b, 3, 4), 0.2)),
+                ids: None,
+                backprops: values((b, 3, 2), 0.3),
+                conv: None,
+            },
+            Site {
+                spec: spec("conv", SiteKind::Linear, None),
+                activations: None,
+                ids: None,
+                // 3 channels over 4 positions, kernel 2: 3 output positions of 2 channels.
+                backprops: values((b, 3, 2), 0.4),
+                conv: Some(ConvInput {
+                    geometry,
+                    inputs: values((b, 3, 4), 0.5),
+                }),
+            },
+        ];
+        let trace = Trace { sites };
+        let sums = |seed: f64| -> ParamValues {
+            trace
+                .params()
+                .iter()
+                .map(|(p, js)| {
+                    let (rows, cols) = trace.site_gradient_shape(js[0]);
+                    let v: Vec<f32> = (0..rows * cols)
+                        .map(|k| (k as f32 * 0.1 + seed as f32).cos())
+                        .collect();
+                    (p.clone(), Floats::from(v))
+                })
+                .collect()
+        };
+        let meta = TraceMeta {
+            claimed_coefficients: Some(vec![0.5, 1.0]),
+            step: Some(StepClaim {
+                clipped_sum: Some(sums(0.6)),
+                update: Some(sums(0.7)),
+                batch_divisor: Some(2.0),
+                clip_stabilizer: 1e-6,
+                clipping: crate::clipping::Clipping::Flat,
+            }),
+            model_rounding: Some(ModelRounding {
+                method: "replay-float64".into(),
+                per_example: vec![1e-9, 2e-9],
+            }),
+            site_dtypes: vec![Precision::F32; 3],
+            site_compute_dtypes: vec![None; 3],
+            ..TraceMeta::norms(1.0, vec![0.8, 1.2], Precision::F32)
+        };
+        (trace, meta)
+    }
+
+    #[test]
+    fn every_tensor_is_released_exactly_once_and_the_trace_read_is_the_same() {
+        let dir =
+            std::env::temp_dir().join(format!("ghost-oracle-trace-release-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.safetensors");
+        let (trace, meta) = every_tensor();
+        write_trace(&path, &trace, &meta).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let released = RefCell::new(Vec::new());
+        let hook = |range: Range<usize>| -> Result<()> {
+            released.borrow_mut().push(range);
+            Ok(())
+        };
+        let budget = MemoryBudget::bytes(1 << 30);
+        let (read, read_meta) = read_trace_parts(&bytes, "T", budget, Some(&hook)).unwrap();
+
+        // Every tensor's byte range, from the header as the safetensors crate reads it.
+        let (n, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        let mut every: Vec<(Range<usize>, String)> = header
+            .tensors()
+            .into_iter()
+            .map(|(name, info)| {
+                let (s, e) = info.data_offsets;
+                (8 + n + s..8 + n + e, name)
+            })
+            .collect();
+        every.sort_by_key(|(r, _)| (r.start, r.end));
+        let mut got = released.into_inner();
+        got.sort_by_key(|r| (r.start, r.end));
+        let want: Vec<Range<usize>> = every.iter().map(|(r, _)| r.clone()).collect();
+        assert_eq!(got, want, "released ranges against every tensor's");
+        // The float tensors among them: the site factors and the claims, the step and the
+        // rounding; the ids are the one integer tensor.
+        let floats = header
+            .tensors()
+            .values()
+            .filter(|i| Precision::of_stored(i.dtype).is_some())
+            .count();
+        assert_eq!((floats, every.len()), (14, 15));
+
+        // The hook changes nothing read: the same trace as the bytes read whole.
+        let (whole, whole_meta) = read_trace_bytes_within(&bytes, "T", budget).unwrap();
+        assert_eq!(read_meta, whole_meta);
+        assert_eq!(read_meta, meta);
+        for (a, b) in read.sites.iter().zip(&whole.sites) {
+            assert_eq!(a.spec, b.spec);
+            assert_eq!(a.activations, b.activations);
+            assert_eq!(a.ids, b.ids);
+            assert_eq!(a.backprops, b.backprops);
+            assert_eq!(
+                a.conv.as_ref().map(|c| (&c.geometry, &c.inputs)),
+                b.conv.as_ref().map(|c| (&c.geometry, &c.inputs))
+            );
+        }
+        assert_eq!(read.sites.len(), 3);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -35,6 +35,7 @@ pub(super) fn read_model_rounding(
     b: usize,
     label: &str,
     expected: &mut HashSet<String>,
+    done: super::Done,
 ) -> Result<Option<ModelRounding>> {
     let method = meta.get(KEY);
     let present = has(st, TENSOR);
@@ -70,6 +71,7 @@ pub(super) fn read_model_rounding(
         .into_dimensionality::<Ix1>()
         .expect("checked 1-D")
         .to_vec();
+    done(TENSOR)?;
     if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| v < 0.0) {
         bail!("{label}: tensor `{TENSOR}` holds {v:e} for example {i}; a rounding error is a norm, never negative");
     }

@@ -42,6 +42,7 @@ pub(super) fn read_step(
     trace: &Trace,
     label: &str,
     expected: &mut HashSet<String>,
+    done: super::Done,
 ) -> Result<Option<StepClaim>> {
     let params = trace.params();
     let mut sums = |prefix: &str| -> Result<Option<ParamValues>> {
@@ -69,6 +70,7 @@ pub(super) fn read_step(
                 let (rows, cols) = trace.site_gradient_shape(js[0]);
                 let (dtype, _, bytes) = st.raw(&name, label)?;
                 let v = Floats::decode(dtype, &bytes, &name, label)?;
+                done(&name)?;
                 if v.len() != rows * cols {
                     bail!(
                         "{label}: `{name}` has {} values; parameter `{p}` has {rows}×{cols}",
