@@ -344,14 +344,7 @@ fn own_terms(
             let gl = left(a.clone(), b.clone());
             let gr = product(r.slice(s![a.clone(), ..]), r.slice(s![b.clone(), ..]).t());
             let w = if a0 == b0 { 1.0 } else { 2.0 };
-            let mut block = TermSample::default();
-            ndarray::Zip::from(&gl).and(&gr).for_each(|&x, &y| {
-                let term = x * y;
-                block.abs += term.abs();
-                block.signed += term;
-                block.sq += term * term;
-                block.gram_mass += x.abs() + y.abs();
-            });
+            let mut block = block_sums(&gl, &gr);
             if a0 == b0 {
                 block.diag = ndarray::Zip::from(gl.diag())
                     .and(gr.diag())
@@ -367,6 +360,44 @@ fn own_terms(
     t
 }
 
+/// Σ|x·y|, Σ x·y, Σ (x·y)² and Σ |x| + |y| over two blocks of one shape, in eight independent
+/// lanes so that the compiler can keep them in vector registers (one running sum each was a
+/// sixth of `check`'s time at a 32×32 convolution's 1024² terms an example).
+fn block_sums(gl: &Array2<f64>, gr: &Array2<f64>) -> TermSample {
+    const LANES: usize = 8;
+    let (x, y) = (
+        gl.as_slice().expect("a fresh product is contiguous"),
+        gr.as_slice().expect("a fresh product is contiguous"),
+    );
+    let [mut abs, mut signed, mut sq, mut mass] = [[0.0f64; LANES]; 4];
+    let (xc, yc) = (x.chunks_exact(LANES), y.chunks_exact(LANES));
+    let (xr, yr) = (xc.remainder(), yc.remainder());
+    for (xs, ys) in xc.zip(yc) {
+        for l in 0..LANES {
+            let term = xs[l] * ys[l];
+            abs[l] += term.abs();
+            signed[l] += term;
+            sq[l] += term * term;
+            mass[l] += xs[l].abs() + ys[l].abs();
+        }
+    }
+    for (l, (&a, &b)) in xr.iter().zip(yr).enumerate() {
+        let term = a * b;
+        abs[l] += term.abs();
+        signed[l] += term;
+        sq[l] += term * term;
+        mass[l] += a.abs() + b.abs();
+    }
+    let total = |v: [f64; LANES]| v.iter().sum();
+    TermSample {
+        abs: total(abs),
+        diag: 0.0,
+        signed: total(signed),
+        sq: total(sq),
+        gram_mass: total(mass),
+    }
+}
+
 /// One group of a convolution stored as its input, every term taken as [`own_dense_terms`]
 /// takes them on its unfolded patches, the patches' Gram read off the padded input's own Gram
 /// instead: two patches' dot product is Σ_k of ∏k entries of the P̃×P̃ Gram of the zero-padded
@@ -378,6 +409,15 @@ fn conv_group_terms(conv: &ConvInput, i: usize, j: usize, bp: ArrayView2<f64>) -
     let gram = product(grid.view(), grid.t());
     let (origins, offsets) = conv.padded_taps();
     own_terms(origins.len(), bp, |a, b| {
+        // The block's columns in runs of consecutive origins (an output row of a stride-1
+        // convolution): each tap then adds a contiguous slice of a Gram row.
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for (x, &o) in origins[b.clone()].iter().enumerate() {
+            match runs.last_mut() {
+                Some((start, first, len)) if *first + *len == o && *start + *len == x => *len += 1,
+                _ => runs.push((x, o, 1)),
+            }
+        }
         let mut out = Array2::<f64>::zeros((a.len(), b.len()));
         for (x, &ot) in origins[a].iter().enumerate() {
             let mut row = out.row_mut(x);
@@ -387,8 +427,11 @@ fn conv_group_terms(conv: &ConvInput, i: usize, j: usize, bp: ArrayView2<f64>) -
             for &off in &offsets {
                 let g = gram.row(ot + off);
                 let g = g.as_slice().expect("a fresh array's row is contiguous");
-                for (v, &os) in row.iter_mut().zip(&origins[b.clone()]) {
-                    *v += g[os + off];
+                for &(start, first, len) in &runs {
+                    let from = &g[first + off..first + off + len];
+                    for (v, &e) in row[start..start + len].iter_mut().zip(from) {
+                        *v += e;
+                    }
                 }
             }
         }
@@ -669,7 +712,14 @@ impl SiteWidths {
 /// Σ_t of the size of each row's gradient outer product, per example: the scale a site's
 /// per-example gradient is summed at.
 fn site_scale(s: &Site, b: usize) -> Vec<f64> {
+    if let (Some(conv), SiteKind::Linear) = (&s.conv, s.spec.kind) {
+        return (0..b)
+            .into_par_iter()
+            .map(|i| conv_scale(conv, i, s.backprops.index_axis(ndarray::Axis(0), i)))
+            .collect();
+    }
     (0..b)
+        .into_par_iter()
         .map(|i| {
             let rows = s.rows(i);
             let bp = &rows.backprops;
@@ -696,6 +746,26 @@ fn site_scale(s: &Site, b: usize) -> Vec<f64> {
                 .sum()
         })
         .collect()
+}
+
+/// [`site_scale`] of example i of a convolution stored as its input, without unfolding it: a
+/// patch's squared norm is the sum of its taps' squared norms on the padded grid
+/// ([`ConvInput::padded_taps`]), and row p·g + j of the unfolded layout pairs group j's patch at
+/// p with the backprops of group j's channels (`bp`: the example's P × C_out backprops).
+fn conv_scale(conv: &ConvInput, i: usize, bp: ArrayView2<f64>) -> f64 {
+    let groups = conv.geometry.groups;
+    let out_g = bp.ncols() / groups;
+    let (origins, offsets) = conv.padded_taps();
+    let mut total = 0.0;
+    for j in 0..groups {
+        let grid = conv.padded_group(i, j);
+        let tap_sq: Vec<f64> = grid.rows().into_iter().map(|r| r.dot(&r)).collect();
+        for (p, &o) in origins.iter().enumerate() {
+            let patch = offsets.iter().map(|&k| tap_sq[o + k]).sum::<f64>().sqrt();
+            total += row_norm(bp.slice(s![p, j * out_g..(j + 1) * out_g])) * patch;
+        }
+    }
+    total
 }
 
 /// Every example's terms: the sum of their magnitudes, the scale of a dot product with the
@@ -1156,7 +1226,7 @@ mod tests {
                 4,
             ),
         ];
-        for (n, (geometry, c_in, c_out)) in cases.into_iter().enumerate() {
+        for (n, (geometry, c_in, c_out)) in cases.clone().into_iter().enumerate() {
             let site = conv_site(geometry, c_in, c_out, n as u64);
             let conv = site.conv.as_ref().unwrap();
             let g = conv.geometry.groups;
@@ -1189,6 +1259,24 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+        // The clipped sum's scale, from the grid too, equals the unfolded twin's.
+        for (n, (geometry, c_in, c_out)) in cases.into_iter().enumerate() {
+            let site = conv_site(geometry, c_in, c_out, n as u64);
+            let rows: Vec<_> = (0..2).map(|i| site.rows(i)).collect();
+            let stack = |f: &dyn Fn(usize) -> Array2<f64>| {
+                let (r, c) = f(0).dim();
+                Array3::from_shape_fn((2, r, c), |(i, x, y)| f(i)[(x, y)])
+            };
+            let twin = Site {
+                activations: Some(stack(&|i| rows[i].activations.as_ref().unwrap().to_owned())),
+                backprops: stack(&|i| rows[i].backprops.to_owned()),
+                conv: None,
+                ..site.clone()
+            };
+            for (a, b) in site_scale(&site, 2).iter().zip(site_scale(&twin, 2)) {
+                assert!((a - b).abs() <= 1e-12 * b, "case {n}: scale {a} vs {b}");
             }
         }
         // The judge takes the grid where it is cheaper: a 3×3 stride-1 layer at 32×32, not a
