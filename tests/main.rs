@@ -5,6 +5,7 @@ mod audit;
 mod cli;
 mod clippers;
 mod common;
+mod deferred;
 mod deprecated_flags;
 mod detection;
 mod files;

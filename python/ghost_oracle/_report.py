@@ -330,6 +330,7 @@ EXAMPLE_COLUMNS: dict[str, str] = {
     "norm": "claimed_norms",
     "norm_rel_err": "norm_rel_err",
     "bound": "bound",
+    "bound_exact": "bound_exact",
     "model_rounding": "model_rounding",
     "allowed_contribution": "allowed_contribution",
     "err_units": "err_units",
@@ -342,7 +343,7 @@ EXAMPLE_COLUMNS: dict[str, str] = {
     "judgeable": "judgeable",
 }
 #: The per-example figures that are yes/no (boolean columns); the others are floats.
-_BOOLEAN_COLUMNS = frozenset({"flipped", "invalid", "judgeable"})
+_BOOLEAN_COLUMNS = frozenset({"flipped", "invalid", "judgeable", "bound_exact"})
 
 
 #: The figures of a case that are numbers (NaN where the judge leaves one undefined: null in its
@@ -421,6 +422,10 @@ class CaseResult(_Judged):
     #: |n_i − n_i*| / n_i*, the rounding bound on it, and their ratio.
     norm_rel_err: np.ndarray = field(repr=False)
     bound: np.ndarray = field(repr=False)
+    #: Whether each `bound` is the figure (False: `check` left the tolerance's statistics as
+    #: bounds that gave the example one verdict at both ends, and `bound` is the end on the
+    #: verdict's side: the lower for an example within it, the upper for one beyond it).
+    bound_exact: np.ndarray = field(repr=False)
     err_units: np.ndarray = field(repr=False)
     #: 2⟨g_in, g_out⟩ / ‖g*‖²: the share of each true squared norm that is the tied cross term
     #: (NaN where the true gradient is zero).

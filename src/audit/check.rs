@@ -63,8 +63,14 @@ pub fn check_trace_with_progress(
         .unwrap_or_else(reference::MemoryBudget::machine);
     let (trace, meta) = reference::read_trace_within(path, budget)?;
     let tied = trace.tied_parameters();
-    let mut judge =
-        Judge::from_trace_with_progress(trace, progress).map_err(|e| e.context(path.display()))?;
+    // Without a step, the tolerance's costliest statistics wait until a verdict needs them
+    // (the same verdicts; docs/tolerances.md); a step reads every example's bound as a figure.
+    let judge = if meta.step.is_none() {
+        Judge::from_trace_deferring(trace, progress)
+    } else {
+        Judge::from_trace_with_progress(trace, progress)
+    };
+    let mut judge = judge.map_err(|e| e.context(path.display()))?;
     // The model's own rounding in the factors, when the exporter measured it, widens every
     // example's bound (docs/tolerances.md, "The model's own rounding").
     if let Some(rounding) = meta.model_rounding.clone() {

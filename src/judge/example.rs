@@ -16,6 +16,12 @@ pub struct ExampleMetrics {
     /// The rounding bound on `norm_rel_err` at the clipper's precision, the model's own rounding
     /// included.
     pub bound: f64,
+    /// Whether `bound` is the figure: false where the tolerance's statistics were left as
+    /// bounds because both ends gave this example the same verdict; `bound` is then the end
+    /// that puts `err_units` on the verdict's side of the exact figure: the lower end for an
+    /// example within it (its `err_units` at least the exact one), the upper for one beyond it
+    /// (docs/tolerances.md, "Statistics deferred until a verdict needs them").
+    pub bound_exact: bool,
     /// The part of `bound` that is the model's own rounding (the trace's `model.rounding`, times
     /// `MODEL_ROUNDING_FACTOR`, over n*_i); 0 without it.
     pub model_rounding: f64,

@@ -206,17 +206,58 @@ pub fn evaluate(
         .map(|&n| claim.clipping.coefficient(n, c))
         .collect();
     let slack = tolerance.slack_at(arithmetic);
+    let at = |tolerance: &Tolerance, i: usize, bound: f64| {
+        let nt = truth.norms[i];
+        let allowed = allowed_contribution(claim.clipping, nt, bound, c);
+        // NaN is never within either threshold.
+        let judgeable = bound <= tolerance.judgeable_bound && allowed <= 1.0 + slack;
+        let mut e = example_metrics(truth, claim, i, true_coefs[i], (bound, judgeable), c);
+        e.model_rounding = tolerance.model_rounding_bound(i, nt);
+        e.allowed_contribution = allowed;
+        e
+    };
+    // Deferred statistics (`Tolerance::from_trace_deferring`): an example whose findings are the
+    // same at both ends of its bound has those findings at the exact bound too (each is
+    // monotone in the bound); the others' figures are taken.
+    let unsettled: Vec<usize> = (0..b)
+        .filter(
+            |&i| match tolerance.bound_interval(i, truth.norms[i], arithmetic) {
+                Some((lo, hi)) => {
+                    lo != hi && findings(&at(tolerance, i, lo)) != findings(&at(tolerance, i, hi))
+                }
+                None => true,
+            },
+        )
+        .collect();
+    let refined;
+    let tolerance = if unsettled.iter().any(|&i| !tolerance.is_exact(i)) {
+        let factors = truth.factors.as_ref().ok_or_else(|| {
+            crate::error::Error::internal(
+                "a tolerance with deferred statistics beside a truth without factors",
+            )
+        })?;
+        refined = tolerance.refined(factors, &unsettled)?;
+        &refined
+    } else {
+        tolerance
+    };
     let examples: Vec<ExampleMetrics> = (0..b)
         .map(|i| {
             let nt = truth.norms[i];
-            let bound = tolerance.bound(i, nt, arithmetic);
-            let allowed = allowed_contribution(claim.clipping, nt, bound, c);
-            // NaN is never within either threshold.
-            let judgeable = bound <= tolerance.judgeable_bound && allowed <= 1.0 + slack;
-            let mut e = example_metrics(truth, claim, i, true_coefs[i], (bound, judgeable), c);
-            e.model_rounding = tolerance.model_rounding_bound(i, nt);
-            e.allowed_contribution = allowed;
-            e
+            match tolerance.bound_interval(i, nt, arithmetic) {
+                Some((lo, hi)) if lo != hi => {
+                    let low = at(tolerance, i, lo);
+                    let (invalid, _, privacy, off) = findings(&low);
+                    let mut e = if invalid || privacy || off {
+                        at(tolerance, i, hi)
+                    } else {
+                        low
+                    };
+                    e.bound_exact = false;
+                    e
+                }
+                _ => at(tolerance, i, tolerance.bound(i, nt, arithmetic)),
+            }
         })
         .collect();
     let fmax = |f: &dyn Fn(&ExampleMetrics) -> f64| examples.iter().map(f).fold(0.0_f64, nan_max);
@@ -323,6 +364,7 @@ fn example_metrics(
         norm: n,
         norm_rel_err: if rel.is_nan() { f64::INFINITY } else { rel },
         bound,
+        bound_exact: true,
         model_rounding: 0.0,
         allowed_contribution: 0.0,
         // An exact answer is 0 units even where the bound is 0.
@@ -345,27 +387,40 @@ fn example_metrics(
 
 /// The case's verdict from its examples, the most severe first, and the example that decided
 /// it.
+/// A violation is one the truth's own uncertainty cannot explain: beyond the bound, and above C
+/// even at the low end of the truth, which the model's measured rounding leaves known only to
+/// within that share of it. Where that share reaches the norm itself the truth says nothing of
+/// the contribution, and the example is left to cannot-judge.
+fn violates_privacy(e: &ExampleMetrics) -> bool {
+    e.sensitivity > 1.0 + e.bound && e.sensitivity * (1.0 - e.model_rounding) > 1.0
+}
+
+/// The claim is off the truth beyond the bound: its norm, or its coefficient. NaN counts as off:
+/// it is never within the bound.
+fn is_off(e: &ExampleMetrics) -> bool {
+    let d = (e.coefficient - e.true_coefficient).abs();
+    let coef_off = d.is_nan() || d > e.true_coefficient * 2.0 * e.bound + f64::EPSILON;
+    coef_off || e.err_units > 1.0 || e.err_units.is_nan()
+}
+
+/// Everything the verdict reads of an example that depends on its bound: invalid, judgeable,
+/// a privacy violation, off. Each is monotone in the bound (a larger bound makes each less
+/// likely, `judgeable` included), so an example with the same findings at both ends of an
+/// interval has them at every bound within it.
+fn findings(e: &ExampleMetrics) -> (bool, bool, bool, bool) {
+    (e.invalid, e.judgeable, violates_privacy(e), is_off(e))
+}
+
 fn case_verdict(
     examples: &[ExampleMetrics],
     invalid_examples: &[usize],
     unjudgeable_examples: &[usize],
 ) -> (Verdict, usize) {
-    // A violation is one the truth's own uncertainty cannot explain: beyond the bound, and
-    // above C even at the low end of the truth, which the model's measured rounding leaves
-    // known only to within that share of it. Where that share reaches the norm itself the
-    // truth says nothing of the contribution, and the example is left to cannot-judge.
-    let privacy = examples
-        .iter()
-        .any(|e| e.sensitivity > 1.0 + e.bound && e.sensitivity * (1.0 - e.model_rounding) > 1.0);
+    let privacy = examples.iter().any(violates_privacy);
     // Off beyond its bound, on an example whose bound can judge it: a definite finding, which
     // another example's bound being too loose to judge does not make any less so (a claim
     // 1e-3 high on two examples is wrong beside a third whose norm is rounding noise).
-    let off = |e: &ExampleMetrics| {
-        let d = (e.coefficient - e.true_coefficient).abs();
-        let coef_off = d.is_nan() || d > e.true_coefficient * 2.0 * e.bound + f64::EPSILON;
-        // NaN counts as off: it is never within the bound.
-        coef_off || e.err_units > 1.0 || e.err_units.is_nan()
-    };
+    let off = is_off;
     let judged_off = |i: usize| off(&examples[i]) && !unjudgeable_examples.contains(&i);
     let verdict = if !invalid_examples.is_empty() {
         Verdict::InvalidNorm

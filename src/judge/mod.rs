@@ -78,6 +78,36 @@ impl Judge {
         })
     }
 
+    /// [`from_trace_with_progress`](Self::from_trace_with_progress) with the tolerance's costliest
+    /// statistics deferred until a verdict needs them ([`Tolerance::from_trace_deferring`]): the
+    /// truth first, whose per-parameter ‖g*_{i,p}‖² give the lower ends, then the tolerance.
+    /// The verdicts are those of the exact tolerance ([`evaluate`] takes the figures of every
+    /// example the two ends do not settle); a step cannot be judged on it
+    /// ([`Judge::judge_step`] refuses).
+    pub fn from_trace_deferring(
+        trace: RefTrace,
+        progress: &dyn Fn(usize, usize, &str),
+    ) -> Result<Self> {
+        let truth = Truth::from_trace_with_progress(trace, progress)?;
+        let factors = truth
+            .factors
+            .as_ref()
+            .ok_or_else(|| Error::internal("a truth from a trace keeps its factors"))?;
+        let mut own_sq = vec![None; factors.sites.len()];
+        for ((param, js), (name, sq)) in factors.params().iter().zip(&truth.param_sq) {
+            if param != name {
+                return Err(Error::internal(format!(
+                    "the truth's parameter `{name}` where the trace lists `{param}`"
+                )));
+            }
+            if let [j] = js.as_slice() {
+                own_sq[*j] = Some(sq.clone());
+            }
+        }
+        let tolerance = Tolerance::from_trace_deferring(factors, &own_sq)?;
+        Ok(Judge { truth, tolerance })
+    }
+
     /// The metrics and verdict of a claim at clipping norm C and noise multiplier σ, for a
     /// clipper computing in `precision`.
     pub fn evaluate(
@@ -149,6 +179,12 @@ impl Judge {
         arithmetic: &Arithmetic,
         claimed_coefficients: Option<Vec<f64>>,
     ) -> Result<()> {
+        // The step's checks read every example's bound as a figure.
+        if let Some(i) = metrics.examples.iter().position(|e| !e.bound_exact) {
+            return Err(Error::internal(format!(
+                "example {i}'s bound is not exact: a step is judged on a judge built without deferred statistics"
+            )));
+        }
         let at = StepJudge {
             truth: &self.truth,
             tolerance: &self.tolerance,

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use ghost_oracle_reference::{product, ConvInput, Site, SiteKind, SiteRows, Trace as RefTrace};
 pub use ghost_oracle_reference::{ModelRounding, Precision};
 use ndarray::{s, Array2, ArrayView2, CowArray};
-use rayon::iter::{IntoParallelIterator, ParallelIterator};
+use rayon::iter::{IntoParallelIterator, IntoParallelRefIterator, ParallelIterator};
 use std::ops::Range;
 
 /// Safety factor on the probabilistic √L growth of accumulated rounding error (Higham & Mary).
@@ -171,6 +171,27 @@ pub struct Tolerance {
     /// carries it ([`Tolerance::with_model_rounding`]): each example's bound grows by
     /// [`MODEL_ROUNDING_FACTOR`]·r_i/n*_i.
     pub model_rounding: Option<ModelRounding>,
+    /// Statistics left as bounds until a verdict needs them ([`Tolerance::from_trace_deferring`]);
+    /// `None`: every figure exact.
+    pub deferred: Option<Deferred>,
+}
+
+/// A site is deferred from this many rows: its every-term statistics cost R(R + 1)/2·(p + q),
+/// R/2 times its rows' norms, and a 32×32 image's 1024 positions made them most of `check`.
+pub const DEFER_ROWS: usize = 512;
+
+/// Which statistics of a [`Tolerance`] are bounds rather than figures (docs/tolerances.md,
+/// "Statistics deferred until a verdict needs them").
+#[derive(Clone, Debug, Default)]
+pub struct Deferred {
+    /// The sites whose own statistics are deferred: each its parameter's only site, of at
+    /// least [`DEFER_ROWS`] rows.
+    pub sites: Vec<usize>,
+    /// Per example, a lower bound of Σ|terms| (`abs_terms`, an upper bound while deferred);
+    /// equal to it once exact.
+    pub lower: Vec<f64>,
+    /// Per example, whether its statistics are all figures.
+    pub exact: Vec<bool>,
 }
 
 /// One side of a site's per-example gradient Σ_t l_t r_tᵀ, in f64 (the site's R rows).
@@ -584,9 +605,39 @@ impl Tolerance {
         Self::from_trace_routed(trace, None)
     }
 
+    /// [`Tolerance::from_trace`] with the every-term statistics of each site in `own_sq` (site
+    /// j's ‖G_{j,i}‖² per example, known where the site is its parameter's only one) of at least
+    /// [`DEFER_ROWS`] rows left as bounds, from its rows' norms alone:
+    /// D + |‖G‖² − D| ≤ Σ|terms| ≤ (Σ_t ‖l_t‖‖r_t‖)², D = Σ_t ‖l_t‖²‖r_t‖², the diagonal's
+    /// terms (all ≥ 0). [`Tolerance::refined`] takes the figures of the examples whose verdict
+    /// the two ends do not settle.
+    pub fn from_trace_deferring(trace: &RefTrace, own_sq: &[Option<Vec<f64>>]) -> Result<Self> {
+        let defer: Vec<Option<&[f64]>> = trace
+            .sites
+            .iter()
+            .enumerate()
+            .map(|(j, site)| {
+                let eligible = site.row_count() >= DEFER_ROWS
+                    && matches!(
+                        site.spec.kind,
+                        SiteKind::Linear | SiteKind::Conv1d | SiteKind::Bias | SiteKind::LayerNorm
+                    );
+                own_sq
+                    .get(j)
+                    .and_then(Option::as_deref)
+                    .filter(|_| eligible)
+            })
+            .collect();
+        Self::build(trace, None, &defer)
+    }
+
     /// [`Tolerance::from_trace`] with every dense site's own statistics taken by `route`
     /// (`None`: the cheaper route per site, what the judge uses).
     pub fn from_trace_routed(trace: &RefTrace, route: Option<TermRoute>) -> Result<Self> {
+        Self::build(trace, route, &vec![None; trace.sites.len()])
+    }
+
+    fn build(trace: &RefTrace, route: Option<TermRoute>, defer: &[Option<&[f64]>]) -> Result<Self> {
         let params = trace.params();
         let mut site_param = vec![0; trace.sites.len()];
         for (p, (_, js)) in params.iter().enumerate() {
@@ -607,7 +658,18 @@ impl Tolerance {
             widest_factor = widest_factor.max(w.widest_factor);
         }
         let site_scale = trace.sites.iter().map(|s| site_scale(s, b)).collect();
-        let terms = ExampleTerms::of(trace, &params, &site_param, route)?;
+        let terms = ExampleTerms::of(trace, &params, &site_param, route, defer)?;
+        let sites: Vec<usize> = (0..defer.len()).filter(|&j| defer[j].is_some()).collect();
+        let deferred = (!sites.is_empty()).then(|| Deferred {
+            exact: terms
+                .lower
+                .iter()
+                .zip(&terms.abs_terms)
+                .map(|(l, a)| l == a)
+                .collect(),
+            lower: terms.lower.clone(),
+            sites,
+        });
         Ok(Tolerance {
             site_scale,
             site_param,
@@ -629,7 +691,82 @@ impl Tolerance {
             judgeable_bound: JUDGEABLE_BOUND,
             contribution_slack: None,
             model_rounding: None,
+            deferred,
         })
+    }
+
+    /// The tolerance with every statistic of `examples` a figure: their deferred sites' every
+    /// term taken ([`Tolerance::from_trace_deferring`]), from `trace`, the one it was built from.
+    pub fn refined(&self, trace: &RefTrace, examples: &[usize]) -> Result<Self> {
+        let mut out = self.clone();
+        let Some(deferred) = out.deferred.as_mut() else {
+            return Ok(out);
+        };
+        let todo: Vec<usize> = examples
+            .iter()
+            .copied()
+            .filter(|&i| !deferred.exact[i])
+            .collect();
+        let figures: Vec<Vec<TermSample>> = todo
+            .par_iter()
+            .map(|&i| {
+                deferred
+                    .sites
+                    .iter()
+                    .map(|&j| own_magnitudes(&trace.sites[j], i, None))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<_>>()?;
+        for (&i, figures) in todo.iter().zip(figures) {
+            for (&j, t) in deferred.sites.iter().zip(figures) {
+                let own = &mut out.own[j];
+                out.abs_terms[i] += t.abs - own.abs[i];
+                own.abs[i] = t.abs;
+                own.signed[i] = t.signed;
+                own.sq[i] = t.sq;
+                own.gram_mass[i] = t.gram_mass;
+            }
+            deferred.lower[i] = out.abs_terms[i];
+            deferred.exact[i] = true;
+        }
+        Ok(out)
+    }
+
+    /// Whether every statistic of example i is a figure.
+    pub fn is_exact(&self, i: usize) -> bool {
+        self.deferred.as_ref().is_none_or(|d| d.exact[i])
+    }
+
+    /// The examples whose statistics are bounds still.
+    pub fn inexact_examples(&self) -> Vec<usize> {
+        (0..self.abs_terms.len())
+            .filter(|&i| !self.is_exact(i))
+            .collect()
+    }
+
+    /// Example i's bound at both ends of its deferred statistics (equal where they are
+    /// figures); `None` where the arithmetic needs every figure (low-precision sites read each
+    /// site's own statistics, not only Σ|terms|).
+    pub fn bound_interval(
+        &self,
+        i: usize,
+        true_norm: f64,
+        arithmetic: &Arithmetic,
+    ) -> Option<(f64, f64)> {
+        if self.is_exact(i) {
+            let b = self.bound(i, true_norm, arithmetic);
+            return Some((b, b));
+        }
+        let lower = self.deferred.as_ref().map(|d| d.lower[i])?;
+        match arithmetic {
+            Arithmetic::Uniform(u) => {
+                let model = self.model_rounding_bound(i, true_norm);
+                let lo = self.relative(self.uniform_absolute_at(i, *u, lower), true_norm);
+                let hi = self.norm_bound(i, true_norm, *u);
+                Some((lo + model, hi + model))
+            }
+            Arithmetic::Stored(_) => None,
+        }
     }
 
     /// The tolerance with the model's own rounding added to every example's bound. `label`
@@ -712,67 +849,93 @@ impl SiteWidths {
 /// Σ_t of the size of each row's gradient outer product, per example: the scale a site's
 /// per-example gradient is summed at.
 fn site_scale(s: &Site, b: usize) -> Vec<f64> {
-    if let (Some(conv), SiteKind::Linear) = (&s.conv, s.spec.kind) {
-        return (0..b)
-            .into_par_iter()
-            .map(|i| conv_scale(conv, i, s.backprops.index_axis(ndarray::Axis(0), i)))
-            .collect();
-    }
-    (0..b)
-        .into_par_iter()
-        .map(|i| {
-            let rows = s.rows(i);
-            let bp = &rows.backprops;
-            (0..bp.nrows())
-                .map(|tt| {
-                    let u = bp.row(tt);
-                    match (s.spec.kind, &rows.activations) {
-                        (SiteKind::LayerNorm, Some(a)) => u
-                            .iter()
-                            .zip(a.row(tt).iter())
-                            .map(|(u, v)| (u * v) * (u * v))
-                            .sum::<f64>()
-                            .sqrt(),
-                        (SiteKind::Linear | SiteKind::Conv1d, Some(a)) => {
-                            row_norm(u) * row_norm(a.row(tt))
-                        }
-                        // Validated traces carry the activations their kind needs.
-                        (SiteKind::Embedding | SiteKind::Bias, _)
-                        | (SiteKind::LayerNorm | SiteKind::Linear | SiteKind::Conv1d, None) => {
-                            row_norm(u)
-                        }
-                    }
-                })
-                .sum()
-        })
-        .collect()
+    (0..b).into_par_iter().map(|i| row_sums(s, i).0).collect()
 }
 
-/// [`site_scale`] of example i of a convolution stored as its input, without unfolding it: a
+/// Example i's (Σ_t ‖l_t‖‖r_t‖, Σ_t ‖l_t‖²‖r_t‖²) over site `s`'s rows.
+fn row_sums(s: &Site, i: usize) -> (f64, f64) {
+    if let (Some(conv), SiteKind::Linear) = (&s.conv, s.spec.kind) {
+        return conv_row_sums(conv, i, s.backprops.index_axis(ndarray::Axis(0), i));
+    }
+    let rows = s.rows(i);
+    let bp = &rows.backprops;
+    (0..bp.nrows())
+        .map(|tt| {
+            let u = bp.row(tt);
+            // ‖l_t‖‖r_t‖ of row t.
+            match (s.spec.kind, &rows.activations) {
+                (SiteKind::LayerNorm, Some(a)) => u
+                    .iter()
+                    .zip(a.row(tt).iter())
+                    .map(|(u, v)| (u * v) * (u * v))
+                    .sum::<f64>()
+                    .sqrt(),
+                (SiteKind::Linear | SiteKind::Conv1d, Some(a)) => row_norm(u) * row_norm(a.row(tt)),
+                // Validated traces carry the activations their kind needs.
+                (SiteKind::Embedding | SiteKind::Bias, _)
+                | (SiteKind::LayerNorm | SiteKind::Linear | SiteKind::Conv1d, None) => row_norm(u),
+            }
+        })
+        .fold((0.0, 0.0), |(sum, sq), v| (sum + v, sq + v * v))
+}
+
+/// [`row_sums`] of example i of a convolution stored as its input, without unfolding it: a
 /// patch's squared norm is the sum of its taps' squared norms on the padded grid
 /// ([`ConvInput::padded_taps`]), and row p·g + j of the unfolded layout pairs group j's patch at
 /// p with the backprops of group j's channels (`bp`: the example's P × C_out backprops).
-fn conv_scale(conv: &ConvInput, i: usize, bp: ArrayView2<f64>) -> f64 {
+fn conv_row_sums(conv: &ConvInput, i: usize, bp: ArrayView2<f64>) -> (f64, f64) {
     let groups = conv.geometry.groups;
     let out_g = bp.ncols() / groups;
     let (origins, offsets) = conv.padded_taps();
-    let mut total = 0.0;
+    let (mut sum, mut sq) = (0.0, 0.0);
     for j in 0..groups {
         let grid = conv.padded_group(i, j);
         let tap_sq: Vec<f64> = grid.rows().into_iter().map(|r| r.dot(&r)).collect();
         for (p, &o) in origins.iter().enumerate() {
-            let patch = offsets.iter().map(|&k| tap_sq[o + k]).sum::<f64>().sqrt();
-            total += row_norm(bp.slice(s![p, j * out_g..(j + 1) * out_g])) * patch;
+            let patch_sq = offsets.iter().map(|&k| tap_sq[o + k]).sum::<f64>();
+            let bp_p = bp.slice(s![p, j * out_g..(j + 1) * out_g]);
+            let bp_sq = bp_p.dot(&bp_p);
+            sum += (bp_sq * patch_sq).sqrt();
+            sq += bp_sq * patch_sq;
         }
     }
-    total
+    (sum, sq)
 }
+
+/// A deferred site's own statistics for example i ([`Tolerance::from_trace_deferring`]), from
+/// its rows' norms and ‖G‖² (`own_sq`): the lower bound of Σ|terms| beside a TermSample whose
+/// `abs` is the upper bound and whose `diag` is exact; the statistics only a low-precision bound
+/// reads are NaN until [`Tolerance::refined`] takes them (a bound read from them is NaN, which
+/// judges nothing).
+fn deferred_magnitudes(s: &Site, i: usize, own_sq: f64) -> (f64, TermSample) {
+    let (scale, diag) = row_sums(s, i);
+    // Both bounds widened by 1e-12 of themselves: what f64 rounding of these short sums could
+    // move them by, so that the lower never exceeds the figure nor the upper falls below it.
+    let lower = diag.max(diag + (own_sq - diag).abs()) * (1.0 - 1e-12);
+    let upper = (scale * scale * (1.0 + 1e-12)).max(lower);
+    (
+        lower,
+        TermSample {
+            abs: upper,
+            diag,
+            signed: f64::NAN,
+            sq: f64::NAN,
+            gram_mass: f64::NAN,
+        },
+    )
+}
+
+/// One example's own statistics per site (with the lower end of Σ|terms|, the figure where
+/// nothing is deferred) and its cross terms' per tied pair.
+type ExampleSamples = (Vec<(f64, TermSample)>, Vec<TermSample>);
 
 /// Every example's terms: the sum of their magnitudes, the scale of a dot product with the
 /// per-example gradient, and the statistics of each site's own term and each tied pair's cross
 /// term.
 struct ExampleTerms {
     abs_terms: Vec<f64>,
+    /// Σ|terms| with each deferred site's lower bound (`abs_terms` where none is deferred).
+    lower: Vec<f64>,
     dot_scale: Vec<f64>,
     own: Vec<TermStats>,
     cross: Vec<PairStats>,
@@ -784,9 +947,11 @@ impl ExampleTerms {
         params: &[(String, Vec<usize>)],
         site_param: &[usize],
         route: Option<TermRoute>,
+        defer: &[Option<&[f64]>],
     ) -> Result<Self> {
         let b = trace.batch_size();
         let mut abs_terms = vec![0.0; b];
+        let mut lower = vec![0.0; b];
         let mut sqrt_d = vec![vec![0.0; b]; params.len()];
         let mut own = vec![TermStats::default(); trace.sites.len()];
         let mut cross: Vec<PairStats> = params
@@ -814,13 +979,19 @@ impl ExampleTerms {
         }
         // Each example's statistics are its own (the examples are independent), taken in
         // parallel and gathered in batch order.
-        let per_example: Vec<(Vec<TermSample>, Vec<TermSample>)> = (0..b)
+        let per_example: Vec<ExampleSamples> = (0..b)
             .into_par_iter()
             .map(|i| -> Result<_> {
                 let mut own_i = Vec::with_capacity(trace.sites.len());
                 let mut factored: Vec<Option<(Side, Side)>> = Vec::with_capacity(tied.len());
                 for (j, s) in trace.sites.iter().enumerate() {
-                    own_i.push(own_magnitudes(s, i, route)?);
+                    own_i.push(match defer[j] {
+                        Some(own_sq) => deferred_magnitudes(s, i, own_sq[i]),
+                        None => {
+                            let t = own_magnitudes(s, i, route)?;
+                            (t.abs, t)
+                        }
+                    });
                     factored.push(if tied[j] { Some(sides(s, i)?) } else { None });
                 }
                 let cross_i = cross
@@ -835,13 +1006,15 @@ impl ExampleTerms {
             })
             .collect::<Result<_>>()?;
         for (i, (own_i, cross_i)) in per_example.iter().enumerate() {
-            for (j, t) in own_i.iter().enumerate() {
+            for (j, (low, t)) in own_i.iter().enumerate() {
                 abs_terms[i] += t.abs;
+                lower[i] += low;
                 sqrt_d[site_param[j]][i] += t.diag.max(0.0).sqrt();
                 push(&mut own[j], t);
             }
             for (pair, t) in cross.iter_mut().zip(cross_i) {
                 abs_terms[i] += 2.0 * t.abs;
+                lower[i] += 2.0 * t.abs;
                 push(&mut pair.stats, t);
             }
         }
@@ -850,6 +1023,7 @@ impl ExampleTerms {
             .collect();
         Ok(ExampleTerms {
             abs_terms,
+            lower,
             dot_scale,
             own,
             cross,
@@ -862,8 +1036,13 @@ impl Tolerance {
     /// true norm n_i (docs/tolerances.md): dot-product and input rounding, the T² accumulation of
     /// the terms, and the reference's own f64 rounding.
     pub fn norm_bound(&self, i: usize, true_norm: f64, u: f64) -> f64 {
+        self.relative(self.uniform_absolute(i, u), true_norm)
+    }
+
+    /// ½·`absolute`/n², the relative bound on n from an absolute one on n².
+    fn relative(&self, absolute: f64, true_norm: f64) -> f64 {
         let n2 = true_norm * true_norm;
-        let absolute = 0.5 * self.uniform_absolute(i, u);
+        let absolute = 0.5 * absolute;
         // A zero gradient: with no terms at all there is no rounding (0); terms that cancel to
         // exactly zero allow any relative error.
         if n2 == 0.0 {
@@ -875,12 +1054,16 @@ impl Tolerance {
     /// The absolute error on n² of [`Tolerance::norm_bound`]: dot products, the T²
     /// accumulation and the reference's own f64 rounding.
     fn uniform_absolute(&self, i: usize, u: f64) -> f64 {
+        self.uniform_absolute_at(i, u, self.abs_terms[i])
+    }
+
+    /// [`Tolerance::uniform_absolute`] with Σ|terms| = `abs_terms`.
+    fn uniform_absolute_at(&self, i: usize, u: f64, abs_terms: f64) -> f64 {
         let t = self.seq_len as f64;
         let dots = LAMBDA * u * (INPUT_ROUNDING + self.sqrt_width) * self.dot_scale[i];
-        let accumulation = LAMBDA * u * t * self.abs_terms[i];
-        let reference = LAMBDA * f64::EPSILON / 2.0
-            * (t + self.largest_param as f64).sqrt()
-            * self.abs_terms[i];
+        let accumulation = LAMBDA * u * t * abs_terms;
+        let reference =
+            LAMBDA * f64::EPSILON / 2.0 * (t + self.largest_param as f64).sqrt() * abs_terms;
         dots + accumulation + reference
     }
 
