@@ -97,7 +97,7 @@ pub use gradient::{
     ExampleNorms, HeadPath, Reduction, SharedSplit, Workspace, MAX_TOGETHER,
 };
 pub use io::{write_f64_tensors, write_raw, RawTensor};
-pub use matmul::{product, product_into, Accumulate};
+pub use matmul::{gram, product, product_into, Accumulate};
 pub use precision::Precision;
 pub use reference::{compute, ExampleReport, Options, Progress, Reference};
 pub use rng::SplitMix64;

@@ -65,10 +65,69 @@ pub fn product(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) -> Array2<f64> {
     c
 }
 
+/// A·Aᵀ, symmetric: one triangle formed (faer's triangular product) and mirrored, half the
+/// multiply-adds of [`product`]. The judge's B×B Gram of the examples' gradients is this at
+/// B² · P/2: at B = 512 over a 2.7 M-parameter network, most of `check`'s time.
+pub fn gram(a: ArrayView2<'_, f64>) -> Array2<f64> {
+    let (m, k) = a.dim();
+    let mut c = Array2::<f64>::zeros((m, m));
+    let sa = a.strides();
+    let sc = [c.strides()[0], c.strides()[1]];
+    // SAFETY: as in `product_into`: each view covers exactly its ndarray's elements, and `c`
+    // is a fresh array that aliases neither.
+    let (fa, fat, fc) = unsafe {
+        (
+            faer::MatRef::from_raw_parts(a.as_ptr(), m, k, sa[0], sa[1]),
+            faer::MatRef::from_raw_parts(a.as_ptr(), k, m, sa[1], sa[0]),
+            faer::MatMut::from_raw_parts_mut(c.as_mut_ptr(), m, m, sc[0], sc[1]),
+        )
+    };
+    let par = if rayon::current_thread_index().is_some() {
+        faer::Par::Seq
+    } else {
+        faer::Par::rayon(0)
+    };
+    use faer::linalg::matmul::triangular::{matmul, BlockStructure};
+    matmul(
+        fc,
+        BlockStructure::TriangularLower,
+        faer::Accum::Replace,
+        fa,
+        BlockStructure::Rectangular,
+        fat,
+        BlockStructure::Rectangular,
+        1.0,
+        par,
+    );
+    for i in 0..m {
+        for j in i + 1..m {
+            c[(i, j)] = c[(j, i)];
+        }
+    }
+    c
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use ndarray::s;
+
+    #[test]
+    fn a_gram_from_one_triangle_is_the_whole_product() {
+        let a = Array2::from_shape_fn((37, 53), |(i, j)| ((i * 7 + j * 3) % 11) as f64 - 5.0);
+        let g = gram(a.view());
+        let want = naive(a.view(), a.t());
+        assert!(g
+            .iter()
+            .zip(want.iter())
+            .all(|(x, y)| (x - y).abs() <= 1e-9));
+        let strided = a.slice(s![..;2, 1..]);
+        let want = naive(strided, strided.t());
+        assert!(gram(strided)
+            .iter()
+            .zip(want.iter())
+            .all(|(x, y)| (x - y).abs() <= 1e-9));
+    }
 
     fn naive(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) -> Array2<f64> {
         Array2::from_shape_fn((a.nrows(), b.ncols()), |(i, j)| {
