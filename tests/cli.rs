@@ -17,8 +17,16 @@ pub fn golden(case: &str) -> PathBuf {
         .join(case)
 }
 
+/// A fresh directory for one call: the process id and a counter make it its own, since tests run
+/// in parallel threads of one process and two may ask for the same `name` (two tests once
+/// shared `privacy-ghost-`, and one's clean-up removed the other's report as it was written).
 pub fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ghost-oracle-test-{}-{name}", std::process::id()));
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!(
+        "ghost-oracle-test-{}-{call}-{name}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
