@@ -253,3 +253,41 @@ fn deferred_verdicts_are_the_exact_tolerances_on_claims_at_either_side_of_each_b
 fn sorted_index(v: &[f64], x: f64) -> usize {
     v.iter().position(|&y| y == x).expect("a value of v")
 }
+
+#[test]
+fn an_example_with_no_gradient_at_the_deferred_sites_is_judged_as_the_exact_tolerance_judges_it() {
+    // Example 0's output gradients are zero at every deferred site: both ends of its Σ|terms|
+    // there are 0, and still its low-precision figures must be taken, not read as NaN.
+    let mut t = trace(3);
+    for j in 0..3 {
+        t.sites[j]
+            .backprops
+            .index_axis_mut(ndarray::Axis(0), 0)
+            .fill(0.0);
+    }
+    let exact = Judge::from_trace(t.clone()).unwrap();
+    let deferred = Judge::from_trace_deferring(t, &|_, _, _| {}).unwrap();
+    let truth = exact.truth.norms.clone();
+    let c = ClipNorm::new(truth.iter().copied().fold(0.0, f64::max)).unwrap();
+    let claim = Claim {
+        coefficients: truth.iter().map(|n| (c.get() / n).min(1.0)).collect(),
+        norms: truth.clone(),
+        clipped_sum: None,
+        clipping: Default::default(),
+    };
+    let sigma = NoiseMultiplier::new(1.0).unwrap();
+    for precision in [Precision::F32, Precision::BF16] {
+        let want = exact.evaluate("c", &claim, c, sigma, precision).unwrap();
+        let got = deferred.evaluate("c", &claim, c, sigma, precision).unwrap();
+        assert_eq!(got.verdict, want.verdict, "{precision}");
+        assert_eq!(
+            got.unjudgeable_examples, want.unjudgeable_examples,
+            "{precision}"
+        );
+        assert!(
+            got.examples[0].bound.is_finite(),
+            "{precision}: {}",
+            got.examples[0].bound
+        );
+    }
+}
