@@ -241,12 +241,17 @@ impl ConvInput {
         result
     }
 
-    /// ∏(S_d + lo_d + hi_d): the positions of the zero-padded input grid.
-    pub fn padded_volume(&self) -> usize {
+    /// S_d + lo_d + hi_d per axis: the zero-padded input grid's sizes.
+    fn padded_size(&self) -> Vec<usize> {
         let geo = &self.geometry;
         (0..geo.axes())
             .map(|d| geo.input_size[d] + geo.padding[d].0 + geo.padding[d].1)
-            .product()
+            .collect()
+    }
+
+    /// ∏(S_d + lo_d + hi_d): the positions of the zero-padded input grid.
+    pub fn padded_volume(&self) -> usize {
+        self.padded_size().iter().product()
     }
 
     /// Example i's group j on the zero-padded grid: P̃ × C_in/g, row q the padded position q
@@ -258,9 +263,7 @@ impl ConvInput {
         let geo = &self.geometry;
         let n = geo.axes();
         let cin_g = self.channels() / geo.groups;
-        let padded: Vec<usize> = (0..n)
-            .map(|d| geo.input_size[d] + geo.padding[d].0 + geo.padding[d].1)
-            .collect();
+        let padded = self.padded_size();
         let mut grid = Array2::<f64>::zeros((self.padded_volume(), cin_g));
         let x = self.inputs.index_axis(Axis(0), i);
         let mut at = vec![0usize; n];
@@ -281,9 +284,7 @@ impl ConvInput {
         let geo = &self.geometry;
         let n = geo.axes();
         let out = geo.output_size().expect("a checked geometry");
-        let padded: Vec<usize> = (0..n)
-            .map(|d| geo.input_size[d] + geo.padding[d].0 + geo.padding[d].1)
-            .collect();
+        let padded = self.padded_size();
         let flat = |index: &[usize], scale: &[usize]| {
             (0..n).fold(0usize, |acc, d| acc * padded[d] + index[d] * scale[d])
         };

@@ -47,15 +47,7 @@ pub fn product_into(
         Accumulate::Replace => faer::Accum::Replace,
         Accumulate::Add => faer::Accum::Add,
     };
-    // Inside a parallel loop (a worker of rayon's pool) the loop already keeps every core busy:
-    // a product that spread itself again only adds barrier waits (a seventh of `check`'s time
-    // on a convolution network judged an example per task).
-    let par = if rayon::current_thread_index().is_some() {
-        faer::Par::Seq
-    } else {
-        faer::Par::rayon(0)
-    };
-    faer::linalg::matmul::matmul(fc, accum, fa, fb, alpha, par);
+    faer::linalg::matmul::matmul(fc, accum, fa, fb, alpha, parallelism());
 }
 
 /// a·b as a new array.
@@ -63,6 +55,17 @@ pub fn product(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) -> Array2<f64> {
     let mut c = Array2::zeros((a.nrows(), b.ncols()));
     product_into(1.0, a, b, Accumulate::Replace, c.view_mut());
     c
+}
+
+/// How a product spreads over the cores: inside a parallel loop (a worker of rayon's pool) the
+/// loop already keeps every core busy, and a product that spread itself again only adds barrier
+/// waits (a seventh of `check`'s time on a convolution network judged an example per task).
+fn parallelism() -> faer::Par {
+    if rayon::current_thread_index().is_some() {
+        faer::Par::Seq
+    } else {
+        faer::Par::rayon(0)
+    }
 }
 
 /// A·Aᵀ, symmetric: one triangle formed (faer's triangular product) and mirrored, half the
@@ -82,11 +85,6 @@ pub fn gram(a: ArrayView2<'_, f64>) -> Array2<f64> {
             faer::MatMut::from_raw_parts_mut(c.as_mut_ptr(), m, m, sc[0], sc[1]),
         )
     };
-    let par = if rayon::current_thread_index().is_some() {
-        faer::Par::Seq
-    } else {
-        faer::Par::rayon(0)
-    };
     use faer::linalg::matmul::triangular::{matmul, BlockStructure};
     matmul(
         fc,
@@ -97,7 +95,7 @@ pub fn gram(a: ArrayView2<'_, f64>) -> Array2<f64> {
         fat,
         BlockStructure::Rectangular,
         1.0,
-        par,
+        parallelism(),
     );
     for i in 0..m {
         for j in i + 1..m {

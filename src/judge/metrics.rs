@@ -385,8 +385,6 @@ fn example_metrics(
     }
 }
 
-/// The case's verdict from its examples, the most severe first, and the example that decided
-/// it.
 /// A violation is one the truth's own uncertainty cannot explain: beyond the bound, and above C
 /// even at the low end of the truth, which the model's measured rounding leaves known only to
 /// within that share of it. Where that share reaches the norm itself the truth says nothing of
@@ -411,6 +409,8 @@ fn findings(e: &ExampleMetrics) -> (bool, bool, bool, bool) {
     (e.invalid, e.judgeable, violates_privacy(e), is_off(e))
 }
 
+/// The case's verdict from its examples, the most severe first, and the example that decided
+/// it.
 fn case_verdict(
     examples: &[ExampleMetrics],
     invalid_examples: &[usize],
@@ -420,8 +420,7 @@ fn case_verdict(
     // Off beyond its bound, on an example whose bound can judge it: a definite finding, which
     // another example's bound being too loose to judge does not make any less so (a claim
     // 1e-3 high on two examples is wrong beside a third whose norm is rounding noise).
-    let off = is_off;
-    let judged_off = |i: usize| off(&examples[i]) && !unjudgeable_examples.contains(&i);
+    let judged_off = |i: usize| is_off(&examples[i]) && !unjudgeable_examples.contains(&i);
     let verdict = if !invalid_examples.is_empty() {
         Verdict::InvalidNorm
     } else if privacy {

@@ -93,7 +93,7 @@ impl Judge {
             .factors
             .as_ref()
             .ok_or_else(|| Error::internal("a truth from a trace keeps its factors"))?;
-        let mut own_sq = vec![None; factors.sites.len()];
+        let mut own_sq: Vec<Option<&[f64]>> = vec![None; factors.sites.len()];
         for ((param, js), (name, sq)) in factors.params().iter().zip(&truth.param_sq) {
             if param != name {
                 return Err(Error::internal(format!(
@@ -101,7 +101,7 @@ impl Judge {
                 )));
             }
             if let [j] = js.as_slice() {
-                own_sq[*j] = Some(sq.clone());
+                own_sq[*j] = Some(sq);
             }
         }
         let tolerance = Tolerance::from_trace_deferring(factors, &own_sq)?;

@@ -611,7 +611,7 @@ impl Tolerance {
     /// D + |‖G‖² − D| ≤ Σ|terms| ≤ (Σ_t ‖l_t‖‖r_t‖)², D = Σ_t ‖l_t‖²‖r_t‖², the diagonal's
     /// terms (all ≥ 0). [`Tolerance::refined`] takes the figures of the examples whose verdict
     /// the two ends do not settle.
-    pub fn from_trace_deferring(trace: &RefTrace, own_sq: &[Option<Vec<f64>>]) -> Result<Self> {
+    pub fn from_trace_deferring(trace: &RefTrace, own_sq: &[Option<&[f64]>]) -> Result<Self> {
         let defer: Vec<Option<&[f64]>> = trace
             .sites
             .iter()
@@ -622,10 +622,7 @@ impl Tolerance {
                         site.spec.kind,
                         SiteKind::Linear | SiteKind::Conv1d | SiteKind::Bias | SiteKind::LayerNorm
                     );
-                own_sq
-                    .get(j)
-                    .and_then(Option::as_deref)
-                    .filter(|_| eligible)
+                own_sq.get(j).copied().flatten().filter(|_| eligible)
             })
             .collect();
         Self::build(trace, None, &defer)
@@ -657,8 +654,18 @@ impl Tolerance {
             site_entries.push(w.param_rows * w.out);
             widest_factor = widest_factor.max(w.widest_factor);
         }
-        let site_scale = trace.sites.iter().map(|s| site_scale(s, b)).collect();
-        let terms = ExampleTerms::of(trace, &params, &site_param, route, defer)?;
+        // Each site's (Σ_t ‖l_t‖‖r_t‖, Σ_t ‖l_t‖²‖r_t‖²) per example: the first is the clipped
+        // sum's scale, and both are a deferred site's bounds.
+        let sums: Vec<Vec<(f64, f64)>> = trace
+            .sites
+            .iter()
+            .map(|s| (0..b).into_par_iter().map(|i| row_sums(s, i)).collect())
+            .collect();
+        let site_scale = sums
+            .iter()
+            .map(|s| s.iter().map(|&(scale, _)| scale).collect())
+            .collect();
+        let terms = ExampleTerms::of(trace, &params, &site_param, route, defer, &sums)?;
         let sites: Vec<usize> = (0..defer.len()).filter(|&j| defer[j].is_some()).collect();
         // Every example has its statistics at each deferred site left as bounds, even where the
         // two ends meet (an example with no gradient there): the figures a low-precision bound
@@ -844,13 +851,9 @@ impl SiteWidths {
     }
 }
 
-/// Σ_t of the size of each row's gradient outer product, per example: the scale a site's
-/// per-example gradient is summed at.
-fn site_scale(s: &Site, b: usize) -> Vec<f64> {
-    (0..b).into_par_iter().map(|i| row_sums(s, i).0).collect()
-}
-
-/// Example i's (Σ_t ‖l_t‖‖r_t‖, Σ_t ‖l_t‖²‖r_t‖²) over site `s`'s rows.
+/// Example i's (Σ_t ‖l_t‖‖r_t‖, Σ_t ‖l_t‖²‖r_t‖²) over site `s`'s rows: the first, the size of
+/// each row's gradient outer product summed, is the scale the site's per-example gradient is
+/// summed at.
 fn row_sums(s: &Site, i: usize) -> (f64, f64) {
     if let (Some(conv), SiteKind::Linear) = (&s.conv, s.spec.kind) {
         return conv_row_sums(conv, i, s.backprops.index_axis(ndarray::Axis(0), i));
@@ -900,13 +903,12 @@ fn conv_row_sums(conv: &ConvInput, i: usize, bp: ArrayView2<f64>) -> (f64, f64) 
     (sum, sq)
 }
 
-/// A deferred site's own statistics for example i ([`Tolerance::from_trace_deferring`]), from
-/// its rows' norms and ‖G‖² (`own_sq`): the lower bound of Σ|terms| beside a TermSample whose
+/// A deferred site's own statistics for one example ([`Tolerance::from_trace_deferring`]), from
+/// its [`row_sums`] and ‖G‖² (`own_sq`): the lower bound of Σ|terms| beside a TermSample whose
 /// `abs` is the upper bound and whose `diag` is exact; the statistics only a low-precision bound
 /// reads are NaN until [`Tolerance::refined`] takes them (a bound read from them is NaN, which
 /// judges nothing).
-fn deferred_magnitudes(s: &Site, i: usize, own_sq: f64) -> (f64, TermSample) {
-    let (scale, diag) = row_sums(s, i);
+fn deferred_magnitudes((scale, diag): (f64, f64), own_sq: f64) -> (f64, TermSample) {
     // Both bounds widened by 1e-12 of themselves: what f64 rounding of these short sums could
     // move them by, so that the lower never exceeds the figure nor the upper falls below it.
     let lower = diag.max(diag + (own_sq - diag).abs()) * (1.0 - 1e-12);
@@ -946,6 +948,7 @@ impl ExampleTerms {
         site_param: &[usize],
         route: Option<TermRoute>,
         defer: &[Option<&[f64]>],
+        sums: &[Vec<(f64, f64)>],
     ) -> Result<Self> {
         let b = trace.batch_size();
         let mut abs_terms = vec![0.0; b];
@@ -984,7 +987,7 @@ impl ExampleTerms {
                 let mut factored: Vec<Option<(Side, Side)>> = Vec::with_capacity(tied.len());
                 for (j, s) in trace.sites.iter().enumerate() {
                     own_i.push(match defer[j] {
-                        Some(own_sq) => deferred_magnitudes(s, i, own_sq[i]),
+                        Some(own_sq) => deferred_magnitudes(sums[j][i], own_sq[i]),
                         None => {
                             let t = own_magnitudes(s, i, route)?;
                             (t.abs, t)
@@ -1442,7 +1445,8 @@ mod tests {
                 }
             }
         }
-        // The clipped sum's scale, from the grid too, equals the unfolded twin's.
+        // The rows' norms (the clipped sum's scale and a deferred site's bounds), from the grid
+        // too, equal the unfolded twin's.
         for (n, (geometry, c_in, c_out)) in cases.into_iter().enumerate() {
             let site = conv_site(geometry, c_in, c_out, n as u64);
             let rows: Vec<_> = (0..2).map(|i| site.rows(i)).collect();
@@ -1456,8 +1460,11 @@ mod tests {
                 conv: None,
                 ..site.clone()
             };
-            for (a, b) in site_scale(&site, 2).iter().zip(site_scale(&twin, 2)) {
-                assert!((a - b).abs() <= 1e-12 * b, "case {n}: scale {a} vs {b}");
+            for i in 0..2 {
+                let (got, want) = (row_sums(&site, i), row_sums(&twin, i));
+                for (a, b) in [(got.0, want.0), (got.1, want.1)] {
+                    assert!((a - b).abs() <= 1e-12 * b, "case {n}: row sums {a} vs {b}");
+                }
             }
         }
         // The judge takes the grid where it is cheaper: a 3×3 stride-1 layer at 32×32, not a

@@ -528,14 +528,9 @@ fn add_written(
         }
         for &(x, y) in parts.pairs {
             let (gx, gy) = (&grads[slot(x)], &grads[slot(y)]);
-            // v[(i, k)] = ⟨G_{x,i}, G_{y,k}⟩, added to both (i, k) and (k, i) as `add_cross`
-            // does; its diagonal, twice, is each example's cross-site part.
-            let v = product(gx.view(), gy.t()) * bump;
-            *gram += &v;
-            *gram += &v.t();
-            for (c, d) in cross.iter_mut().zip(v.diag()) {
-                *c += 2.0 * d;
-            }
+            // v[(i, k)] = ⟨G_{x,i}, G_{y,k}⟩.
+            let v = product(gx.view(), gy.t());
+            add_cross(gram, cross, b, |i, k| bump * v[(i, k)]);
         }
     }
     Ok(())
