@@ -106,10 +106,7 @@ pub(crate) fn to_f64(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD
     let (dtype, bytes) = (view.dtype(), view.data());
     let width = float_width(dtype, name, label)?;
     let mut values = vec![0.0; bytes.len() / width];
-    sweep::fill_chunks(&mut values, |start, chunk| {
-        let from = start * width;
-        widen_le_into(dtype, &bytes[from..from + chunk.len() * width], chunk)
-    });
+    widen_le_in_chunks(dtype, bytes, &mut values);
     check_finite(&values, 0, name, label)?;
     ArrayD::from_shape_vec(IxDyn(view.shape()), values)
         .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
@@ -310,6 +307,16 @@ fn non_finite(index: usize, value: f64, name: &str, label: &str) -> Error {
     ))
 }
 
+/// [`widen_le_into`] over `out` a chunk per task ([`sweep::fill_chunks`]): the whole of a large
+/// tensor read from a file or a mapping.
+fn widen_le_in_chunks(dtype: Dtype, bytes: &[u8], out: &mut [f64]) {
+    let width = dtype.bitsize() / 8;
+    sweep::fill_chunks(out, |start, chunk| {
+        let from = start * width;
+        widen_le_into(dtype, &bytes[from..from + chunk.len() * width], chunk)
+    })
+}
+
 /// Little-endian values of a float `dtype` widened to f64 (exactly) into `out`, as many as
 /// both hold. `dtype` has passed [`float_width`].
 pub(crate) fn widen_le_into(dtype: Dtype, bytes: &[u8], out: &mut [f64]) {
@@ -378,11 +385,7 @@ impl StoredTensor {
         match self {
             StoredTensor::Decoded(v) => v.widen_into(out),
             StoredTensor::Mapped { map, dtype, range } => {
-                let (bytes, width) = (&map[range.clone()], dtype.bitsize() / 8);
-                sweep::fill_chunks(out, |start, chunk| {
-                    let from = start * width;
-                    widen_le_into(*dtype, &bytes[from..from + chunk.len() * width], chunk)
-                })
+                widen_le_in_chunks(*dtype, &map[range.clone()], out)
             }
         }
     }
