@@ -2,7 +2,7 @@
 //! the sites and the parameter manifest, read and checked before any tensor is (the step's keys
 //! are read with the step, in [`super::step`]); and the same header written back.
 
-use super::{MAX_PARAM_ENTRIES, MAX_VOCAB, TRACE_FORMAT, TRACE_FORMAT_CONV};
+use super::{MAX_PARAM_ENTRIES, MAX_VOCAB, TRACE_FORMAT, TRACE_FORMAT_CONV, TRACE_FORMAT_SHARED};
 use crate::conv::MAX_CONV_ENTRY;
 use crate::error::{bail, Error, Result};
 use crate::precision::Precision;
@@ -23,6 +23,9 @@ pub(super) struct Header {
     pub specs: Vec<SiteSpec>,
     /// Per site, its `conv` entry: a convolution stored as its input (format /2 only).
     pub site_convs: Vec<Option<ConvEntry>>,
+    /// Per site, the site whose backprops tensor it reads as its own (its `backprops_of`
+    /// entry, format /3 only): never itself, never a site that carries one.
+    pub site_backprops_of: Vec<Option<String>>,
     /// The `parameters` manifest, when the exporter wrote one.
     pub manifest: Option<BTreeMap<String, usize>>,
 }
@@ -30,8 +33,8 @@ pub(super) struct Header {
 /// Reads and checks `__metadata__` (the step's keys are [`super::step`]'s).
 pub(super) fn read_header(meta: &HashMap<String, String>, label: &str) -> Result<Header> {
     let format = meta_str(meta, "format", label)?;
-    if format != TRACE_FORMAT && format != TRACE_FORMAT_CONV {
-        bail!("{label}: `__metadata__.format` is {format:?}; this version reads {TRACE_FORMAT:?} and {TRACE_FORMAT_CONV:?}");
+    if ![TRACE_FORMAT, TRACE_FORMAT_CONV, TRACE_FORMAT_SHARED].contains(&format) {
+        bail!("{label}: `__metadata__.format` is {format:?}; this version reads {TRACE_FORMAT:?}, {TRACE_FORMAT_CONV:?} and {TRACE_FORMAT_SHARED:?}");
     }
     let max_grad_norm = positive(
         meta_str(meta, "max_grad_norm", label)?,
@@ -48,17 +51,27 @@ pub(super) fn read_header(meta: &HashMap<String, String>, label: &str) -> Result
     let mut specs = Vec::new();
     let mut site_compute_dtypes = Vec::new();
     let mut site_convs = Vec::new();
-    for (spec, compute, conv) in parse_specs(meta_str(meta, "sites", label)?, label)? {
-        if conv.is_some() && format != TRACE_FORMAT_CONV {
+    let mut site_backprops_of = Vec::new();
+    for (spec, compute, conv, backprops_of) in parse_specs(meta_str(meta, "sites", label)?, label)?
+    {
+        if conv.is_some() && format == TRACE_FORMAT {
             bail!(
-                "{label}: site `{}` carries `conv` (a convolution stored as its input), which only format {TRACE_FORMAT_CONV:?} has; `__metadata__.format` is {format:?}",
+                "{label}: site `{}` carries `conv` (a convolution stored as its input), which only formats {TRACE_FORMAT_CONV:?} and {TRACE_FORMAT_SHARED:?} have; `__metadata__.format` is {format:?}",
+                spec.name
+            );
+        }
+        if backprops_of.is_some() && format != TRACE_FORMAT_SHARED {
+            bail!(
+                "{label}: site `{}` carries `backprops_of` (its backprops another site's tensor), which only format {TRACE_FORMAT_SHARED:?} has; `__metadata__.format` is {format:?}",
                 spec.name
             );
         }
         specs.push(spec);
         site_compute_dtypes.push(compute);
         site_convs.push(conv);
+        site_backprops_of.push(backprops_of);
     }
+    check_backprops_of(&specs, &site_backprops_of, label)?;
     let compute_dtype = meta
         .get("compute_dtype")
         .map(|s| parse_compute_dtype(s, label))
@@ -75,8 +88,33 @@ pub(super) fn read_header(meta: &HashMap<String, String>, label: &str) -> Result
         site_compute_dtypes,
         specs,
         site_convs,
+        site_backprops_of,
         manifest,
     })
+}
+
+/// Every `backprops_of` names another site of the header that reads its own backprops tensor:
+/// one step from a site to the tensor it reads, so no chain or cycle is ever followed.
+fn check_backprops_of(specs: &[SiteSpec], of: &[Option<String>], label: &str) -> Result<()> {
+    let index: HashMap<&str, usize> = specs
+        .iter()
+        .enumerate()
+        .map(|(j, s)| (s.name.as_str(), j))
+        .collect();
+    for (spec, other) in specs.iter().zip(of) {
+        let Some(other) = other else { continue };
+        let n = &spec.name;
+        if other == n {
+            bail!("{label}: site `{n}`: `backprops_of` names the site itself; a site whose backprops are its own writes `{n}.backprops` and no `backprops_of`");
+        }
+        let Some(&k) = index.get(other.as_str()) else {
+            bail!("{label}: site `{n}`: `backprops_of` names site `{other}`, which `__metadata__.sites` does not list");
+        };
+        if let Some(further) = &of[k] {
+            bail!("{label}: site `{n}`: `backprops_of` names site `{other}`, which itself carries `backprops_of` (`{further}`); a site reads the backprops of a site that holds its own, never through another");
+        }
+    }
+    Ok(())
 }
 
 /// A site's `conv` entry: the convolution's geometry, its input's spatial sizes still to come
@@ -243,8 +281,14 @@ pub(super) fn positive(s: &str, key: &str, label: &str) -> Result<f64> {
     }
 }
 
-/// A site of `__metadata__.sites`: its spec, its own `compute_dtype` and its `conv` entry.
-type SpecEntry = (SiteSpec, Option<Precision>, Option<ConvEntry>);
+/// A site of `__metadata__.sites`: its spec, its own `compute_dtype`, its `conv` entry and its
+/// `backprops_of`.
+type SpecEntry = (
+    SiteSpec,
+    Option<Precision>,
+    Option<ConvEntry>,
+    Option<String>,
+);
 
 fn parse_specs(text: &str, label: &str) -> Result<Vec<SpecEntry>> {
     let v: Value = serde_json::from_str(text).map_err(|e| {
@@ -303,7 +347,12 @@ fn parse_specs(text: &str, label: &str) -> Result<Vec<SpecEntry>> {
                     Some(parse_conv(x, &name, label)?)
                 }
             };
-            Ok((SiteSpec { name, param, kind, vocab }, compute, conv))
+            let backprops_of = match s.get("backprops_of") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(other)) => Some(other.clone()),
+                Some(x) => bail!("{label}: site `{name}`: `backprops_of` must be the name of another site, found {x}"),
+            };
+            Ok((SiteSpec { name, param, kind, vocab }, compute, conv, backprops_of))
         })
         .collect()
 }

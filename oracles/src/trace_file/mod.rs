@@ -26,7 +26,8 @@ use header::{read_header, ConvEntry};
 use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3};
 use rounding::{read_model_rounding, write_model_rounding};
 use safetensors::SafeTensors;
-use std::collections::{BTreeMap, HashSet};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 use std::path::Path;
 use step::read_step;
@@ -35,6 +36,10 @@ pub(crate) const TRACE_FORMAT: &str = "ghost-oracle-trace/1";
 /// The format of a trace with at least one convolution stored as its input (a site's `conv`
 /// entry and `<name>.inputs` tensor); a trace without one is written as [`TRACE_FORMAT`].
 pub(crate) const TRACE_FORMAT_CONV: &str = "ghost-oracle-trace/2";
+/// The format of a trace where some site reads another site's backprops tensor as its own (a
+/// site's `backprops_of` entry: a bias and its weight share their output's gradient, written
+/// once); it may also hold convolutions stored as their input.
+pub(crate) const TRACE_FORMAT_SHARED: &str = "ghost-oracle-trace/3";
 
 /// Embedding tables larger than this (rows) are refused: no tokenizer comes near 16.7 M tokens
 /// (Gemma's is 262 144), and a `vocab` is a count of rows a judge streams through.
@@ -221,7 +226,13 @@ fn read_trace_parts(
     let mut expected: HashSet<String> = HashSet::new();
     let (sites, site_dtypes) = read_sites(
         &st,
-        header.specs.into_iter().zip(header.site_convs).collect(),
+        header
+            .specs
+            .into_iter()
+            .zip(header.site_convs)
+            .zip(header.site_backprops_of)
+            .map(|((spec, conv), of)| (spec, conv, of))
+            .collect(),
         header.manifest.as_ref(),
         label,
         &mut expected,
@@ -269,6 +280,10 @@ fn read_trace_parts(
 /// One site's tensors as the file holds them, before their shapes are checked.
 struct SiteTensors {
     spec: SiteSpec,
+    /// The tensor the site reads as its backprops: `<name>.backprops`, or, where the site carries
+    /// `backprops_of`, that site's.
+    backprops_tensor: String,
+    backprops_of: Option<String>,
     backprops: Vec<usize>,
     activations: Option<Vec<usize>>,
     ids: Option<ArrayD<i64>>,
@@ -297,16 +312,19 @@ impl SiteTensors {
     }
 }
 
+/// A site of the header: its spec, its `conv` entry and its `backprops_of`.
+type SiteEntry = (SiteSpec, Option<ConvEntry>, Option<String>);
+
 /// Every site's tensors as the file holds them: the float factors' shapes only, the ids read.
 fn site_tensors(
     st: &SafeTensors,
-    specs: Vec<(SiteSpec, Option<ConvEntry>)>,
+    specs: Vec<SiteEntry>,
     label: &str,
     expected: &mut HashSet<String>,
     done: Done,
 ) -> Result<Vec<SiteTensors>> {
     let mut found = Vec::with_capacity(specs.len());
-    for (spec, conv) in specs {
+    for (spec, conv, backprops_of) in specs {
         let n = spec.name.clone();
         let dims = |what: &str, expected: &mut HashSet<String>| -> Option<Vec<usize>> {
             let tname = format!("{n}.{what}");
@@ -314,11 +332,17 @@ fn site_tensors(
             expected.insert(tname);
             Some(view.shape().to_vec())
         };
-        let Some(backprops) = dims("backprops", expected) else {
-            bail!(
-                "{label}: site `{n}` ({}): tensor `{n}.backprops` is missing",
-                spec.kind.name()
-            );
+        let (backprops_tensor, backprops) = match &backprops_of {
+            None => {
+                let Some(backprops) = dims("backprops", expected) else {
+                    bail!(
+                        "{label}: site `{n}` ({}): tensor `{n}.backprops` is missing",
+                        spec.kind.name()
+                    );
+                };
+                (format!("{n}.backprops"), backprops)
+            }
+            Some(other) => shared_backprops(st, &n, other, label, expected)?,
         };
         let conv = match conv {
             Some(entry) => Some(conv_tensor(st, &n, entry, label, expected)?),
@@ -340,6 +364,8 @@ fn site_tensors(
         };
         found.push(SiteTensors {
             spec,
+            backprops_tensor,
+            backprops_of,
             backprops,
             activations,
             ids,
@@ -347,6 +373,29 @@ fn site_tensors(
         });
     }
     Ok(found)
+}
+
+/// The backprops tensor of site `n`, which carries `backprops_of: other` (checked in the header
+/// to name another site that holds its own): `<other>.backprops`, its name and dimensions; a
+/// `<n>.backprops` beside it is refused. Its shape is held to what site `n` needs with every
+/// other site's, in `validate_shapes`.
+fn shared_backprops(
+    st: &SafeTensors,
+    n: &str,
+    other: &str,
+    label: &str,
+    expected: &mut HashSet<String>,
+) -> Result<(String, Vec<usize>)> {
+    if has(st, &format!("{n}.backprops")) {
+        bail!("{label}: site `{n}`: tensor `{n}.backprops` is given but the site carries `backprops_of` (its backprops are site `{other}`'s tensor `{other}.backprops`); a site holds one or the other");
+    }
+    let tname = format!("{other}.backprops");
+    let Ok(view) = st.tensor(&tname) else {
+        bail!("{label}: site `{n}` reads the backprops of site `{other}` (`backprops_of`), but tensor `{tname}` is missing");
+    };
+    expected.insert(tname.clone());
+    let dims = view.shape().to_vec();
+    Ok((tname, dims))
 }
 
 /// A conv-input site's `<n>.inputs` (B × C_in × S_1 × … × S_n) and its geometry, from the
@@ -468,7 +517,7 @@ fn check_sizes(
 /// judging it holds against the budget. Returns the sites and the coarsest format each is stored in.
 fn read_sites(
     st: &SafeTensors,
-    specs: Vec<(SiteSpec, Option<ConvEntry>)>,
+    specs: Vec<SiteEntry>,
     manifest: Option<&BTreeMap<String, usize>>,
     label: &str,
     expected: &mut HashSet<String>,
@@ -477,8 +526,27 @@ fn read_sites(
 ) -> Result<(Vec<Site>, Vec<Precision>)> {
     let found = site_tensors(st, specs, label, expected, done)?;
     let shapes: Vec<SiteShape> = found.iter().map(SiteTensors::shape).collect();
-    validate_shapes(&shapes).map_err(|e| Error::new(format!("{label}: {e}")))?;
+    validate_shapes(&shapes)
+        .map_err(|e| Error::new(format!("{label}: {}", shared_note(e, &found))))?;
     check_sizes(&shapes, manifest, label, tally)?;
+    // A tensor that several sites read (`backprops_of`) is widened into each of them (the budget
+    // counts each copy) and its bytes handed back after the last one.
+    let mut readers: HashMap<String, usize> = HashMap::new();
+    for f in &found {
+        *readers.entry(f.backprops_tensor.clone()).or_default() += 1;
+    }
+    let readers = RefCell::new(readers);
+    let release = done;
+    let after_last_reader = |name: &str| -> Result<()> {
+        match readers.borrow_mut().get_mut(name) {
+            Some(left) if *left > 1 => {
+                *left -= 1;
+                Ok(())
+            }
+            _ => release(name),
+        }
+    };
+    let done: Done = &after_last_reader;
     let mut sites = Vec::with_capacity(found.len());
     let mut dtypes = Vec::with_capacity(found.len());
     for f in found {
@@ -486,7 +554,10 @@ fn read_sites(
         let mut dtype = None;
         // Checked 3-D above; `tensors::to_f64` refuses every dtype that is not a float format.
         let mut factor = |what: &str, dims: Option<[usize; 3]>| -> Result<Array3<f64>> {
-            let tname = format!("{n}.{what}");
+            let tname = match what {
+                "backprops" => f.backprops_tensor.clone(),
+                _ => format!("{n}.{what}"),
+            };
             let a = tensors::to_f64(st, &tname, label)?;
             // Its bytes are read: a mapped file's pages go back as each factor is widened, so
             // the file and the widened factors are never resident together.
@@ -526,6 +597,21 @@ fn read_sites(
         });
     }
     Ok((sites, dtypes))
+}
+
+/// A shape error as `validate_shapes` words it, which names a site's backprops `<name>.backprops`,
+/// with the tensor a `backprops_of` site really reads added.
+fn shared_note(e: Error, found: &[SiteTensors]) -> String {
+    let mut message = e.to_string();
+    for f in found {
+        if let Some(other) = &f.backprops_of {
+            let n = &f.spec.name;
+            if message.contains(&format!("`{n}.backprops`")) {
+                message.push_str(&format!(" (site `{n}` carries `backprops_of`: its backprops are tensor `{other}.backprops`)"));
+            }
+        }
+    }
+    message
 }
 
 /// The clipper's claims: one norm (and optionally one coefficient) per example of a batch of
