@@ -16,7 +16,8 @@
 //! x̃ the input zero-padded by (lo_d, hi_d) on each spatial axis.
 
 use crate::error::{bail, Result};
-use ndarray::{Array2, Array3, ArrayView2, Axis, CowArray, Ix2};
+use crate::trace::Factors;
+use ndarray::{Array2, Array3, CowArray, Ix2};
 
 /// The largest kernel size, stride, dilation, padding, spatial size or group count a trace may
 /// give: far beyond any convolution, and small enough that the products below cannot overflow
@@ -161,16 +162,17 @@ fn advance(index: &mut [usize], sizes: &[usize]) {
 }
 
 /// A convolution weight site's input, every value once: B × C_in × ∏S, the spatial axes
-/// flattened row-major, with the geometry that unfolds it.
+/// flattened row-major, with the geometry that unfolds it; held as its site's other factors are
+/// ([`Factors`]), and read an example (or a group's channels of one) at a time.
 #[derive(Clone, Debug)]
-pub struct ConvInput {
+pub struct ConvInput<F = Array3<f64>> {
     /// Kernel, stride, dilation, zero padding, groups and the input's spatial sizes.
     pub geometry: ConvGeometry,
     /// B × C_in × ∏S_d.
-    pub inputs: Array3<f64>,
+    pub inputs: F,
 }
 
-impl ConvInput {
+impl<F: Factors> ConvInput<F> {
     /// C_in.
     pub fn channels(&self) -> usize {
         self.inputs.dim().1
@@ -203,7 +205,7 @@ impl ConvInput {
             strides[d] = strides[d + 1] * geo.input_size[d + 1];
         }
         let width = cin_g * k;
-        let x = self.inputs.index_axis(Axis(0), i);
+        let x = self.inputs.example(i);
         let x = x.as_standard_layout();
         let x = x.as_slice().expect("standard layout");
         let spatial = geo.input_volume();
@@ -265,12 +267,13 @@ impl ConvInput {
         let cin_g = self.channels() / geo.groups;
         let padded = self.padded_size();
         let mut grid = Array2::<f64>::zeros((self.padded_volume(), cin_g));
-        let x = self.inputs.index_axis(Axis(0), i);
+        // Only group j's channels, widened: a depthwise convolution reads each once.
+        let x = self.inputs.example_rows(i, j * cin_g..(j + 1) * cin_g);
         let mut at = vec![0usize; n];
         for flat in 0..geo.input_volume() {
             let q = (0..n).fold(0usize, |acc, d| acc * padded[d] + at[d] + geo.padding[d].0);
             for c in 0..cin_g {
-                grid[(q, c)] = x[(j * cin_g + c, flat)];
+                grid[(q, c)] = x[(c, flat)];
             }
             advance(&mut at, &geo.input_size);
         }
@@ -304,11 +307,11 @@ impl ConvInput {
     }
 
     /// One example's backprops (P × C_out) in the unfolded layout: (P·g) × C_out, row p·g + j
-    /// position p's gradient with every channel outside group j zeroed. Borrowed for g = 1.
-    pub fn spread_backprops<'a>(&self, bp: ArrayView2<'a, f64>) -> CowArray<'a, f64, Ix2> {
+    /// position p's gradient with every channel outside group j zeroed. Passed through for g = 1.
+    pub fn spread_backprops<'a>(&self, bp: CowArray<'a, f64, Ix2>) -> CowArray<'a, f64, Ix2> {
         let g = self.geometry.groups;
         if g == 1 {
-            return bp.into();
+            return bp;
         }
         let (p_total, c_out) = bp.dim();
         let cout_g = c_out / g;
@@ -399,7 +402,7 @@ mod tests {
             inputs: Array3::zeros((1, 2, 2)),
         };
         let bp = ndarray::array![[1.0, 2.0], [3.0, 4.0]];
-        let spread = c.spread_backprops(bp.view());
+        let spread = c.spread_backprops(bp.view().into());
         assert_eq!(
             spread.to_owned(),
             ndarray::array![[1.0, 0.0], [0.0, 2.0], [3.0, 0.0], [0.0, 4.0]]

@@ -105,9 +105,10 @@ pub use safetensors::Dtype;
 pub use site::{SiteKind, SiteSpec};
 pub use stored::StoredBlocks;
 pub use tensors::Floats;
-pub use trace::{Site, SiteRows, TiedParameter, Trace};
+pub use trace::{Factors, Site, SiteRows, StoredFactors, StoredTrace, TiedParameter, Trace};
 pub use trace_file::{
-    read_trace, read_trace_bytes, read_trace_bytes_within, read_trace_within, write_trace,
-    MemoryBudget, ModelRounding, ParamValues, StepClaim, TraceMeta, GRADIENT_BLOCK_BYTES,
+    read_stored_trace_bytes_within, read_stored_trace_within, read_trace, read_trace_bytes,
+    read_trace_bytes_within, read_trace_within, write_trace, MemoryBudget, ModelRounding,
+    ParamValues, StepClaim, TraceMeta, GRADIENT_BLOCK_BYTES,
 };
 pub use trace_shape::{validate_shapes, ConvShape, IdAt, SiteShape};

@@ -8,9 +8,120 @@ use crate::matmul::{product_into, Accumulate};
 use crate::precision::Precision;
 use crate::site::{SiteKind, SiteSpec};
 use crate::trace_shape::{validate_shapes, ConvShape, IdAt, SiteShape};
-use ndarray::{s, Array2, Array3, Axis, CowArray, Ix2};
+use ndarray::{s, Array2, Array3, ArrayBase, Axis, CowArray, Ix2};
 use std::collections::BTreeMap;
+use std::fmt::Debug;
 use std::ops::Range;
+
+/// A batch's factor tensor, B × R × C (a site's activations or backprops, a convolution's
+/// inputs), as the reference and the judge read it: one example, or a tile of its rows, at a
+/// time, in f64. The reference's own traces hold f64 ([`Array3<f64>`], read borrowed); a trace
+/// file's are held in the precision they are stored in ([`StoredFactors`]) and widened an
+/// example at a time, so a batch of f32 factors costs its file's bytes, not twice them.
+pub trait Factors: Clone + Debug + Send + Sync {
+    /// (B, R, C).
+    fn dim(&self) -> (usize, usize, usize);
+    /// [B, R, C].
+    fn shape(&self) -> &[usize];
+    /// Example `i`'s R × C rows in f64: borrowed where held in f64, widened (exactly) otherwise.
+    fn example(&self, i: usize) -> CowArray<'_, f64, Ix2>;
+    /// Rows `rows` of example `i` in f64, as [`Factors::example`].
+    fn example_rows(&self, i: usize, rows: Range<usize>) -> CowArray<'_, f64, Ix2>;
+    /// Bytes held.
+    fn held_bytes(&self) -> usize;
+}
+
+impl Factors for Array3<f64> {
+    fn dim(&self) -> (usize, usize, usize) {
+        ArrayBase::dim(self)
+    }
+
+    fn shape(&self) -> &[usize] {
+        ArrayBase::shape(self)
+    }
+
+    fn example(&self, i: usize) -> CowArray<'_, f64, Ix2> {
+        self.index_axis(Axis(0), i).into()
+    }
+
+    fn example_rows(&self, i: usize, rows: Range<usize>) -> CowArray<'_, f64, Ix2> {
+        self.slice(s![i, rows, ..]).into()
+    }
+
+    fn held_bytes(&self) -> usize {
+        self.len() * std::mem::size_of::<f64>()
+    }
+}
+
+/// A factor tensor of a trace file in the precision it is stored in: f64 as f64, and f32, f16
+/// and bf16 as f32 (each of which f32 holds exactly). Widening to f64 is exact, so every figure
+/// the judge takes from it is the one it would take from the tensor widened whole.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoredFactors {
+    /// Stored as f32, f16 or bf16.
+    F32(Array3<f32>),
+    /// Stored as f64.
+    F64(Array3<f64>),
+}
+
+impl StoredFactors {
+    /// The values widened to f64 (exactly), the narrow copy dropped.
+    pub fn into_f64(self) -> Array3<f64> {
+        match self {
+            StoredFactors::F32(a) => a.mapv(f64::from),
+            StoredFactors::F64(a) => a,
+        }
+    }
+}
+
+impl From<Array3<f64>> for StoredFactors {
+    fn from(a: Array3<f64>) -> Self {
+        StoredFactors::F64(a)
+    }
+}
+
+impl From<Array3<f32>> for StoredFactors {
+    fn from(a: Array3<f32>) -> Self {
+        StoredFactors::F32(a)
+    }
+}
+
+impl Factors for StoredFactors {
+    fn dim(&self) -> (usize, usize, usize) {
+        match self {
+            StoredFactors::F32(a) => a.dim(),
+            StoredFactors::F64(a) => a.dim(),
+        }
+    }
+
+    fn shape(&self) -> &[usize] {
+        match self {
+            StoredFactors::F32(a) => a.shape(),
+            StoredFactors::F64(a) => a.shape(),
+        }
+    }
+
+    fn example(&self, i: usize) -> CowArray<'_, f64, Ix2> {
+        match self {
+            StoredFactors::F32(a) => a.index_axis(Axis(0), i).mapv(f64::from).into(),
+            StoredFactors::F64(a) => a.index_axis(Axis(0), i).into(),
+        }
+    }
+
+    fn example_rows(&self, i: usize, rows: Range<usize>) -> CowArray<'_, f64, Ix2> {
+        match self {
+            StoredFactors::F32(a) => a.slice(s![i, rows, ..]).mapv(f64::from).into(),
+            StoredFactors::F64(a) => a.slice(s![i, rows, ..]).into(),
+        }
+    }
+
+    fn held_bytes(&self) -> usize {
+        match self {
+            StoredFactors::F32(a) => a.len() * std::mem::size_of::<f32>(),
+            StoredFactors::F64(a) => a.len() * std::mem::size_of::<f64>(),
+        }
+    }
+}
 
 /// One example's factors at one site (its R rows).
 #[derive(Clone, Debug)]
@@ -82,23 +193,24 @@ impl SiteRecord {
     }
 }
 
-/// A batch's factors, B×R leading, R each site's own rows per example.
+/// A batch's factors, B×R leading, R each site's own rows per example, held as `F`: f64 for the
+/// reference's own traces, the stored precision for a trace file's ([`Factors`]).
 #[derive(Clone, Debug)]
-pub struct Site {
+pub struct Site<F = Array3<f64>> {
     /// Name, parameter and kind.
     pub spec: SiteSpec,
     /// B×R×in (linear, conv1d; for layernorm the normalized input x̂). `None` for a
     /// convolution stored as its input ([`Site::conv`]).
-    pub activations: Option<Array3<f64>>,
+    pub activations: Option<F>,
     /// B×R ids (embedding).
     pub ids: Option<Array2<i64>>,
     /// B×R×out: gradient of each example's own loss with respect to the site's output; for a
     /// convolution stored as its input, B×P×C_out (its output positions).
-    pub backprops: Array3<f64>,
+    pub backprops: F,
     /// A convolution's weight (kind `linear`) stored as the convolution's input and geometry
     /// (format /2), each input value once, instead of unfolded `activations`. Read it through
     /// [`Site::rows`], which unfolds one example at a time.
-    pub conv: Option<ConvInput>,
+    pub conv: Option<ConvInput<F>>,
 }
 
 /// One example's factors at a site in the row form every kind's gradient is written from
@@ -112,21 +224,18 @@ pub struct SiteRows<'a> {
     pub backprops: CowArray<'a, f64, Ix2>,
 }
 
-impl Site {
+impl<F: Factors> Site<F> {
     /// Example `i`'s factors as R rows ([`SiteRows`]): the only way the reference and the judge
     /// read a site's activations and backprops, so a convolution stored as its input (unfolded
     /// here, one example at a time, into the /1 layout: rows (position, group), the other
     /// groups' channels of the backprops zeroed) gives every consumer exactly the factors of
     /// its unfolded twin.
     pub fn rows(&self, i: usize) -> SiteRows<'_> {
-        let bp = self.backprops.index_axis(Axis(0), i);
+        let bp = self.backprops.example(i);
         match &self.conv {
             None => SiteRows {
-                activations: self
-                    .activations
-                    .as_ref()
-                    .map(|a| a.index_axis(Axis(0), i).into()),
-                backprops: bp.into(),
+                activations: self.activations.as_ref().map(|a| a.example(i)),
+                backprops: bp,
             },
             Some(c) => SiteRows {
                 activations: Some(c.unfold(i).into()),
@@ -188,11 +297,37 @@ pub struct TiedParameter {
     pub sites: Vec<(String, SiteKind)>,
 }
 
-/// A batch's per-site factors: what a clipper computes per-example norms from.
+/// A batch's per-site factors: what a clipper computes per-example norms from, held as `F`
+/// (f64 for the reference's own traces, the stored precision for a trace file's).
 #[derive(Clone, Debug)]
-pub struct Trace {
+pub struct Trace<F = Array3<f64>> {
     /// The sites, in forward order.
-    pub sites: Vec<Site>,
+    pub sites: Vec<Site<F>>,
+}
+
+/// A trace file's factors, each tensor in the precision it is stored in.
+pub type StoredTrace = Trace<StoredFactors>;
+
+impl StoredTrace {
+    /// Every factor widened to f64 (exactly), a tensor at a time.
+    pub fn into_f64(self) -> Trace {
+        Trace {
+            sites: self
+                .sites
+                .into_iter()
+                .map(|s| Site {
+                    spec: s.spec,
+                    activations: s.activations.map(StoredFactors::into_f64),
+                    ids: s.ids,
+                    backprops: s.backprops.into_f64(),
+                    conv: s.conv.map(|c| ConvInput {
+                        geometry: c.geometry,
+                        inputs: c.inputs.into_f64(),
+                    }),
+                })
+                .collect(),
+        }
+    }
 }
 
 /// Stacks a batch's site records into a [`Trace`] as they arrive, one example at a time, so a
@@ -274,7 +409,9 @@ impl Trace {
                 .collect(),
         }
     }
+}
 
+impl<F: Factors> Trace<F> {
     /// Examples in the batch (0 for a trace without sites).
     pub fn batch_size(&self) -> usize {
         self.sites.first().map_or(0, |s| s.backprops.dim().0)

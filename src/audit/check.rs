@@ -61,7 +61,7 @@ pub fn check_trace_with_progress(
     let budget = opts
         .max_memory
         .unwrap_or_else(reference::MemoryBudget::machine);
-    let (trace, meta) = reference::read_trace_within(path, budget)?;
+    let (trace, meta) = reference::read_stored_trace_within(path, budget)?;
     let tied = trace.tied_parameters();
     // Without a step, the tolerance's costliest statistics wait until a verdict needs them
     // (the same verdicts; docs/tolerances.md); a step reads every example's bound as a figure.

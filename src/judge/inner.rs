@@ -8,8 +8,8 @@
 //! shared by a clipper's kernel and the judge would be invisible to the audit.
 
 use ghost_oracle_reference::{product_into, Accumulate};
-use ghost_oracle_reference::{Site, SiteKind, Trace as RefTrace};
-use ndarray::{s, Array2, Array3, ArrayView1, ArrayView2, CowArray, Ix2, Zip};
+use ghost_oracle_reference::{Factors, Site, SiteKind, Trace};
+use ndarray::{Array2, ArrayView1, ArrayView2, CowArray, Ix2, Zip};
 
 /// Where a site's two factors come from, per example.
 enum Layout {
@@ -21,8 +21,8 @@ enum Layout {
     OneHot(Array2<usize>),
     /// u_t = δ_t, v_t = 1.
     Bias,
-    /// u_t = δ_t ⊙ x̂_t (B×R×out, formed once), v_t = 1.
-    LayerNorm(Array3<f64>),
+    /// u_t = δ_t ⊙ x̂_t (formed an example at a time, never the batch's B×R×out), v_t = 1.
+    LayerNorm,
 }
 
 /// The factor along the layout's rows (u_t) of one example.
@@ -44,18 +44,18 @@ enum ColSide<'a> {
 /// One site's two factors in its parameter's layout, read one example at a time through
 /// [`Site::rows`] (borrowed for a row-form site, unfolded for a convolution stored as its
 /// input).
-pub(super) struct SiteSides<'a> {
-    site: &'a Site,
+pub(super) struct SiteSides<'a, F> {
+    site: &'a Site<F>,
     layout: Layout,
     /// Rows R each example's gradient sums over: the site's own (T, k·T for a per-head norm, 1
     /// for a pooled head, P·g for a convolution, ...).
     terms: usize,
 }
 
-impl<'a> SiteSides<'a> {
+impl<'a, F: Factors> SiteSides<'a, F> {
     /// Site `j` of a validated trace (ids inside the table, activations where the kind needs
     /// them).
-    pub(super) fn of(trace: &'a RefTrace, j: usize) -> Self {
+    pub(super) fn of(trace: &'a Trace<F>, j: usize) -> Self {
         let site = &trace.sites[j];
         let layout = match site.spec.kind {
             SiteKind::Linear => Layout::Linear,
@@ -66,13 +66,7 @@ impl<'a> SiteSides<'a> {
                 Layout::OneHot(ids.mapv(|x| x as usize))
             }
             SiteKind::Bias => Layout::Bias,
-            SiteKind::LayerNorm => {
-                let act = site
-                    .activations
-                    .as_ref()
-                    .expect("a validated layernorm site has activations");
-                Layout::LayerNorm(&site.backprops * act)
-            }
+            SiteKind::LayerNorm => Layout::LayerNorm,
         };
         SiteSides {
             site,
@@ -103,16 +97,22 @@ impl<'a> SiteSides<'a> {
                 ColSide::Dense(self.site.rows(i).backprops),
             ),
             Layout::Bias => (RowSide::Dense(self.site.rows(i).backprops), ColSide::Ones),
-            Layout::LayerNorm(prod) => (
-                RowSide::Dense(prod.slice(s![i, .., ..]).into()),
-                ColSide::Ones,
-            ),
+            Layout::LayerNorm => {
+                let rows = self.site.rows(i);
+                let act = rows
+                    .activations
+                    .expect("a validated layernorm site has activations");
+                (
+                    RowSide::Dense((&rows.backprops * &act).into()),
+                    ColSide::Ones,
+                )
+            }
         }
     }
 
     fn dense_rows(&self) -> bool {
         match self.layout {
-            Layout::Linear | Layout::Conv1d | Layout::Bias | Layout::LayerNorm(_) => true,
+            Layout::Linear | Layout::Conv1d | Layout::Bias | Layout::LayerNorm => true,
             Layout::OneHot(_) => false,
         }
     }
@@ -120,14 +120,19 @@ impl<'a> SiteSides<'a> {
     fn dense_cols(&self) -> bool {
         match self.layout {
             Layout::Linear | Layout::Conv1d | Layout::OneHot(_) => true,
-            Layout::Bias | Layout::LayerNorm(_) => false,
+            Layout::Bias | Layout::LayerNorm => false,
         }
     }
 }
 
 /// Multiply-adds of one ⟨G_{j,i}, G_{l,k}⟩ by the identity, for a layout of `rows`×`cols`: the
 /// two T×S products (a lookup where a side is one-hot or ones) and their elementwise sum.
-pub(super) fn pair_cost(a: &SiteSides<'_>, b: &SiteSides<'_>, rows: usize, cols: usize) -> f64 {
+pub(super) fn pair_cost<F: Factors>(
+    a: &SiteSides<'_, F>,
+    b: &SiteSides<'_, F>,
+    rows: usize,
+    cols: usize,
+) -> f64 {
     let row_width = if a.dense_rows() && b.dense_rows() {
         rows
     } else {
@@ -143,7 +148,12 @@ pub(super) fn pair_cost(a: &SiteSides<'_>, b: &SiteSides<'_>, rows: usize, cols:
 
 /// ⟨G_{a,i}, G_{b,k}⟩: example i's gradient at site a with example k's at site b, two sites of
 /// one parameter (the same layout).
-pub(super) fn site_inner(a: &SiteSides<'_>, i: usize, b: &SiteSides<'_>, k: usize) -> f64 {
+pub(super) fn site_inner<F: Factors>(
+    a: &SiteSides<'_, F>,
+    i: usize,
+    b: &SiteSides<'_, F>,
+    k: usize,
+) -> f64 {
     let (t, s) = (a.terms, b.terms);
     let (a_rows, a_cols) = a.example(i);
     let (b_rows, b_cols) = b.example(k);

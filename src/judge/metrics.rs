@@ -13,6 +13,7 @@ use super::truth::{for_each_param_block, Block, Truth};
 use super::verdict::Verdict;
 use crate::error::{Error, Result};
 use crate::options::{ClipNorm, NoiseMultiplier};
+use ghost_oracle_reference::Factors;
 use ghost_oracle_reference::{Clipping, Floats};
 use ndarray::Array2;
 use serde::Serialize;
@@ -185,9 +186,9 @@ pub struct CaseMetrics {
 
 /// Compares a clipper's claim with the truth at clipping norm C and noise multiplier σ, for a
 /// clipper working in unit roundoff `u`.
-pub fn evaluate(
+pub fn evaluate<F: Factors>(
     case: impl Into<CaseLabel>,
-    truth: &Truth,
+    truth: &Truth<F>,
     tolerance: &Tolerance,
     claim: &Claim,
     max_grad_norm: ClipNorm,
@@ -339,8 +340,8 @@ fn clipped_signals(
 
 /// One example's claim against the truth; `bound` is the rounding bound on its norm's relative
 /// error and whether that bound is tight enough to judge it.
-fn example_metrics(
-    truth: &Truth,
+fn example_metrics<F: Factors>(
+    truth: &Truth<F>,
     claim: &Claim,
     i: usize,
     true_coefficient: f64,
@@ -602,8 +603,8 @@ fn for_sum(coefficients: impl Iterator<Item = f64>) -> Vec<f64> {
 /// The clipper's clipped sum S against S* = Σ_i c_i g_i* from the true gradients and the
 /// clipper's own coefficients. `None` when there is nothing to compare (a trace file carries
 /// norms only).
-fn clipped_sum_error(
-    truth: &Truth,
+fn clipped_sum_error<F: Factors>(
+    truth: &Truth<F>,
     tolerance: &Tolerance,
     claim: &Claim,
     coefs: &[f64],

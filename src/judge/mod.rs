@@ -33,14 +33,16 @@ pub use verdict::Verdict;
 
 use crate::error::{Error, Result};
 use crate::options::{ClipNorm, NoiseMultiplier};
-use ghost_oracle_reference::{Reference, Trace as RefTrace};
+use ghost_oracle_reference::{Factors, Reference, Trace};
 use metrics::SumError;
+use ndarray::Array3;
 
 /// The truth and the tolerance of one batch: all a verdict needs besides the claim.
 #[derive(Clone, Debug)]
-pub struct Judge {
-    /// The case's f64 truth: norms, Gram and factors.
-    pub truth: Truth,
+pub struct Judge<F = Array3<f64>> {
+    /// The case's f64 truth: norms, Gram and factors (held as `F`: f64 for the reference's own
+    /// traces, as stored for a trace file's).
+    pub truth: Truth<F>,
     /// The rounding bounds at the clipper's precision.
     pub tolerance: Tolerance,
 }
@@ -59,16 +61,18 @@ impl Judge {
             tolerance,
         })
     }
+}
 
+impl<F: Factors> Judge<F> {
     /// From a trace alone: every site's gradient materialized in f64, a block at a time.
-    pub fn from_trace(trace: RefTrace) -> Result<Self> {
+    pub fn from_trace(trace: Trace<F>) -> Result<Self> {
         Self::from_trace_with_progress(trace, &|_, _, _| {})
     }
 
     /// [`from_trace`](Self::from_trace), telling `progress(done, total, what)` as each
     /// parameter's truth is taken (minutes at a 1B-class trace).
     pub fn from_trace_with_progress(
-        trace: RefTrace,
+        trace: Trace<F>,
         progress: &dyn Fn(usize, usize, &str),
     ) -> Result<Self> {
         let tolerance = Tolerance::from_trace(&trace)?;
@@ -85,7 +89,7 @@ impl Judge {
     /// example the two ends do not settle); a step cannot be judged on it
     /// ([`Judge::judge_step`] refuses).
     pub fn from_trace_deferring(
-        trace: RefTrace,
+        trace: Trace<F>,
         progress: &dyn Fn(usize, usize, &str),
     ) -> Result<Self> {
         let truth = Truth::from_trace_with_progress(trace, progress)?;

@@ -5,7 +5,7 @@
 //! clippers' kernels: a kernel bug must never move the bound together with the error it makes.
 
 use crate::error::{Error, Result};
-use ghost_oracle_reference::{product, ConvInput, Site, SiteKind, SiteRows, Trace as RefTrace};
+use ghost_oracle_reference::{product, ConvInput, Factors, Site, SiteKind, SiteRows, Trace};
 pub use ghost_oracle_reference::{ModelRounding, Precision};
 use ndarray::{s, Array2, ArrayView2, CowArray};
 use rayon::iter::{IntoParallelIterator, IntoParallelRefIterator, ParallelIterator};
@@ -203,7 +203,7 @@ enum Side {
     Ones(usize),
 }
 
-fn sides(site: &Site, i: usize) -> Result<(Side, Side)> {
+fn sides<F: Factors>(site: &Site<F>, i: usize) -> Result<(Side, Side)> {
     let name = &site.spec.name;
     // Example i's rows as every consumer reads them (a convolution stored as its input
     // unfolded here, one example at a time).
@@ -425,7 +425,12 @@ fn block_sums(gl: &Array2<f64>, gr: &Array2<f64>) -> TermSample {
 /// grid over C_in/g channels ([`ConvInput::padded_group`]). For a stride-1 3×3 convolution at
 /// 32×32 over 64 channels that is 1156²·64 multiply-adds and 9 reads a pair against
 /// 1024²/2·576 for the patches' Gram, a quarter of the work, the same figures to rounding.
-fn conv_group_terms(conv: &ConvInput, i: usize, j: usize, bp: ArrayView2<f64>) -> TermSample {
+fn conv_group_terms<F: Factors>(
+    conv: &ConvInput<F>,
+    i: usize,
+    j: usize,
+    bp: ArrayView2<f64>,
+) -> TermSample {
     let grid = conv.padded_group(i, j);
     let gram = product(grid.view(), grid.t());
     let (origins, offsets) = conv.padded_taps();
@@ -464,7 +469,7 @@ fn conv_group_terms(conv: &ConvInput, i: usize, j: usize, bp: ArrayView2<f64>) -
 /// grid's Gram (P̃²·c + P(P + 1)/2·∏k multiply-adds and reads) than from its unfolded patches'
 /// (P(P + 1)/2·c·∏k), c = C_in/g: a stride-1 kernel wider than 1 at most resolutions; a strided
 /// or 1×1 convolution reads its patches.
-fn grid_is_cheaper(conv: &ConvInput) -> bool {
+fn grid_is_cheaper<F: Factors>(conv: &ConvInput<F>) -> bool {
     let geo = &conv.geometry;
     let (p, k) = (conv.rows() / geo.groups, geo.kernel_volume());
     let (padded, c) = (conv.padded_volume(), conv.channels() / geo.groups);
@@ -530,7 +535,11 @@ impl TermSample {
 /// with g > 1 groups is taken a group at a time: a row of group j and one of group j' ≠ j have
 /// backprops on disjoint channels, so their terms are exactly zero, and the site's statistics
 /// are the sums of its groups' (P rows each, not (P·g)² terms).
-fn own_magnitudes(site: &Site, i: usize, route: Option<TermRoute>) -> Result<TermSample> {
+fn own_magnitudes<F: Factors>(
+    site: &Site<F>,
+    i: usize,
+    route: Option<TermRoute>,
+) -> Result<TermSample> {
     let dense = |l: ArrayView2<f64>, r: ArrayView2<f64>| match route
         .unwrap_or_else(|| term_route(l.nrows(), l.ncols(), r.ncols()))
     {
@@ -539,7 +548,7 @@ fn own_magnitudes(site: &Site, i: usize, route: Option<TermRoute>) -> Result<Ter
     };
     if let (Some(conv), SiteKind::Linear) = (&site.conv, site.spec.kind) {
         let groups = conv.geometry.groups;
-        let bp = site.backprops.index_axis(ndarray::Axis(0), i);
+        let bp = site.backprops.example(i);
         let out_g = bp.ncols() / groups;
         let (p, width) = (conv.rows() / groups, conv.patch_width());
         let by_terms = route.unwrap_or_else(|| term_route(p, out_g, width)) == TermRoute::Terms;
@@ -601,7 +610,7 @@ fn row_norm(a: ndarray::ArrayView1<f64>) -> f64 {
 impl Tolerance {
     /// The term statistics of a trace, from its f64 factors: each site's shape and per-example
     /// scale, then every example's own and cross terms.
-    pub fn from_trace(trace: &RefTrace) -> Result<Self> {
+    pub fn from_trace<F: Factors>(trace: &Trace<F>) -> Result<Self> {
         Self::from_trace_routed(trace, None)
     }
 
@@ -611,7 +620,10 @@ impl Tolerance {
     /// D + |‖G‖² − D| ≤ Σ|terms| ≤ (Σ_t ‖l_t‖‖r_t‖)², D = Σ_t ‖l_t‖²‖r_t‖², the diagonal's
     /// terms (all ≥ 0). [`Tolerance::refined`] takes the figures of the examples whose verdict
     /// the two ends do not settle.
-    pub fn from_trace_deferring(trace: &RefTrace, own_sq: &[Option<&[f64]>]) -> Result<Self> {
+    pub fn from_trace_deferring<F: Factors>(
+        trace: &Trace<F>,
+        own_sq: &[Option<&[f64]>],
+    ) -> Result<Self> {
         let defer: Vec<Option<&[f64]>> = trace
             .sites
             .iter()
@@ -630,11 +642,18 @@ impl Tolerance {
 
     /// [`Tolerance::from_trace`] with every dense site's own statistics taken by `route`
     /// (`None`: the cheaper route per site, what the judge uses).
-    pub fn from_trace_routed(trace: &RefTrace, route: Option<TermRoute>) -> Result<Self> {
+    pub fn from_trace_routed<F: Factors>(
+        trace: &Trace<F>,
+        route: Option<TermRoute>,
+    ) -> Result<Self> {
         Self::build(trace, route, &vec![None; trace.sites.len()])
     }
 
-    fn build(trace: &RefTrace, route: Option<TermRoute>, defer: &[Option<&[f64]>]) -> Result<Self> {
+    fn build<F: Factors>(
+        trace: &Trace<F>,
+        route: Option<TermRoute>,
+        defer: &[Option<&[f64]>],
+    ) -> Result<Self> {
         let params = trace.params();
         let mut site_param = vec![0; trace.sites.len()];
         for (p, (_, js)) in params.iter().enumerate() {
@@ -702,7 +721,7 @@ impl Tolerance {
 
     /// The tolerance with every statistic of `examples` a figure: their deferred sites' every
     /// term taken ([`Tolerance::from_trace_deferring`]), from `trace`, the one it was built from.
-    pub fn refined(&self, trace: &RefTrace, examples: &[usize]) -> Result<Self> {
+    pub fn refined<F: Factors>(&self, trace: &Trace<F>, examples: &[usize]) -> Result<Self> {
         let mut out = self.clone();
         let Some(deferred) = out.deferred.as_mut() else {
             return Ok(out);
@@ -829,7 +848,7 @@ struct SiteWidths {
 }
 
 impl SiteWidths {
-    fn of(s: &Site) -> Self {
+    fn of<F: Factors>(s: &Site<F>) -> Self {
         let q = s.backprops.dim().2;
         let in_width = s.input_width().unwrap_or(1);
         let param_rows = match s.spec.kind {
@@ -854,9 +873,9 @@ impl SiteWidths {
 /// Example i's (Σ_t ‖l_t‖‖r_t‖, Σ_t ‖l_t‖²‖r_t‖²) over site `s`'s rows: the first, the size of
 /// each row's gradient outer product summed, is the scale the site's per-example gradient is
 /// summed at.
-fn row_sums(s: &Site, i: usize) -> (f64, f64) {
+fn row_sums<F: Factors>(s: &Site<F>, i: usize) -> (f64, f64) {
     if let (Some(conv), SiteKind::Linear) = (&s.conv, s.spec.kind) {
-        return conv_row_sums(conv, i, s.backprops.index_axis(ndarray::Axis(0), i));
+        return conv_row_sums(conv, i, s.backprops.example(i).view());
     }
     let rows = s.rows(i);
     let bp = &rows.backprops;
@@ -884,7 +903,7 @@ fn row_sums(s: &Site, i: usize) -> (f64, f64) {
 /// patch's squared norm is the sum of its taps' squared norms on the padded grid
 /// ([`ConvInput::padded_taps`]), and row p·g + j of the unfolded layout pairs group j's patch at
 /// p with the backprops of group j's channels (`bp`: the example's P × C_out backprops).
-fn conv_row_sums(conv: &ConvInput, i: usize, bp: ArrayView2<f64>) -> (f64, f64) {
+fn conv_row_sums<F: Factors>(conv: &ConvInput<F>, i: usize, bp: ArrayView2<f64>) -> (f64, f64) {
     let groups = conv.geometry.groups;
     let out_g = bp.ncols() / groups;
     let (origins, offsets) = conv.padded_taps();
@@ -942,8 +961,8 @@ struct ExampleTerms {
 }
 
 impl ExampleTerms {
-    fn of(
-        trace: &RefTrace,
+    fn of<F: Factors>(
+        trace: &Trace<F>,
         params: &[(String, Vec<usize>)],
         site_param: &[usize],
         route: Option<TermRoute>,
@@ -1208,7 +1227,9 @@ impl Tolerance {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ghost_oracle_reference::{ConvGeometry, ConvInput, SiteSpec, SplitMix64};
+    use ghost_oracle_reference::{
+        ConvGeometry, ConvInput, SiteSpec, SplitMix64, Trace as RefTrace,
+    };
     use ndarray::Array3;
 
     fn random(rng: &mut SplitMix64, shape: (usize, usize), nonnegative: bool) -> Array2<f64> {

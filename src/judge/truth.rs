@@ -15,10 +15,8 @@
 
 use super::inner::{pair_cost, site_inner, SiteSides};
 use crate::error::{Error, Result};
-use ghost_oracle_reference::{
-    product, Reference, SiteKind, Trace as RefTrace, GRADIENT_BLOCK_BYTES,
-};
-use ndarray::Array2;
+use ghost_oracle_reference::{product, Factors, Reference, SiteKind, Trace, GRADIENT_BLOCK_BYTES};
+use ndarray::{Array2, Array3};
 use rayon::iter::{IndexedParallelIterator, ParallelIterator};
 use rayon::slice::ParallelSliceMut;
 use std::cell::Cell;
@@ -43,7 +41,7 @@ pub(crate) fn with_block_bytes<R>(bytes: usize, f: impl FnOnce() -> R) -> R {
 
 /// Everything about a case that comes from the reference, not from the clipper.
 #[derive(Clone, Debug)]
-pub struct Truth {
+pub struct Truth<F = Array3<f64>> {
     /// n*_i, the true norm of each example, in batch order.
     pub norms: Vec<f64>,
     /// ⟨g_i*, g_k*⟩ for every pair of examples.
@@ -52,7 +50,7 @@ pub struct Truth {
     pub cross_share: Vec<Option<f64>>,
     /// The reference's f64 factors: the true gradients, rebuilt on demand. `None` for a truth
     /// given by hand (then a claim's clipped sum is not checked).
-    pub factors: Option<RefTrace>,
+    pub factors: Option<Trace<F>>,
     /// (parameter, ‖g*_{i,p}‖² per example), in the trace's parameter order: how an example's
     /// gradient divides among tensors whose noise may differ. Empty for a truth given by hand.
     pub param_sq: Vec<(String, Vec<f64>)>,
@@ -102,16 +100,19 @@ impl Truth {
             param_sq,
         })
     }
+}
 
-    /// The truth of any trace, from its f64 factors alone (no materialized norms to agree with).
-    pub fn from_trace(trace: RefTrace) -> Result<Self> {
+impl<F: Factors> Truth<F> {
+    /// The truth of any trace, from its factors alone (no materialized norms to agree with),
+    /// widened to f64 an example at a time.
+    pub fn from_trace(trace: Trace<F>) -> Result<Self> {
         Self::from_trace_with_progress(trace, &|_, _, _| {})
     }
 
     /// [`from_trace`](Self::from_trace), telling `progress(done, total, parameter)` as each
     /// parameter's Gram is taken.
     pub fn from_trace_with_progress(
-        trace: RefTrace,
+        trace: Trace<F>,
         progress: &dyn Fn(usize, usize, &str),
     ) -> Result<Self> {
         Self::from_trace_routed(trace, GramRoute::ByCost, progress)
@@ -121,7 +122,7 @@ impl Truth {
     /// taken by `route` ([`GramRoute::ByCost`] is what the judge uses; a forced route gives the
     /// same figures to f64 rounding, docs/tolerances.md, and is there to be timed and tested).
     pub fn from_trace_routed(
-        trace: RefTrace,
+        trace: Trace<F>,
         route: GramRoute,
         progress: &dyn Fn(usize, usize, &str),
     ) -> Result<Self> {
@@ -172,8 +173,8 @@ fn block_rows(cols: usize, examples: usize) -> usize {
 /// Visits every parameter of a trace in blocks of rows of its gradient's layout, in order, sized
 /// so that `examples_per_block` such blocks fit in [`GRADIENT_BLOCK_BYTES`], after the trace's shapes are
 /// checked (every site of a parameter writes one shape).
-pub(crate) fn for_each_param_block(
-    trace: &RefTrace,
+pub(crate) fn for_each_param_block<F: Factors>(
+    trace: &Trace<F>,
     examples_per_block: usize,
     visit: &mut dyn FnMut(Block<'_>) -> Result<()>,
 ) -> Result<()> {
@@ -234,7 +235,7 @@ impl RouteCost {
 /// site's rows for a dense site (rows · d_in · d_out), a scatter of its rows for an embedding.
 /// A convolution stored as its input is written from its unfolded rows (P·g of them,
 /// [`ghost_oracle_reference::Site::rows`]), as its /1 twin is.
-fn write_cost(trace: &RefTrace, j: usize) -> f64 {
+fn write_cost<F: Factors>(trace: &Trace<F>, j: usize) -> f64 {
     let site = &trace.sites[j];
     let (rows, cols) = trace.site_gradient_shape(j);
     let (t, out) = (site.row_count() as f64, site.backprops.dim().2 as f64);
@@ -249,7 +250,12 @@ fn write_cost(trace: &RefTrace, j: usize) -> f64 {
 /// B(B+1)/2 dot products over its entries; the identity takes B(B+1)/2 pairs of T×T products.
 /// The cost per example is the same for every example of a site (one row count per site), so
 /// the choice per site is the choice per site and example.
-fn own_cost(trace: &RefTrace, j: usize, side: &SiteSides<'_>, b: usize) -> RouteCost {
+fn own_cost<F: Factors>(
+    trace: &Trace<F>,
+    j: usize,
+    side: &SiteSides<'_, F>,
+    b: usize,
+) -> RouteCost {
     let (rows, cols) = trace.site_gradient_shape(j);
     let (bf, pairs) = (b as f64, (b * (b + 1) / 2) as f64);
     RouteCost {
@@ -261,10 +267,10 @@ fn own_cost(trace: &RefTrace, j: usize, side: &SiteSides<'_>, b: usize) -> Route
 /// The B×B cross block ⟨G_{j,i}, G_{k,l}⟩ of two sites of one parameter: materializing writes
 /// the gradients of the sites not yet `written` and takes B² dot products; the identity takes
 /// B² pairs of T×S products.
-fn cross_cost(
-    trace: &RefTrace,
+fn cross_cost<F: Factors>(
+    trace: &Trace<F>,
     (j, k): (usize, usize),
-    (a, c): (&SiteSides<'_>, &SiteSides<'_>),
+    (a, c): (&SiteSides<'_, F>, &SiteSides<'_, F>),
     b: usize,
     written: [bool; 2],
 ) -> RouteCost {
@@ -286,17 +292,22 @@ fn cross_cost(
 /// dense site, materializing when rows · d_in · d_out + (B+1)/2 · d_in · d_out is below
 /// (B+1)/2 · rows² · (d_in + d_out + 1) (a convolution's many output positions over narrow
 /// channels), the identity otherwise (a language model's few positions over wide features).
-pub(super) fn site_route(trace: &RefTrace, j: usize, side: &SiteSides<'_>, b: usize) -> GramRoute {
+pub(super) fn site_route<F: Factors>(
+    trace: &Trace<F>,
+    j: usize,
+    side: &SiteSides<'_, F>,
+    b: usize,
+) -> GramRoute {
     own_cost(trace, j, side, b).cheaper()
 }
 
 /// The route [`GramRoute::ByCost`] takes for the cross terms of sites `j` and `k` (one
 /// parameter's two uses, `sides` theirs) in a batch of `b`, given whether each site's gradients
 /// are written already for its own Gram (then writing them costs nothing more).
-pub(super) fn pair_route(
-    trace: &RefTrace,
+pub(super) fn pair_route<F: Factors>(
+    trace: &Trace<F>,
     (j, k): (usize, usize),
-    sides: (&SiteSides<'_>, &SiteSides<'_>),
+    sides: (&SiteSides<'_, F>, &SiteSides<'_, F>),
     b: usize,
     written: [bool; 2],
 ) -> GramRoute {
@@ -341,12 +352,15 @@ fn planted(_: GramRoute) -> f64 {
     1.0
 }
 
-pub(crate) fn gram_and_cross(trace: &RefTrace, route: GramRoute) -> Result<GramAndCross> {
+pub(crate) fn gram_and_cross<F: Factors>(
+    trace: &Trace<F>,
+    route: GramRoute,
+) -> Result<GramAndCross> {
     gram_and_cross_with_progress(trace, route, &|_, _, _| {})
 }
 
-fn gram_and_cross_with_progress(
-    trace: &RefTrace,
+fn gram_and_cross_with_progress<F: Factors>(
+    trace: &Trace<F>,
     route: GramRoute,
     progress: &dyn Fn(usize, usize, &str),
 ) -> Result<GramAndCross> {
@@ -381,13 +395,13 @@ fn gram_and_cross_with_progress(
 /// every one by its own route: a convolution tied to nothing is written out while the LM head
 /// beside it takes the identity, and a pair is written out where both its sites are (their dot
 /// products are then all it costs) or writing is cheaper for it.
-fn param_gram_by_site(
-    trace: &RefTrace,
+fn param_gram_by_site<F: Factors>(
+    trace: &Trace<F>,
     js: &[usize],
     b: usize,
     route: GramRoute,
 ) -> Result<(Array2<f64>, Vec<f64>)> {
-    let sides: Vec<SiteSides<'_>> = js.iter().map(|&j| SiteSides::of(trace, j)).collect();
+    let sides: Vec<SiteSides<'_, F>> = js.iter().map(|&j| SiteSides::of(trace, j)).collect();
     let own: Vec<GramRoute> = js
         .iter()
         .zip(&sides)
@@ -495,8 +509,8 @@ struct Written<'a> {
 /// examples are rebuilt in parallel, each into its row of a B × (rows · cols) matrix M, and the
 /// B(B+1)/2 dot products of a block are one product M Mᵀ (M_x M_yᵀ for a pair): at B = 256 over a
 /// 2.7 M-parameter network, one pairwise dot product at a time was most of `check`'s time.
-fn add_written(
-    trace: &RefTrace,
+fn add_written<F: Factors>(
+    trace: &Trace<F>,
     js: &[usize],
     b: usize,
     parts: &Written<'_>,
@@ -538,8 +552,8 @@ fn add_written(
 
 /// Every example's gradient of site `j`, rows `block` of the parameter's layout, as the rows of
 /// one B × (block.len() · cols) matrix, the examples rebuilt in parallel.
-fn written_block(
-    trace: &RefTrace,
+fn written_block<F: Factors>(
+    trace: &Trace<F>,
     j: usize,
     b: usize,
     block: Range<usize>,

@@ -3,7 +3,7 @@
 //! can share a parameter.
 
 use super::*;
-use ghost_oracle_reference::{Site, SiteSpec, SplitMix64};
+use ghost_oracle_reference::{Site, SiteSpec, SplitMix64, Trace as RefTrace};
 use ndarray::{Array2, Array3};
 
 struct Gen {

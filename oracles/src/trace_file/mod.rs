@@ -19,11 +19,12 @@ use crate::io::{write_raw, RawTensor};
 use crate::precision::Precision;
 use crate::site::SiteSpec;
 use crate::tensors::{self, has};
-use crate::trace::{Site, Trace};
+use crate::trace::{Site, StoredFactors, StoredTrace, Trace};
 use crate::trace_shape::{validate_shapes, ConvShape, IdAt, SiteShape};
 use budget::Tally;
 use header::{read_header, ConvEntry};
-use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3};
+use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3, IxDyn};
+use rayon::prelude::*;
 use rounding::{read_model_rounding, write_model_rounding};
 use safetensors::SafeTensors;
 use std::cell::RefCell;
@@ -133,6 +134,26 @@ pub fn read_trace(path: &Path) -> Result<(Trace, TraceMeta)> {
 /// are brought in as it is copied or widened and dropped from the process once it is, so the
 /// file's bytes are never all resident together (at most its largest tensor's and its header).
 pub fn read_trace_within(path: &Path, budget: MemoryBudget) -> Result<(Trace, TraceMeta)> {
+    let (trace, meta) = read_mapped(path, budget, Holding::F64)?;
+    Ok((trace.into_f64(), meta))
+}
+
+/// [`read_trace_within`] with every factor held in the precision it is stored in (f64 as f64;
+/// f32, f16 and bf16 as f32, exactly) instead of widened to f64: what `check` judges, an example
+/// widened at a time ([`crate::Factors`]). The budget counts the factors at those widths.
+pub fn read_stored_trace_within(
+    path: &Path,
+    budget: MemoryBudget,
+) -> Result<(StoredTrace, TraceMeta)> {
+    read_mapped(path, budget, Holding::Stored)
+}
+
+/// A mapped trace file read with its factors held as `holding` says.
+fn read_mapped(
+    path: &Path,
+    budget: MemoryBudget,
+    holding: Holding,
+) -> Result<(StoredTrace, TraceMeta)> {
     let label = path.display().to_string();
     let map = tensors::map_file(path, "trace")?;
     let release = |range: Range<usize>| -> Result<()> {
@@ -142,7 +163,7 @@ pub fn read_trace_within(path: &Path, budget: MemoryBudget) -> Result<(Trace, Tr
             ))
         })
     };
-    read_trace_parts(&map, &label, budget, Some(&release))
+    read_trace_parts(&map, &label, budget, holding, Some(&release))
 }
 
 /// Parses and validates a trace file's contents within the machine's available memory; `label`
@@ -159,7 +180,28 @@ pub fn read_trace_bytes_within(
     label: &str,
     budget: MemoryBudget,
 ) -> Result<(Trace, TraceMeta)> {
-    read_trace_parts(bytes, label, budget, None)
+    let (trace, meta) = read_trace_parts(bytes, label, budget, Holding::F64, None)?;
+    Ok((trace.into_f64(), meta))
+}
+
+/// [`read_trace_bytes_within`] with every factor held in the precision it is stored in, as
+/// [`read_stored_trace_within`].
+pub fn read_stored_trace_bytes_within(
+    bytes: &[u8],
+    label: &str,
+    budget: MemoryBudget,
+) -> Result<(StoredTrace, TraceMeta)> {
+    read_trace_parts(bytes, label, budget, Holding::Stored, None)
+}
+
+/// How a trace's float factors are held once read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Holding {
+    /// Every factor widened to f64 as it is read.
+    F64,
+    /// f64 factors as f64, f32, f16 and bf16 ones as f32 (exact); widened an example at a time
+    /// by whoever reads them.
+    Stored,
 }
 
 /// Hands back a byte range of the trace, a tensor's, once the tensor has been copied or widened
@@ -177,8 +219,9 @@ fn read_trace_parts(
     bytes: &[u8],
     label: &str,
     budget: MemoryBudget,
+    holding: Holding,
     release: Option<Release>,
-) -> Result<(Trace, TraceMeta)> {
+) -> Result<(StoredTrace, TraceMeta)> {
     let mut tally = Tally::new(budget, label);
     let file_len = bytes.len() as u64;
     // The header's length as the file states it, where it fits the file (else the parse below
@@ -236,7 +279,7 @@ fn read_trace_parts(
         header.manifest.as_ref(),
         label,
         &mut expected,
-        &mut tally,
+        (&mut tally, holding),
         &done,
     )?;
     let trace = Trace { sites };
@@ -440,17 +483,25 @@ fn conv_tensor(
 }
 
 /// Each site's gradient against the manifest's count, and what judging the trace would hold
-/// against the budget: every site's factors widened to f64 (and the ids, and a LayerNorm site's
-/// elementwise product), and the blocks of per-example gradients a judge holds while it streams
-/// the largest parameter ([`GRADIENT_BLOCK_BYTES`] of rows for the whole batch, plus a few more).
+/// against the budget: every site's factors as `holding` holds them (widened to f64, or at
+/// `width(site, factor)` bytes a value as stored) and its ids; a LayerNorm site's elementwise
+/// product (the whole batch's where the factors are f64, one example's a thread where they are
+/// widened an example at a time, with each thread's one example of every factor widened); and
+/// the blocks of per-example gradients a judge holds while it streams the largest parameter
+/// ([`GRADIENT_BLOCK_BYTES`] of rows for the whole batch, plus a few more).
 fn check_sizes(
     shapes: &[SiteShape],
     manifest: Option<&BTreeMap<String, usize>>,
     label: &str,
     tally: &mut Tally,
+    holding: Holding,
+    width: &dyn Fn(usize, &str) -> u64,
 ) -> Result<()> {
     let mut streamed: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-    for s in shapes {
+    // The most f64 values one example of a site widens to (its factors, a LayerNorm site's
+    // product): what each thread holds at once when the factors are held as stored.
+    let mut widest_example = 0u64;
+    for (j, s) in shapes.iter().enumerate() {
         let (n, param) = (&s.spec.name, &s.spec.param);
         let (rows, cols) = s.gradient_shape();
         let entries = (rows as u128) * (cols as u128);
@@ -462,31 +513,61 @@ fn check_sizes(
             }
         }
         let count = |d: &[usize]| d.iter().fold(1u64, |a, &x| a.saturating_mul(x as u64));
-        let mut floats = count(s.backprops);
+        // One example's values of a tensor (its dimensions past the batch's).
+        let per_example = |d: &[usize]| count(d.get(1..).unwrap_or(&[]));
+        let held = |d: &[usize], what: &str| {
+            let w = match holding {
+                Holding::F64 => 8,
+                Holding::Stored => width(j, what),
+            };
+            count(d).saturating_mul(w)
+        };
+        let mut bytes = held(s.backprops, "backprops");
+        let mut example = per_example(s.backprops);
         if let Some(a) = s.activations {
-            floats = floats.saturating_add(count(a));
+            bytes = bytes.saturating_add(held(a, "activations"));
+            example = example.saturating_add(per_example(a));
         }
         if s.spec.kind == crate::site::SiteKind::LayerNorm {
-            floats = floats.saturating_add(count(s.backprops));
+            match holding {
+                Holding::F64 => bytes = bytes.saturating_add(count(s.backprops).saturating_mul(8)),
+                Holding::Stored => example = example.saturating_add(per_example(s.backprops)),
+            }
         }
         if let Some(c) = &s.conv {
             // The inputs, and one example's unfolded tile at a time: its (P·g) × (C_in/g·∏k)
             // patches and its (P·g) × C_out spread backprops.
             let unfolded = (s.backprops[1] as u64).saturating_mul(c.geometry.groups as u64);
-            floats = floats
-                .saturating_add(count(c.inputs))
-                .saturating_add(unfolded.saturating_mul(cols as u64))
-                .saturating_add(unfolded.saturating_mul(rows as u64));
+            bytes = bytes
+                .saturating_add(held(c.inputs, "inputs"))
+                .saturating_add(unfolded.saturating_mul(cols as u64).saturating_mul(8))
+                .saturating_add(unfolded.saturating_mul(rows as u64).saturating_mul(8));
+            example = example.saturating_add(per_example(c.inputs));
         }
+        widest_example = widest_example.max(example);
         let ids = s.ids.map_or(0, count);
-        let bytes = floats.saturating_add(ids).saturating_mul(8);
-        tally.add(bytes, || {
-            format!(
+        let bytes = bytes.saturating_add(ids.saturating_mul(8));
+        tally.add(bytes, || match holding {
+            Holding::F64 => format!(
                 "site `{n}` ({}): its factors widened to f64",
                 s.spec.kind.name()
-            )
+            ),
+            Holding::Stored => {
+                format!("site `{n}` ({}): its factors as stored", s.spec.kind.name())
+            }
         })?;
         streamed.insert(param, (rows as u64, cols as u64));
+    }
+    if holding == Holding::Stored {
+        let threads = rayon::current_num_threads() as u64;
+        tally.add(
+            widest_example.saturating_mul(8).saturating_mul(threads),
+            || {
+                format!(
+                    "one example of the widest site widened to f64 on each of {threads} threads"
+                )
+            },
+        )?;
     }
     let b = shapes.first().map_or(1, |s| s.backprops[0]).max(1) as u64;
     // The judge streams one parameter at a time (`for_each_param_block`), so the largest
@@ -521,14 +602,30 @@ fn read_sites(
     manifest: Option<&BTreeMap<String, usize>>,
     label: &str,
     expected: &mut HashSet<String>,
-    tally: &mut Tally,
+    (tally, holding): (&mut Tally, Holding),
     done: Done,
-) -> Result<(Vec<Site>, Vec<Precision>)> {
+) -> Result<(Vec<Site<StoredFactors>>, Vec<Precision>)> {
     let found = site_tensors(st, specs, label, expected, done)?;
     let shapes: Vec<SiteShape> = found.iter().map(SiteTensors::shape).collect();
     validate_shapes(&shapes)
         .map_err(|e| Error::new(format!("{label}: {}", shared_note(e, &found))))?;
-    check_sizes(&shapes, manifest, label, tally)?;
+    // Bytes a value of site j's factor is held in, as stored: f64 in 8, every narrower format
+    // in f32's 4.
+    let width = |j: usize, what: &str| -> u64 {
+        let tname = match what {
+            "backprops" => found[j].backprops_tensor.clone(),
+            _ => format!("{}.{what}", found[j].spec.name),
+        };
+        let stored = st
+            .tensor(&tname)
+            .ok()
+            .and_then(|v| Precision::of_stored(v.dtype()));
+        match stored {
+            Some(Precision::F64) | None => 8,
+            Some(Precision::F32 | Precision::F16 | Precision::BF16) => 4,
+        }
+    };
+    check_sizes(&shapes, manifest, label, tally, holding, &width)?;
     // A tensor that several sites read (`backprops_of`) is widened into each of them (the budget
     // counts each copy) and its bytes handed back after the last one.
     let mut readers: HashMap<String, usize> = HashMap::new();
@@ -552,26 +649,31 @@ fn read_sites(
     for f in found {
         let n = &f.spec.name;
         let mut dtype = None;
-        // Checked 3-D above; `tensors::to_f64` refuses every dtype that is not a float format.
-        let mut factor = |what: &str, dims: Option<[usize; 3]>| -> Result<Array3<f64>> {
+        // Checked 3-D above; `tensors::to_f64` and `to_f32` refuse every dtype that is not a
+        // float format.
+        let mut factor = |what: &str, dims: Option<[usize; 3]>| -> Result<StoredFactors> {
             let tname = match what {
                 "backprops" => f.backprops_tensor.clone(),
                 _ => format!("{n}.{what}"),
             };
-            let a = tensors::to_f64(st, &tname, label)?;
-            // Its bytes are read: a mapped file's pages go back as each factor is widened, so
-            // the file and the widened factors are never resident together.
+            let stored = st
+                .tensor(&tname)
+                .ok()
+                .and_then(|v| Precision::of_stored(v.dtype()));
+            let a = match (holding, stored) {
+                (Holding::F64, _) | (Holding::Stored, Some(Precision::F64) | None) => {
+                    StoredFactors::F64(three(tensors::to_f64(st, &tname, label)?, dims, &tname)?)
+                }
+                (Holding::Stored, Some(Precision::F32 | Precision::F16 | Precision::BF16)) => {
+                    StoredFactors::F32(three(to_f32(st, &tname, label)?, dims, &tname)?)
+                }
+            };
+            // Its bytes are read: a mapped file's pages go back as each factor is widened or
+            // copied, so the file and the factors are never resident together.
             done(&tname)?;
-            let stored = Precision::of_stored(st.tensor(&tname).expect("checked").dtype())
-                .expect("a float tensor");
+            let stored = stored.expect("a float tensor, or `to_f64` refused it");
             dtype = Some(coarser(dtype, stored));
-            Ok(match dims {
-                // A convolution's inputs, their spatial axes flattened (row-major, as stored).
-                Some(d) => a
-                    .into_shape_with_order(d)
-                    .map_err(|e| Error::internal(format!("`{tname}`: {e}")))?,
-                None => a.into_dimensionality::<Ix3>().expect("checked 3-D"),
-            })
+            Ok(a)
         };
         let backprops = factor("backprops", None)?;
         let activations = match f.activations {
@@ -597,6 +699,61 @@ fn read_sites(
         });
     }
     Ok((sites, dtypes))
+}
+
+/// A factor read as a float tensor, 3-D: `dims` for a convolution's inputs (their spatial axes
+/// flattened, row-major as stored), its own (checked 3-D) otherwise.
+fn three<T>(a: ArrayD<T>, dims: Option<[usize; 3]>, tname: &str) -> Result<Array3<T>> {
+    Ok(match dims {
+        Some(d) => a
+            .into_shape_with_order(d)
+            .map_err(|e| Error::internal(format!("`{tname}`: {e}")))?,
+        None => a.into_dimensionality::<Ix3>().expect("checked 3-D"),
+    })
+}
+
+/// A float tensor stored as f32, f16 or bf16, as f32 (which holds each exactly), with NaN and ±∞
+/// refused as [`tensors::to_f64`] refuses them; decoded straight from the file's bytes, a chunk a
+/// task.
+fn to_f32(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f32>> {
+    fn decode<const N: usize>(bytes: &[u8], out: &mut [f32], w: impl Fn([u8; N]) -> f32 + Sync) {
+        const CHUNK: usize = 1 << 16;
+        out.par_chunks_mut(CHUNK)
+            .zip(bytes.par_chunks(CHUNK * N))
+            .for_each(|(o, b)| {
+                for (v, c) in o.iter_mut().zip(b.chunks_exact(N)) {
+                    *v = w(c.try_into().expect("chunks of N bytes"));
+                }
+            });
+    }
+    let view = st
+        .tensor(name)
+        .map_err(|_| Error::new(format!("{label}: tensor `{name}` is missing")))?;
+    let (dtype, bytes) = (view.dtype(), view.data());
+    let width = tensors::float_width(dtype, name, label)?;
+    let mut values = vec![0.0f32; bytes.len() / width];
+    match dtype {
+        safetensors::Dtype::F32 => decode(bytes, &mut values, f32::from_le_bytes),
+        safetensors::Dtype::F16 => {
+            decode(bytes, &mut values, |c| half::f16::from_le_bytes(c).to_f32())
+        }
+        safetensors::Dtype::BF16 => decode(bytes, &mut values, |c| {
+            half::bf16::from_le_bytes(c).to_f32()
+        }),
+        other => bail!("{label}: tensor `{name}` ({other:?}) is not a format f32 holds exactly"),
+    }
+    if let Some((index, v)) = values
+        .par_iter()
+        .enumerate()
+        .find_first(|(_, v)| !v.is_finite())
+    {
+        bail!(
+            "{label}: tensor `{name}` holds a non-finite value ({}) at flat index {index}",
+            f64::from(*v)
+        );
+    }
+    ArrayD::from_shape_vec(IxDyn(view.shape()), values)
+        .map_err(|e| Error::new(format!("{label}: tensor `{name}`: {e}")))
 }
 
 /// A shape error as `validate_shapes` words it, which names a site's backprops `<name>.backprops`,
@@ -834,7 +991,9 @@ mod tests {
             Ok(())
         };
         let budget = MemoryBudget::bytes(1 << 30);
-        let (read, read_meta) = read_trace_parts(&bytes, "T", budget, Some(&hook)).unwrap();
+        let (read, read_meta) =
+            read_trace_parts(&bytes, "T", budget, Holding::F64, Some(&hook)).unwrap();
+        let read = read.into_f64();
 
         // Every tensor's byte range, from the header as the safetensors crate reads it.
         let (n, header) = SafeTensors::read_metadata(&bytes).unwrap();

@@ -8,7 +8,7 @@ use crate::error::{bail, Error, Result};
 use crate::io::RawTensor;
 use crate::precision::Precision;
 use crate::tensors::{has, Floats, TensorSource};
-use crate::trace::Trace;
+use crate::trace::{Factors, Trace};
 use ndarray::Array1;
 use safetensors::SafeTensors;
 use std::collections::{HashMap, HashSet};
@@ -36,10 +36,10 @@ pub struct StepClaim {
 /// parameter or none, each with the parameter's number of values, and the header's
 /// `batch_divisor`, `clip_stabilizer` and `clipping`. Values may be NaN or infinite: that is the
 /// library's defect, judged as a verdict.
-pub(super) fn read_step(
+pub(super) fn read_step<F: Factors>(
     st: &SafeTensors,
     meta: &HashMap<String, String>,
-    trace: &Trace,
+    trace: &Trace<F>,
     label: &str,
     expected: &mut HashSet<String>,
     done: super::Done,

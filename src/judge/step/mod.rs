@@ -24,6 +24,7 @@ use super::truth::Truth;
 use super::verdict::Verdict;
 use crate::error::Result;
 use crate::options::{ClipNorm, NoiseMultiplier};
+use ghost_oracle_reference::Factors;
 use ghost_oracle_reference::StepClaim;
 use noise::{check_noisy_update, noise_checks, noise_fractions, spread_over_tensors};
 use serde::Serialize;
@@ -63,9 +64,9 @@ pub struct StepMetrics {
 
 /// What a step is judged against: the truth and its tolerance, the clipper's arithmetic, the
 /// metrics of its norms (their rounding bounds and contributions), C and σ.
-pub struct StepJudge<'a> {
+pub struct StepJudge<'a, F = ndarray::Array3<f64>> {
     /// The f64 truth of the batch.
-    pub truth: &'a Truth,
+    pub truth: &'a Truth<F>,
     /// The rounding bounds of the clipper's precision.
     pub tolerance: &'a Tolerance,
     /// How the library computed (precision, accumulation).
@@ -82,8 +83,8 @@ pub struct StepJudge<'a> {
 /// is no noise. With `claimed_coefficients`, also the clipped sum's distance from Σ ĉ_i g_i* at
 /// those coefficients, ‖X − Σ ĉ_i g_i*‖ and ‖Σ ĉ_i g_i*‖, taken from the same rebuilt gradients
 /// as the check at the true coefficients.
-pub fn evaluate_step(
-    at: &StepJudge,
+pub fn evaluate_step<F: Factors>(
+    at: &StepJudge<F>,
     step: &StepClaim,
     claimed_coefficients: Option<&[f64]>,
 ) -> Result<(StepMetrics, Option<(f64, f64)>)> {
@@ -193,7 +194,7 @@ impl StepMetrics {
 
     /// The noise fraction, each example's contribution weighed by the noise its tensors got,
     /// σ_eff and the verdict, from the checks.
-    fn weigh(&mut self, at: &StepJudge) {
+    fn weigh<F: Factors>(&mut self, at: &StepJudge<F>) {
         let c = at.max_grad_norm.get();
         let fractions = noise_fractions(&self.noise, self.noisy_update.as_ref());
         self.noise_fraction = fractions.iter().map(|(_, f)| *f).fold(1.0, f64::min);

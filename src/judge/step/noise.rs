@@ -8,6 +8,7 @@ use crate::error::Result;
 use crate::judge::numeric::{bilinear, ratio, GramSolver};
 use crate::judge::truth::Truth;
 use crate::judge::verdict::Verdict;
+use ghost_oracle_reference::Factors;
 use ghost_oracle_reference::Floats;
 use serde::Serialize;
 use std::fmt;
@@ -156,10 +157,10 @@ pub(super) fn noise_checks(
 }
 
 /// The update under noise, decomposed against the batch's gradients (see [`NoisyUpdateCheck`]).
-pub(super) fn check_noisy_update(
+pub(super) fn check_noisy_update<F: Factors>(
     update: &[(String, Floats)],
     divisor: f64,
-    truth: &Truth,
+    truth: &Truth<F>,
     coefs: &[f64],
     sigma_c: f64,
 ) -> Result<NoisyUpdateCheck> {
@@ -236,8 +237,8 @@ pub(super) fn noise_fractions(
 /// when tensor p gets σ f_p instead of σ. Where no single tensor shows too little noise, every
 /// tensor takes the whole update's fraction (1 when it passes); a tensor measured only within
 /// the whole takes the whole's; a truth without per-tensor norms, the smallest fraction.
-pub(super) fn spread_over_tensors(
-    truth: &Truth,
+pub(super) fn spread_over_tensors<F: Factors>(
+    truth: &Truth<F>,
     i: usize,
     fractions: &[(NoiseScope, f64)],
     least: f64,
@@ -281,7 +282,7 @@ mod tests {
     /// √(½/½² + ½/½²) = 2 times its clipped contribution.
     #[test]
     fn a_tensor_named_all_is_not_the_whole_update() {
-        let truth = Truth {
+        let truth: Truth = Truth {
             norms: vec![1.0],
             gram: vec![vec![1.0]],
             cross_share: vec![None],

@@ -8,7 +8,7 @@ use crate::judge::numeric::{bilinear, ratio, GramSolver};
 use crate::judge::tolerance::{Arithmetic, Tolerance};
 use crate::judge::truth::{for_each_param_block, Block, Truth};
 use crate::judge::verdict::Verdict;
-use ghost_oracle_reference::{Floats, Trace as RefTrace};
+use ghost_oracle_reference::{Factors, Floats, Trace};
 use ndarray::Array2;
 use rayon::prelude::*;
 use serde::Serialize;
@@ -84,8 +84,8 @@ impl SumCheck {
 
 /// What every sum of one step is judged against: the truth, its tolerance, the norms' metrics
 /// of the clipper that took the step, the true coefficients c*_i and C.
-pub(super) struct SumContext<'a> {
-    pub truth: &'a Truth,
+pub(super) struct SumContext<'a, F> {
+    pub truth: &'a Truth<F>,
     pub tolerance: &'a Tolerance,
     pub arithmetic: &'a Arithmetic,
     pub examples: &'a [ExampleMetrics],
@@ -138,8 +138,8 @@ pub(super) struct Sums {
 
 /// `claimed` is read times `scale` (an update times its divisor), a block at a time; `other`
 /// coefficients are compared with in the same pass.
-pub(super) fn sums(
-    truth: &Truth,
+pub(super) fn sums<F: Factors>(
+    truth: &Truth<F>,
     coefs: &[f64],
     claimed: &[(String, Floats)],
     scale: f64,
@@ -149,8 +149,8 @@ pub(super) fn sums(
 }
 
 /// [`sums`] with tiles of about `tile_bytes` of one example's rows (at least one row).
-fn sums_in_tiles(
-    truth: &Truth,
+fn sums_in_tiles<F: Factors>(
+    truth: &Truth<F>,
     coefs: &[f64],
     claimed: &[(String, Floats)],
     scale: f64,
@@ -242,8 +242,8 @@ struct TileSums {
 /// Rows `rows` (`cols` wide) of every example's gradient rebuilt from the factors, one example
 /// at a time, against X's same rows `x`: S* = Σ c_i g_i*, the other coefficients' Σ a_i g_i*,
 /// and b_i = ⟨g_i*, X⟩.
-fn tile_sums(
-    factors: &RefTrace,
+fn tile_sums<F: Factors>(
+    factors: &Trace<F>,
     sites: &[usize],
     rows: Range<usize>,
     cols: usize,
@@ -352,7 +352,7 @@ struct Implied {
 /// Decomposes X against the batch's gradients. An error δ of X moves ĉ by G⁺⟨g, δ⟩, whose i-th
 /// entry is at most √(G⁺)_ii·‖δ‖ (Cauchy–Schwarz in G's metric): a nearly dependent batch makes
 /// ĉ uncertain, and that must not read as a contribution above C.
-fn implied(ctx: &SumContext, s: &Sums, bound: f64) -> Implied {
+fn implied<F: Factors>(ctx: &SumContext<F>, s: &Sums, bound: f64) -> Implied {
     let (gram, norms, c) = (&ctx.truth.gram, &ctx.truth.norms, ctx.max_grad_norm);
     let n = ctx.true_coefficients.len();
     let solver = GramSolver::new(gram);
@@ -388,8 +388,8 @@ fn implied(ctx: &SumContext, s: &Sums, bound: f64) -> Implied {
 
 /// Judges one claimed sum X against S* = Σ c*_i g_i*. With `other` coefficients, also returns
 /// ‖X − Σ a_i g_i*‖ and ‖Σ a_i g_i*‖ at them, from the same rebuilt gradients.
-pub(super) fn check_sum(
-    ctx: &SumContext,
+pub(super) fn check_sum<F: Factors>(
+    ctx: &SumContext<F>,
     claimed: &ClaimedSum,
     other: Option<&[f64]>,
 ) -> Result<(SumCheck, Option<(f64, f64)>)> {
@@ -464,8 +464,8 @@ pub(super) fn check_sum(
 /// contribution, ĉ_i less what the sum's rounding can move it by, exceeds C. A correct sum's ĉ
 /// lies within that spread of coefficients whose contributions are at most C times one norm
 /// bound (the coefficients' share of the norms' rounding is in the sum's bound already).
-fn sum_verdict(
-    ctx: &SumContext,
+fn sum_verdict<F: Factors>(
+    ctx: &SumContext<F>,
     what: SumKind,
     invalid: bool,
     within: bool,
