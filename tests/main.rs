@@ -20,4 +20,5 @@ mod report;
 mod rounding;
 mod rows;
 mod step;
+mod stored_factors;
 mod traces;
