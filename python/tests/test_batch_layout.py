@@ -205,6 +205,68 @@ def test_mixing_is_found_above_the_probe_all_limit(tmp_path):
                      claimed_norms=torch.ones(12), max_grad_norm=1.0)
 
 
+class Borrow(torch.nn.Module):
+    """A linear layer, then example `to`'s hidden state gains `w` times example `frm`'s: the
+    loss of `to` depends on the input of `frm`, a mixing confined to two examples."""
+
+    def __init__(self, frm, to, w=0.5):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(D, OUT), torch.nn.Linear(OUT, 3)
+        self.src, self.dst, self.w = frm, to, w
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        lent = torch.zeros_like(h)
+        lent[self.dst] = h[self.src]
+        return self.b(h + self.w * lent)
+
+
+def _mixes(model, x, frm, to):
+    """The ground truth: example `to`'s loss changes with example `frm`'s input."""
+    loss = model(x).pow(2).sum(-1)
+    y = x.clone()
+    y[frm] += 1.0
+    return not torch.allclose(loss[to], model(y).pow(2).sum(-1)[to])
+
+
+@pytest.mark.parametrize("where", ["inside one probed group", "from an unprobed example into a probed one"])
+def test_mixing_the_zero_test_of_a_group_cannot_see_is_refused(tmp_path, where):
+    """B = 12: examples are probed four at a time. Mixing between two examples of one group never
+    leaves the group, and a loss that is not probed reaching a probed example's part is in no
+    probe at all: both show where the group's gradient at its own examples is not each example's
+    power-of-two weight times the batch's there."""
+    from ghost_oracle.torch.layout import _probe_groups
+
+    b = 12
+    first = _probe_groups(b)[0]
+    outside = next(i for i in range(b) if i not in first)
+    frm, to = (first[0], first[1]) if where.startswith("inside") else (first[0], outside)
+    torch.manual_seed(12)
+    model = f64(Borrow(frm, to))
+    x = torch.randn(b, D, dtype=torch.float64)
+    assert _mixes(model, x, frm, to)
+    with pytest.raises(TraceExportError, match=f"the model mixes examples.*receives gradient at example {frm}"):
+        export_trace(model, lambda m, v: m(v).pow(2).sum(-1), x, tmp_path / "m.safetensors",
+                     claimed_norms=torch.ones(b), max_grad_norm=1.0)
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_the_group_check_holds_a_model_that_keeps_examples_apart(tmp_path):
+    """The same model lending nothing (w = 0), B = 12 in float32 and float64: every group's
+    gradient is its weights times the batch's, and the trace's norms are brute force's."""
+    from ghost_oracle.torch.layout import _probe_groups
+
+    first = _probe_groups(12)[0]
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(13)
+        model = Borrow(first[0], first[1], w=0.0).to(dtype)
+        x = torch.randn(12, D, dtype=dtype)
+        loss = lambda m, v: m(v).pow(2).sum(-1)  # noqa: E731
+        got = oracle_truth(tmp_path, model, loss, x)
+        want = brute_force_norms(model.double(), loss, x.double())
+        torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-9, atol=0)
+
+
 def test_batch_norm_in_training_mode_is_refused(tmp_path):
     class Bn(torch.nn.Module):
         def __init__(self):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -51,6 +52,14 @@ from .kinds.base import Use
 # more for a site that none of them reached.
 PROBE_ALL_UP_TO = 8
 PROBE_SEED = 20260612
+#: Above PROBE_ALL_UP_TO: the examples each probe backpropagates together, and how many are
+#: probed at least. One backward per group: at WRN-16-4's B = 256 a backward is a fifth of the
+#: export, and four probes one at a time were a third of it.
+PROBE_GROUP = 4
+PROBE_AT_LEAST = 4
+#: Units of the output's rounding a group's gradient may differ from its weights times the
+#: batch's (`_hold_groups_to_batch`): 0 on kernels that add in one order for any values.
+MIXED_SLACK = 64
 
 def _implied_owners(layout: Layout, n: int, b: int) -> tuple[int, ...]:
     """The example of each of the `n` entries of the layout's axis."""
@@ -90,11 +99,20 @@ def _layouts(shape: Sequence[int], b: int, packings: Sequence[Packing] = ()) -> 
     return out
 
 
-def _reached(g: torch.Tensor, layout: Layout, b: int, i: int) -> tuple[list[int], bool]:
-    """Along `layout`, the examples other than i that example i's output gradient `g` reaches,
-    and whether it reaches example i's own part."""
+def _reached(g: torch.Tensor, layout: Layout, b: int, group: Sequence[int]) -> tuple[list[int], bool]:
+    """Along `layout`, the examples outside the probed `group` that the group's output gradient
+    `g` reaches, and whether it reaches any of the group's own parts."""
     nz = batch_first(g, layout, b).ne(0).reshape(b, -1).any(1)
-    return [j for j in nz.nonzero().flatten().tolist() if j != i], bool(nz[i])
+    inside = set(group)
+    return [j for j in nz.nonzero().flatten().tolist() if j not in inside], bool(nz[list(group)].any())
+
+
+def _probed(group: Sequence[int]) -> str:
+    """A probed group as a message names its examples."""
+    if len(group) == 1:
+        return f"the loss of example {group[0]} alone"
+    return (f"the losses of examples {', '.join(map(str, group))} alone (backpropagated together, each weighted "
+            "by its own power of two)")
 
 
 def _shown(examples: Sequence[int]) -> str:
@@ -102,26 +120,28 @@ def _shown(examples: Sequence[int]) -> str:
     return ", ".join(map(str, examples[:6])) + (", ..." if len(examples) > 6 else "")
 
 
-def _input_spill(t: torch.Tensor, g: torch.Tensor | None, i: int, b: int, batch_axis: int,
+def _input_spill(t: torch.Tensor, g: torch.Tensor | None, group: Sequence[int], b: int, batch_axis: int,
                  owners: torch.Tensor | None = None) -> list[int] | None:
-    """The examples other than i whose part of the input `t` example i's loss alone reaches
-    (`g` its gradient), along `batch_axis`, or as `owners` splits its first axis where a handler
-    says how (`Handler.input_examples`); None where `t` has no such axis."""
+    """The examples outside the probed `group` whose part of the input `t` the group's losses
+    reach (`g` its gradient), along `batch_axis`, or as `owners` splits its first axis where a
+    handler says how (`Handler.input_examples`); None where `t` has no such axis."""
     if g is not None and owners is not None:
         hit = owners[g.ne(0).reshape(owners.shape[0], -1).any(1).to(owners.device)]
-        return sorted({int(j) for j in hit.tolist()} - {i, -1})
+        return sorted({int(j) for j in hit.tolist()} - {*group, -1})
     if g is None or t.dim() <= batch_axis or t.shape[batch_axis] != b:
         return None
     nz = g.movedim(batch_axis, 0).ne(0).reshape(b, -1).any(1)
-    return [j for j in nz.nonzero().flatten().tolist() if j != i]
+    inside = set(group)
+    return [j for j in nz.nonzero().flatten().tolist() if j not in inside]
 
 
-def _refuse_spilled_input(name: str, i: int, others: list[int], batch_axis: int, apart: list[int]) -> None:
-    """An input whose examples example i's loss reaches beyond its own. `apart` are the other
-    axes of B entries along which every probed example's loss reached its own slice and no
-    other: where there is one, the examples lie there and the advice to pass it is one that
-    works (given it, the same probes find every example confined); none is a model that mixes
-    examples."""
+def _refuse_spilled_input(name: str, group: Sequence[int], others: list[int], batch_axis: int,
+                          apart: list[int]) -> None:
+    """An input whose examples a probed group's losses reach beyond the group's own. `apart` are
+    the other axes of B entries along which every probed group's losses reached its own slices
+    and no other: where there is one, the examples lie there and the advice to pass it is one
+    that works (given it, the same probes find every example confined); none is a model that
+    mixes examples."""
     if len(apart) == 1:
         a = apart[0]
         raise TraceExportError(
@@ -130,8 +150,8 @@ def _refuse_spilled_input(name: str, i: int, others: list[int], batch_axis: int,
             + (" (seq-first data: batch_first=False)" if a == 1 else ""))
     shown = _shown(others)
     raise TraceExportError(
-        f"the model mixes examples: the loss of example {i} alone depends on {name} of example(s) {shown} (along "
-        f"axis {batch_axis}), so example {i}'s gradient changes with the other examples of the batch (batch "
+        f"the model mixes examples: {_probed(group)} depend(s) on {name} of example(s) {shown} (along axis "
+        f"{batch_axis}), so an example's gradient changes with the other examples of the batch (batch "
         "statistics, such as BatchNorm in training mode, or attention across the batch) and per-example "
         "clipping bounds nothing: no per-example norm is defined")
 
@@ -143,26 +163,128 @@ def _probe_order(b: int) -> list[int]:
     return torch.randperm(b, generator=gen).tolist()
 
 
-def _find_layouts(entries: Sequence[Use], losses: torch.Tensor, b: int, batch_axis: int,
-                  direct_inputs: Sequence[torch.Tensor], leaves: Sequence[tuple[str, torch.Tensor]] = (),
-                  progress: Any = None, packings: Sequence[Packing] = ()) -> None:
-    """Sets `use.layout` for every use whose output received a gradient in the batch's
-    backward, from the gradients of single examples' losses (the graph must still be alive).
-    A use shared by every example (see the module's docstring) gets its per-example factors:
-    its input repeated and its per-example output gradients, the examples first. Raises
-    `TraceExportError` for a use no layout fits that is not shared (the model mixes examples),
-    one several layouts fit alike, and a use fed the inputs directly whose layout is not
-    `batch_axis`.
+def _probe_groups(b: int) -> list[list[int]]:
+    """The examples each probe backpropagates together: each alone up to `PROBE_ALL_UP_TO`,
+    above it `PROBE_GROUP` of the seeded order at a time."""
+    order = _probe_order(b)
+    size = 1 if b <= PROBE_ALL_UP_TO else PROBE_GROUP
+    return [order[k:k + size] for k in range(0, len(order), size)]
 
-    `leaves` are (name, tensor) pairs of floating-point inputs made to require gradients: an
-    example's loss must not reach another example's inputs either (batch statistics taken of
-    the inputs before any parameter is used show there and nowhere else).
 
-    `packings` are those of the batch's `PackedSequence`s (`batch.Packing`): their rows are
-    candidate layouts of every use, and their data's rows are held to their examples."""
+@dataclass
+class Probes:
+    """What the probes saw (`probe_examples`), for `settle_layouts` once the batch's own backward
+    has run. Per use (by id): `status`, each candidate layout's [every probed group stayed in
+    its own examples' slices, some group reached them]; `spill`, the first probe that reached
+    another example (group, examples, layout), for the message; `reached`, whether any probe
+    reached the use; `kept`, per layout still confined, each probed group's (group, its slices
+    along the layout), for the check of each group against the batch's gradient. Per input leaf:
+    `input_spill` and `input_axes` (its other axes of B entries: [confined, reached])."""
+
+    b: int
+    groups: list[list[int]] = field(default_factory=list)
+    status: dict[int, dict[Layout, list[bool]]] = field(default_factory=dict)
+    spill: dict[int, tuple[list[int], list[int], Layout] | None] = field(default_factory=dict)
+    reached: dict[int, bool] = field(default_factory=dict)
+    kept: dict[int, dict[Layout, list[tuple[list[int], torch.Tensor]]]] = field(default_factory=dict)
+    input_spill: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    input_axes: dict[str, dict[int, list[bool]]] = field(default_factory=dict)
+
+    def may_be_shared(self, entries: Sequence[Use]) -> bool:
+        """Whether a use computed from no example fits no layout: it may be shared by every
+        example, and then its per-example output gradients need the graph after the batch's
+        backward."""
+        return any(e.batch_free and id(e) in self.status and not _fits(self.status[id(e)]) for e in entries)
+
+
+def probe_examples(entries: Sequence[Use], losses: torch.Tensor, b: int, batch_axis: int,
+                   leaves: Sequence[tuple[str, torch.Tensor]] = (), progress: Any = None,
+                   packings: Sequence[Packing] = ()) -> Probes:
+    """Backpropagates groups of single examples' losses (`_probe_groups`) to the output of every
+    use and to the inputs, before the batch's own backward, with the graph kept: each use's
+    candidate layouts are held to what they reach (see the module's docstring). Example k of a
+    group is weighted by 2^k, so that each group's gradient at its own examples can be held to
+    the batch's (`settle_layouts`): a power of two scales every rounding of a backward exactly.
+
+    `leaves` are (name, tensor) pairs of floating-point inputs made to require gradients: a
+    group's losses must not reach another example's inputs either (batch statistics taken of the
+    inputs before any parameter is used show there and nowhere else). `packings` are those of
+    the batch's `PackedSequence`s (`batch.Packing`): their rows are candidate layouts of every
+    use, and their data's rows are held to their examples."""
+    probes = Probes(b)
+    live = [e for e in entries if e.output is not None and torch.is_tensor(e.output) and e.output.requires_grad]
+    if b == 1 or (not live and not leaves):
+        return probes
+    probes.status = {id(e): {lay: [True, False] for lay in _layouts(tuple(e.out.shape), b, packings)} for e in live}
+    probes.spill = {id(e): None for e in live}
+    probes.reached = {id(e): False for e in live}
+    probes.kept = {id(e): {} for e in live}
+    reached_any = bool(live)  # with no use to reach, every example is probed for the inputs alone
+    probes.input_axes = {name: {a: [True, False] for a in range(t.dim()) if a != batch_axis and t.shape[a] == b}
+                         for name, t in leaves}
+    # The inputs a use splits into examples otherwise than along the batch axis.
+    declared = [pair for e in entries if e.output is not None for pair in e.handler.input_examples(e)]
+    owners = {name: own for name, t in leaves for x, own in declared
+              if x.shape == t.shape and x.data_ptr() == t.data_ptr()}
+    owners.update(_packed_owners(leaves, packings))
+    for name in owners:
+        probes.input_axes[name] = {}
+    groups = _probe_groups(b)
+    probed = 0
+    for n, group in enumerate(groups):
+        if (b > PROBE_ALL_UP_TO and probed >= min(b, PROBE_AT_LEAST) and all(probes.reached.values())
+                and reached_any):
+            break
+        if progress is not None:
+            progress.step("per-example probes (one backward per group of examples)", n, len(groups))
+        weights = torch.zeros(b, dtype=losses.dtype, device=losses.device)
+        weights[group] = torch.tensor([2.0 ** k for k in range(len(group))], dtype=losses.dtype,
+                                      device=losses.device)
+        grads = torch.autograd.grad(losses, [e.out for e in live] + [t for _, t in leaves], grad_outputs=weights,
+                                    retain_graph=True, allow_unused=True)
+        probes.groups.append(group)
+        probed += len(group)
+        for (name, t), g in zip(leaves, grads[len(live):], strict=True):
+            others = _input_spill(t, g, group, b, batch_axis, owners.get(name))
+            if others and name not in probes.input_spill:
+                probes.input_spill[name] = (group, others)
+            if g is not None:
+                for a, st in probes.input_axes[name].items():
+                    nz = g.movedim(a, 0).ne(0).reshape(b, -1).any(1)
+                    inside = set(group)
+                    st[0] = st[0] and not any(j not in inside for j in nz.nonzero().flatten().tolist())
+                    st[1] = st[1] or bool(nz[group].any())
+        for e, g in zip(live, grads[:len(live)], strict=True):
+            if g is None:
+                continue
+            if bool(g.ne(0).any()):
+                probes.reached[id(e)] = True
+            for lay, st in probes.status[id(e)].items():
+                others, hit = _reached(g, lay, b, group)
+                st[1] = st[1] or hit
+                if others:
+                    st[0] = False
+                    if lay == ("axis", batch_axis) or probes.spill[id(e)] is None:
+                        probes.spill[id(e)] = (group, others, lay)
+                    probes.kept[id(e)].pop(lay, None)
+                elif st[0] and len(group) > 1:  # the group's own slices, for the check against the batch's
+                    probes.kept[id(e)].setdefault(lay, []).append(
+                        (group, batch_first(g.detach(), lay, b)[group].clone()))
+        del grads
+    return probes
+
+
+def settle_layouts(entries: Sequence[Use], probes: Probes, losses: torch.Tensor, b: int, batch_axis: int,
+                   direct_inputs: Sequence[torch.Tensor], progress: Any = None) -> None:
+    """Once the batch's own backward has run (the graph kept where `Probes.may_be_shared`): sets
+    `use.layout` for every use whose output received a gradient, from what the probes saw. A use
+    shared by every example (see the module's docstring) gets its per-example factors: its input
+    repeated and its per-example output gradients, the examples first. Raises `TraceExportError`
+    for a use no layout fits that is not shared (the model mixes examples), one several layouts
+    fit alike, a use fed the inputs directly whose layout is not `batch_axis`, an input a group's
+    losses reach beyond its examples, and a group whose gradient at its own examples is not
+    each example's weight times the batch's there (another example's loss reaches them)."""
     live = [e for e in entries if e.output_grad is not None]
-    if not live and not leaves:
-        return
     if b == 1:  # one example: the batch is the example, any axis of size 1 holds it
         for e in live:
             dims = tuple(e.out.shape)
@@ -170,59 +292,9 @@ def _find_layouts(entries: Sequence[Use], losses: torch.Tensor, b: int, batch_ax
                     if lay[1] < len(dims) - 1 and dims[lay[1]] == 1]
             e.layout = fits[0] if fits else ("major", 0)
         return
-    status = {id(e): {lay: [True, False] for lay in _layouts(tuple(e.out.shape), b, packings)} for e in live}
-    reached_any = bool(live)  # with no use to reach, every example is probed for the inputs alone
-    # The first probe that reached another example, for the message.
-    spill: dict[int, tuple[int, list[int], Layout] | None] = {id(e): None for e in live}
-    input_spill: dict[str, tuple[int, list[int]]] = {}
-    # Each input's other axes of B entries: [confined in every probe so far, reached].
-    input_axes = {name: {a: [True, False] for a in range(t.dim()) if a != batch_axis and t.shape[a] == b}
-                  for name, t in leaves}
-    # The inputs a use splits into examples otherwise than along the batch axis.
-    declared = [pair for e in entries for pair in e.handler.input_examples(e)]
-    owners = {name: own for name, t in leaves for x, own in declared
-              if x.shape == t.shape and x.data_ptr() == t.data_ptr()}
-    owners.update(_packed_owners(leaves, packings))
-    for name in owners:
-        input_axes[name] = {}
-    reached = {id(e): False for e in live}  # whether any probe's gradient reached the use's output
-    # The probes' gradients of the uses computed from no example, kept: such a use may be shared
-    # by every example, and then they are its per-example output gradients.
-    batch_free = [e for e in live if e.batch_free]
-    probe_grads: dict[int, dict[int, torch.Tensor | None]] = {id(e): {} for e in batch_free}
-    order = _probe_order(b)
-    for n, i in enumerate(order):
-        if n >= min(b, 4) and b > PROBE_ALL_UP_TO and all(reached.values()) and reached_any:
-            break
-        if progress is not None:
-            progress.step("per-example probes (one backward each)", n, len(order))
-        grads = torch.autograd.grad(losses[i], [e.out for e in live] + [t for _, t in leaves],
-                                    retain_graph=True, allow_unused=True)
-        for (name, t), g in zip(leaves, grads[len(live):], strict=True):
-            others = _input_spill(t, g, i, b, batch_axis, owners.get(name))
-            if others and name not in input_spill:
-                input_spill[name] = (i, others)
-            if g is not None:
-                for a, st in input_axes[name].items():
-                    nz = g.movedim(a, 0).ne(0).reshape(b, -1).any(1)
-                    st[0] = st[0] and not any(j != i for j in nz.nonzero().flatten().tolist())
-                    st[1] = st[1] or bool(nz[i])
-        for e, g in zip(live, grads[:len(live)], strict=True):
-            if id(e) in probe_grads:
-                probe_grads[id(e)][i] = None if g is None else g.detach()
-            if g is None:
-                continue
-            if bool(g.ne(0).any()):
-                reached[id(e)] = True
-            for lay, st in status[id(e)].items():
-                others, hit = _reached(g, lay, b, i)
-                if others:
-                    st[0] = False
-                    if lay == ("axis", batch_axis) or spill[id(e)] is None:
-                        spill[id(e)] = (i, others, lay)
-                if hit:
-                    st[1] = True
-    shared = [e for e in batch_free if not _fits(status[id(e)]) and bool(e.grad.ne(0).any())]
+    if not live and not probes.input_axes:
+        return
+    shared = [e for e in live if e.batch_free and not _fits(probes.status[id(e)]) and bool(e.grad.ne(0).any())]
     for e in shared:
         if e.read_into_python:
             raise TraceExportError(
@@ -231,17 +303,50 @@ def _find_layouts(entries: Sequence[Use], losses: torch.Tensor, b: int, batch_ax
                 f"the batch into Python before it ({e.read_into_python}), where the exporter cannot follow "
                 "them: whether this use is shared by every example or mixes them cannot be told. Compute it "
                 "without reading the batch's values into Python, or give it a per-example input")
+    grads: dict[int, dict[int, torch.Tensor | None]] = {id(e): {} for e in shared}
     if shared:
-        _gather_per_example_grads(shared, probe_grads, losses, b, progress)
+        _gather_per_example_grads(shared, grads, losses, b, progress)
     shared_ids = {id(e) for e in shared}
+    n_probed = sum(len(g) for g in probes.groups)
     for e in live:
         if id(e) in shared_ids:
-            _share(e, probe_grads.pop(id(e)), b)
+            _share(e, grads.pop(id(e)), b)
             continue
-        _settle_layout(e, status[id(e)], spill[id(e)], reached[id(e)], len(order), b, batch_axis, direct_inputs)
-    for name, (i, others) in input_spill.items():
-        apart = [a for a, (confined, hit) in input_axes[name].items() if confined and hit]
-        _refuse_spilled_input(name, i, others, batch_axis, apart)
+        _settle_layout(e, probes.status[id(e)], probes.spill[id(e)], probes.reached[id(e)], n_probed, b,
+                       batch_axis, direct_inputs)
+        if e.layout is not None and not e.layout_unprobed:
+            _hold_groups_to_batch(e, probes.kept[id(e)].get(e.layout, []), b)
+    for name, (group, others) in probes.input_spill.items():
+        apart = [a for a, (confined, hit) in probes.input_axes[name].items() if confined and hit]
+        _refuse_spilled_input(name, group, others, batch_axis, apart)
+
+
+def _hold_groups_to_batch(e: Use, kept: Sequence[tuple[list[int], torch.Tensor]], b: int) -> None:
+    """Each probed group's gradient at its own examples, along the use's layout, against the
+    batch's: where no example's loss reaches another's part of the output, the group's part at
+    its k-th example is 2^k times the batch's there, exactly (the same backward, its seed scaled
+    by a power of two; `MIXED_SLACK` units of rounding allowed for kernels that add in an order
+    of their own). More is another example's loss reaching that part: the group's own probe
+    cannot see it (its gradient stays inside the group), the batch's can."""
+    assert e.layout is not None
+    if not kept:
+        return
+    batch = batch_first(e.grad, e.layout, b)
+    u = torch.finfo(batch.dtype).eps / 2 if batch.dtype.is_floating_point else 0.0
+    for group, slices in kept:
+        for k, i in enumerate(group):
+            want = batch[i].to(torch.float64) * 2.0 ** k
+            got = slices[k].to(torch.float64)
+            scale = float(want.abs().max()) if want.numel() else 0.0
+            off = float((got - want).abs().max()) if want.numel() else 0.0
+            if off > MIXED_SLACK * u * scale:
+                raise TraceExportError(
+                    f"the model mixes examples: the output of {e.where} ({list(e.out.shape)}) receives gradient at "
+                    f"example {i} (along {describe_layout(e.layout)}) from the losses of other examples: "
+                    f"{_probed(group)} give it {off / max(scale, 1e-300):.2e} of its size more or less than example "
+                    f"{i}'s own share of the batch's gradient there. Example i's gradient then depends on the other "
+                    "examples of the batch (attention or normalization across the batch, BatchNorm), so "
+                    "per-example clipping bounds nothing and no per-example norm is defined")
 
 
 def _packed_owners(leaves: Sequence[tuple[str, torch.Tensor]],
@@ -258,9 +363,9 @@ def _fits(status: dict[Layout, list[bool]]) -> list[Layout]:
 
 def _gather_per_example_grads(shared: Sequence[Use], probe_grads: dict[int, dict[int, torch.Tensor | None]],
                               losses: torch.Tensor, b: int, progress: Any) -> None:
-    """Completes `probe_grads` of the shared uses with ∂L_i/∂out of every example the probes
-    left out: one batched backward (`is_grads_batched`, a row of the identity per example),
-    else, where autograd cannot batch the graph's backward, one backward per example."""
+    """Completes `probe_grads` of the shared uses with ∂L_i/∂out of every example it lacks: one
+    batched backward (`is_grads_batched`, a row of the identity per example), else, where
+    autograd cannot batch the graph's backward, one backward per example."""
     missing = [i for i in range(b) if any(i not in probe_grads[id(e)] for e in shared)]
     if not missing:
         return
@@ -336,7 +441,7 @@ def _share(e: Use, grads: dict[int, torch.Tensor | None], b: int) -> None:
 
 
 def _settle_layout(e: Use, status: dict[Layout, list[bool]],
-                   spilled_at: tuple[int, list[int], Layout] | None, reached: bool, n_probed: int, b: int,
+                   spilled_at: tuple[list[int], list[int], Layout] | None, reached: bool, n_probed: int, b: int,
                    batch_axis: int, direct_inputs: Sequence[torch.Tensor]) -> None:
     """Sets one use's layout from what the probes saw: the one layout along which every probed
     example's gradient stayed at its own index and reached it. Raises naming the use where none
@@ -374,10 +479,10 @@ def _settle_layout(e: Use, status: dict[Layout, list[bool]],
                 "apart, and the examples' losses reach it (a mean or other reduction over the batch, an input "
                 "of several examples). Per-example clipping bounds nothing where an example's gradient depends "
                 "on the others: no per-example norm is defined")
-        i, others, lay = spilled_at
+        group, others, lay = spilled_at
         shown = _shown(others)
         raise TraceExportError(
-            f"the model mixes examples: the loss of example {i} alone sends gradient into the output of "
+            f"the model mixes examples: {_probed(group)} send(s) gradient into the output of "
             f"{where} ({shape}) at example(s) {shown} along {describe_layout(lay)}, and no axis of that output "
             "keeps the examples apart. Example i's gradient then depends on the other examples of the "
             "batch (attention or normalization across the batch: a seq-first attention fed batch-first "
@@ -441,14 +546,14 @@ def refuse_mixing_seen_finer(recorded: Sequence[Use], replayed: Sequence[Use],
                 continue
             if id(e) in unprobed:
                 for lay, st in unprobed[id(e)].items():
-                    others, hit = _reached(g, lay, b, i)
+                    others, hit = _reached(g, lay, b, [i])
                     if others:
                         st[0] = False
                         spills.setdefault(id(e), (i, others, lay))
                     st[1] = st[1] or hit
                 continue
             assert r.layout is not None  # the uses kept have a layout
-            others, _ = _reached(g, r.layout, b, i)
+            others, _ = _reached(g, r.layout, b, [i])
             if others:
                 shown = _shown(others)
                 raise TraceExportError(
@@ -459,7 +564,7 @@ def refuse_mixing_seen_finer(recorded: Sequence[Use], replayed: Sequence[Use],
                     "examples of the batch (normalization or attention across the batch, BatchNorm in training "
                     "mode), so per-example clipping bounds nothing and no per-example norm is defined")
         for (name, t), g in zip(leaves, grads[len(uses):], strict=True):
-            spilled = _input_spill(t, g, i, b, batch_axis, owners.get(name))
+            spilled = _input_spill(t, g, [i], b, batch_axis, owners.get(name))
             if spilled:
                 shown = _shown(spilled)
                 raise TraceExportError(

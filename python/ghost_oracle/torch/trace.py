@@ -92,7 +92,7 @@ from .check import self_check
 from .errors import TraceExportError
 from .kinds import Site, Use
 from .kinds.base import numpy_site, torch_dtype
-from .layout import _find_layouts
+from .layout import probe_examples, settle_layouts
 from .precision import DTYPE_NAMES, unit_roundoff, with_islands
 from .precision import compute_dtype as model_compute_dtype
 from .progress import Progress
@@ -136,10 +136,11 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
 
     `batch_axis` is the axis of `inputs` that holds the examples: 0 (batch × sequence), or 1 for
     seq-first data (batch_first=False). Each use's own batch axis is found, not assumed: single
-    examples' losses are backpropagated alone (every example for B ≤ 8, else a seeded choice),
-    and example i's gradient must reach its use's output along one axis at index i and nowhere
-    else. A model that mixes examples is refused, naming the first use where it shows; so is a
-    use fed the inputs directly whose examples lie along another axis than `batch_axis`.
+    examples' losses are backpropagated (every example alone for B ≤ 8, else a seeded choice, four
+    at a time), and a group's gradient must reach its use's output along one axis at its own
+    examples' indices and nowhere else (`layout.py`). A model that mixes examples is refused,
+    naming the first use where it shows; so is a use fed the inputs directly whose examples lie
+    along another axis than `batch_axis`.
 
     `model_rounding=False` leaves out the replays that measure the model's own rounding
     (`model.rounding`, docs/trace-format.md): the judge then bounds the clipper's arithmetic on
@@ -147,9 +148,9 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
     forward and backward of the batch and random-rounding ones (tens of times the step on a
     CNN at a DP batch size, docs/results.md).
 
-    Runs one forward and backward pass of `per_example_loss(model, inputs).sum()`, then one
-    backward per probed example: the model's `.grad`s are reset first and hold the batch
-    gradient afterwards."""
+    Runs one forward pass of `per_example_loss(model, inputs)`, one backward per probed group of
+    examples, then the backward of their sum: the model's `.grad`s are reset first and hold the
+    batch gradient afterwards."""
     if not isinstance(model_rounding, bool):
         raise TypeError(f"model_rounding must be True or False, got {model_rounding!r}")
     batch_axis = _check_batch_axis(batch_axis)
@@ -252,8 +253,8 @@ class _StepArguments:
 def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Module, Any], Any], inputs: Any,
                   b_inputs: int | None, batch_axis: int, progress: Progress,
                   watch: CastWatch | None = None) -> tuple[list[Use], int]:
-    """Runs the batch's forward and backward with every use recorded, then the per-example
-    probes that find each use's batch axis: (the uses, B)."""
+    """Runs the batch's forward with every use recorded, the per-example probes that find each
+    use's batch axis, then the batch's backward: (the uses, B)."""
     model.zero_grad(set_to_none=True)
     # floating-point inputs made leaves that require gradients, so that the probes see whether
     # an example's loss reaches another example's inputs; the model gets them, the user's
@@ -282,10 +283,15 @@ def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.M
                     "pass batch_axis)" if torch.is_tensor(losses) and losses.dim() == 1 and b else "")
             raise ValueError(f"per_example_loss returned {shape}; expected a tensor of shape {want}, one loss per "
                              f"example{hint}")
-        losses.sum().backward(retain_graph=b > 1)
+        # The probes first, then the batch's backward: the probes' gradients of every use's output
+        # are let go before the batch's are captured, and the batch's backward frees the graph as
+        # it goes (unless a use that may be shared by every example needs it afterwards).
         rec.probing = True
-        _find_layouts(entries, losses, b, batch_axis, _input_tensors(inputs), leaves, progress,
-                      packings(traced_inputs))
+        probes = probe_examples(entries, losses, b, batch_axis, leaves, progress, packings(traced_inputs))
+        rec.probing = False
+        losses.sum().backward(retain_graph=probes.may_be_shared(entries))
+        rec.probing = True
+        settle_layouts(entries, probes, losses, b, batch_axis, _input_tensors(inputs), progress)
     finally:
         for e in entries:  # the outputs hold the graph alive
             e.output = None
