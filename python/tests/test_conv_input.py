@@ -125,6 +125,27 @@ def test_the_twin_by_the_formula_rebuilds_torchs_weight_gradient(name):
                                torch_weight_grad(x, g, spec, wshape), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("probe", ["signs", "general"])
+@pytest.mark.parametrize("name", GEOMETRIES)
+def test_the_sketch_of_a_conv_input_site_is_its_twins_sums_times_v(name, probe):
+    """`conv.sketch`'s (G·v, |terms|·|v|) equal the unfolded twin's, for a ±1 probe matrix (whose
+    |v| repeats one column, taken once) and for any v (rows of a layout block too)."""
+    from ghost_oracle._trace import conv as conv_module
+
+    geo, spec, x, g, _ = random_site(name)
+    acts, bps = twin(x, g, spec)
+    cols, c_out = acts.shape[-1], bps.shape[-1]
+    rng = np.random.default_rng(7)
+    v = (rng.integers(0, 2, (cols, 4)) * 2 - 1).astype(np.float64) if probe == "signs" else \
+        rng.standard_normal((cols, 4))
+    grad = np.einsum("bro,bri->oi", bps, acts)
+    mags = np.einsum("bro,bri->oi", np.abs(bps), np.abs(acts))
+    lo, hi = (0, c_out) if c_out < 2 else (1, c_out)
+    got, got_mag = conv_module.sketch(x, g, geo, (lo, hi), v)
+    np.testing.assert_allclose(got, (grad @ v)[lo:hi], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got_mag, (mags @ np.abs(v))[lo:hi], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("sketched", [False, True], ids=["entries", "sketch"])
 @pytest.mark.parametrize("name", GEOMETRIES)
 def test_a_conv_input_site_passes_the_self_check_and_a_planted_error_fails(name, sketched, monkeypatch):
@@ -305,7 +326,7 @@ def norms_through_twins(path):
         ts = {k: f.get_tensor(k).astype(np.float64) for k in f.keys()}
     grads = {}
     for s in json.loads(meta["sites"]):
-        g = ts[f"{s['name']}.backprops"]
+        g = ts[f"{s.get('backprops_of', s['name'])}.backprops"]  # a bias reads its layer's
         if "conv" in s:
             a, g = twin(ts[f"{s['name']}.inputs"], g, s["conv"])
             gi = np.einsum("bro,bri->boi", g, a)
@@ -327,7 +348,7 @@ def test_an_exported_convolution_gives_the_loops_norms_and_holds_each_input_valu
     specs = export_trace(model, loss_fn, x, path, claimed_norms=truth, max_grad_norm=float(truth.median()))
     got, meta, ts = norms_through_twins(path)
     np.testing.assert_allclose(got, truth.numpy(), rtol=1e-10)
-    assert meta["format"] == "ghost-oracle-trace/2"
+    assert meta["format"] == "ghost-oracle-trace/3"  # /2's conv inputs, and the head's bias sharing backprops
     weight = "w" if MODELS[name][0].get("functional") else "conv.weight"
     conv = [s for s in specs if s["param"] == weight]
     assert len(conv) == 1 and conv[0]["kind"] == "linear" and "conv" in conv[0]

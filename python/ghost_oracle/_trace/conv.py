@@ -203,8 +203,12 @@ def sketch(inputs: np.ndarray, backprops: np.ndarray, geo: ConvGeometry, rows: t
     j0, gs, lo, hi = _groups(shape, geo, rows)
     vk = v.reshape(cin_g, k, m)
     vabs = np.abs(vk)
+    # |v|'s columns are one column repeated for a ±1 probe matrix: the magnitudes' sums are then
+    # taken for that one column and repeated, a fifth of the sketch's products and memory traffic
+    ma = 1 if m > 1 and bool((vabs == vabs[..., :1]).all()) else m
+    vabs = vabs[..., :ma]
     out = np.zeros((gs, cout_g, m))
-    mag = np.zeros((gs, cout_g, m))
+    mag = np.zeros((gs, cout_g, ma))
     tiles = _tiles(shape, geo, inputs.shape[2:])
     for n, (t0, t1) in enumerate(tiles):
         t, tp = t1 - t0, (t1 - t0) * shape.positions
@@ -215,28 +219,30 @@ def sketch(inputs: np.ndarray, backprops: np.ndarray, geo: ConvGeometry, rows: t
             # read once
             xs = x.reshape(t, gs, cin_g, *x.shape[2:])
             z = np.tensordot(xs, vk.reshape(cin_g, k * m), axes=([2], [0])).reshape(*xs.shape[:2], *x.shape[2:], k, m)
-            zabs = np.tensordot(np.abs(xs), vabs.reshape(cin_g, k * m), axes=([2], [0])).reshape(z.shape)
+            zabs = np.tensordot(np.abs(xs), vabs.reshape(cin_g, k * ma),
+                                axes=([2], [0])).reshape(*xs.shape[:2], *x.shape[2:], k, ma)
             y = np.zeros((t, gs, *shape.outputs, m))
-            yabs = np.zeros((t, gs, *shape.outputs, m))
+            yabs = np.zeros((t, gs, *shape.outputs, ma))
             for kappa, view in enumerate(geo.offsets(shape.outputs)):
                 at = (slice(None), slice(None)) + view + (kappa,)
                 y += z[at]
                 yabs += zabs[at]
-            y, yabs = y.reshape(t, gs, shape.positions, m), yabs.reshape(t, gs, shape.positions, m)
+            y, yabs = y.reshape(t, gs, shape.positions, m), yabs.reshape(t, gs, shape.positions, ma)
         else:
             # strided (a patch embedding, stride = kernel): the whole tile times every offset
             # would be (input positions / output positions) times the work and memory, so each
             # offset's own view is contracted alone
             y = np.zeros((t, gs, shape.positions, m))
-            yabs = np.zeros((t, gs, shape.positions, m))
+            yabs = np.zeros((t, gs, shape.positions, ma))
             for kappa, view in enumerate(geo.offsets(shape.outputs)):
                 xk = x[(slice(None), slice(None)) + view].reshape(t, gs, cin_g, shape.positions)
                 y += np.tensordot(xk, vk[:, kappa], axes=([2], [0]))
                 yabs += np.tensordot(np.abs(xk), vabs[:, kappa], axes=([2], [0]))
         out += dg @ np.ascontiguousarray(y.transpose(1, 0, 2, 3)).reshape(gs, tp, m)
-        mag += np.abs(dg) @ np.ascontiguousarray(yabs.transpose(1, 0, 2, 3)).reshape(gs, tp, m)
+        mag += np.abs(dg) @ np.ascontiguousarray(yabs.transpose(1, 0, 2, 3)).reshape(gs, tp, ma)
         if on_tile is not None:
             on_tile(n + 1, len(tiles))
+    mag = np.broadcast_to(mag, (gs, cout_g, m))
     return out.reshape(gs * cout_g, m)[lo:hi], mag.reshape(gs * cout_g, m)[lo:hi]
 
 

@@ -42,15 +42,26 @@ def statistics_rounding(use: Use, groups: int, eps: float) -> torch.Tensor:
     (ResNet-18's last GroupNorms on 1×1 maps: 371× at one channel). Each sum over positions,
     the statistics over the group and the sum over examples round: (positions + group + B + 4)·u
     of that sum bounds it."""
-    x = _channels_last(use, use.input).to(torch.float64)  # B×P×C
-    g = _channels_last(use, use.grad).to(torch.float64)
-    b, p, c = x.shape
-    xg = x.transpose(1, 2).reshape(b, groups, -1)
-    mean = xg.mean(-1).repeat_interleave(c // groups, dim=1)  # B×C
-    rstd = (xg.var(-1, unbiased=False) + eps).rsqrt().repeat_interleave(c // groups, dim=1)
-    terms = (rstd * ((g * x).abs().sum(1) + mean.abs() * g.abs().sum(1))).sum(0)
+    x_all = _channels_last(use, use.input)  # B×P×C
+    g_all = _channels_last(use, use.grad)
+    b, p, c = x_all.shape
+    terms = torch.zeros(c, dtype=torch.float64, device=x_all.device)
+    # a few examples at a time: a whole norm's f64 copies are fresh allocations the kernel zeroes
+    # page by page, several times the arithmetic
+    step = max(1, _CHUNK_BYTES // max(8 * p * c, 1))
+    for i0 in range(0, b, step):
+        x = x_all[i0:i0 + step].to(torch.float64)
+        g = g_all[i0:i0 + step].to(torch.float64)
+        xg = x.transpose(1, 2).reshape(x.shape[0], groups, -1)
+        mean = xg.mean(-1).repeat_interleave(c // groups, dim=1)  # examples × C
+        rstd = (xg.var(-1, unbiased=False) + eps).rsqrt().repeat_interleave(c // groups, dim=1)
+        terms += (rstd * ((g * x).abs().sum(1) + mean.abs() * g.abs().sum(1))).sum(0)
     u = torch.finfo(use.dtype).eps / 2
-    return (p + xg.shape[-1] + b + 4) * u * terms
+    return (p + p * (c // groups) + b + 4) * u * terms
+
+
+#: Bytes of one f64 copy of a norm's input taken at a time by `statistics_rounding`.
+_CHUNK_BYTES = 8 << 20
 
 
 class ChannelNorm(Handler):
