@@ -42,9 +42,11 @@ def statistics_rounding(use: Use, groups: int, eps: float) -> torch.Tensor:
     (ResNet-18's last GroupNorms on 1×1 maps: 371× at one channel). Each sum over positions,
     the statistics over the group and the sum over examples round: (positions + group + B + 4)·u
     of that sum bounds it."""
-    x_all = _channels_last(use, use.input)  # B×P×C
-    g_all = _channels_last(use, use.grad)
-    b, p, c = x_all.shape
+    x_all = use.batch_first(use.input)
+    b, c = x_all.shape[:2]
+    x_all = x_all.reshape(b, c, -1)  # B×C×P, as the norm holds it: sums along contiguous rows
+    g_all = use.batch_first(use.grad).reshape(b, c, -1)
+    p = x_all.shape[-1]
     terms = torch.zeros(c, dtype=torch.float64, device=x_all.device)
     # a few examples at a time: a whole norm's f64 copies are fresh allocations the kernel zeroes
     # page by page, several times the arithmetic
@@ -52,10 +54,10 @@ def statistics_rounding(use: Use, groups: int, eps: float) -> torch.Tensor:
     for i0 in range(0, b, step):
         x = x_all[i0:i0 + step].to(torch.float64)
         g = g_all[i0:i0 + step].to(torch.float64)
-        xg = x.transpose(1, 2).reshape(x.shape[0], groups, -1)
-        mean = xg.mean(-1).repeat_interleave(c // groups, dim=1)  # examples × C
-        rstd = (xg.var(-1, unbiased=False) + eps).rsqrt().repeat_interleave(c // groups, dim=1)
-        terms += (rstd * ((g * x).abs().sum(1) + mean.abs() * g.abs().sum(1))).sum(0)
+        var, mean = torch.var_mean(x.reshape(x.shape[0], groups, -1), -1, unbiased=False)
+        rstd = (var + eps).rsqrt().repeat_interleave(c // groups, dim=1)  # examples × C
+        mean = mean.repeat_interleave(c // groups, dim=1)
+        terms += (rstd * ((g * x).abs().sum(-1) + mean.abs() * g.abs().sum(-1))).sum(0)
     u = torch.finfo(use.dtype).eps / 2
     return (p + p * (c // groups) + b + 4) * u * terms
 
