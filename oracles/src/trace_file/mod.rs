@@ -27,8 +27,7 @@ use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3, IxDyn};
 use rayon::prelude::*;
 use rounding::{read_model_rounding, write_model_rounding};
 use safetensors::SafeTensors;
-use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
 use std::path::Path;
 use step::read_step;
@@ -626,24 +625,9 @@ fn read_sites(
         }
     };
     check_sizes(&shapes, manifest, label, tally, holding, &width)?;
-    // A tensor that several sites read (`backprops_of`) is widened into each of them (the budget
-    // counts each copy) and its bytes handed back after the last one.
-    let mut readers: HashMap<String, usize> = HashMap::new();
-    for f in &found {
-        *readers.entry(f.backprops_tensor.clone()).or_default() += 1;
-    }
-    let readers = RefCell::new(readers);
-    let release = done;
-    let after_last_reader = |name: &str| -> Result<()> {
-        match readers.borrow_mut().get_mut(name) {
-            Some(left) if *left > 1 => {
-                *left -= 1;
-                Ok(())
-            }
-            _ => release(name),
-        }
-    };
-    let done: Done = &after_last_reader;
+    // A tensor that several sites read (`backprops_of`) is widened into each of them, which the
+    // budget counts, and its pages handed back after each read (the next faults them in again):
+    // so a mapped file never has more than one tensor's pages in, as the budget counts it.
     let mut sites = Vec::with_capacity(found.len());
     let mut dtypes = Vec::with_capacity(found.len());
     for f in found {
