@@ -128,7 +128,7 @@ def factor_norms(path):
         untied = 0
         for s in specs:
             n = s["name"]
-            d = f.get_tensor(f"{n}.backprops").double()
+            d = f.get_tensor(f"{s.get('backprops_of', n)}.backprops").double()  # a bias reads its layer's
             if s["kind"] == "embedding":
                 ids = f.get_tensor(f"{n}.ids")
                 g = torch.zeros(d.shape[0], s["vocab"], d.shape[2], dtype=torch.float64)

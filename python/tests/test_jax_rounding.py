@@ -177,7 +177,7 @@ def traced_grads(path):
         t = {k: f.get_tensor(k) for k in f.keys()}
     out = {}
     for s in json.loads(meta["sites"]):
-        g = t[f"{s['name']}.backprops"].astype(np.float64)
+        g = t[f"{s.get('backprops_of', s['name'])}.backprops"].astype(np.float64)  # a bias reads its layer's
         if s["kind"] == "bias":
             d = g.sum(1)
         elif s["kind"] == "layernorm":

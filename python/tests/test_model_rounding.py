@@ -134,7 +134,7 @@ def traced(path, order):
         ts = {k: f.get_tensor(k) for k in f.keys()}
     grads = {}
     for s in json.loads(meta["sites"]):
-        g = ts[f"{s['name']}.backprops"].double()
+        g = ts[f"{s.get('backprops_of', s['name'])}.backprops"].double()  # a bias reads its layer's
         a = ts.get(f"{s['name']}.activations")
         a = None if a is None else a.double()
         if "conv" in s:  # a convolution stored as its input: each example's weight gradient by autograd

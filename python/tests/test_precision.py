@@ -85,7 +85,7 @@ def factor_norms(path):
         grads = {}
         for s in json.loads(f.metadata()["sites"]):
             n = s["name"]
-            d = f.get_tensor(f"{n}.backprops").double()
+            d = f.get_tensor(f"{s.get('backprops_of', n)}.backprops").double()  # a bias reads its layer's
             if s["kind"] == "embedding":
                 ids = f.get_tensor(f"{n}.ids")
                 g = torch.zeros(d.shape[0], s["vocab"], d.shape[2], dtype=torch.float64)
@@ -147,7 +147,8 @@ def test_autocast_records_each_sites_precision(tmp_path, autocast, name):
         matmul = s["name"].split(".")[-2] in LINEAR
         assert s["compute_dtype"] == (name if matmul else "f32"), s
         assert s["kind"] == ("linear" if matmul else "embedding" if "embed" in s["name"] else "layernorm")
-        stored = {dtypes[f"{s['name']}.{t}"] for t in ("activations", "backprops") if f"{s['name']}.{t}" in dtypes}
+        own = {"activations": s["name"], "backprops": s.get("backprops_of", s["name"])}
+        stored = {dtypes[f"{own[t]}.{t}"] for t in own if f"{own[t]}.{t}" in dtypes}
         assert stored == {low if matmul else "F32"}, s  # factors as the matmul saw them
     head = next(s for s in sites if s["name"] == "lm_head.weight")
     assert head == {"name": "lm_head.weight", "param": "model.embed_tokens.weight", "kind": "linear",

@@ -89,7 +89,8 @@ def test_export_trace_writes_a_complete_trace(tied_gpt2, tmp_path):
                          clipper="exact", noise_multiplier=1.5)
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
-    assert meta["format"] == "ghost-oracle-trace/1" and meta["compute_dtype"] == "f32"
+    # /3: each Conv1D's and LayerNorm's bias reads its layer's backprops
+    assert meta["format"] == "ghost-oracle-trace/3" and meta["compute_dtype"] == "f32"
     listed = json.loads(meta["parameters"])
     assert listed == {n: p.numel() for n, p in m.model.named_parameters()}  # the tied head once
     assert {s["param"] for s in specs} == set(listed)

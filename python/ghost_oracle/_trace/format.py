@@ -16,10 +16,17 @@ FORMAT = "ghost-oracle-trace/1"
 #: The format of a trace with a convolution stored as its input and geometry (a site's `conv`
 #: entry); every other trace is written as `FORMAT`, byte for byte as before it.
 FORMAT_CONV_INPUTS = "ghost-oracle-trace/2"
+#: The format of a trace where a site's backprops are another site's tensor (a site's
+#: `backprops_of` entry); it may also hold convolutions stored as their input.
+FORMAT_SHARED = "ghost-oracle-trace/3"
 
 
 def format_of(sites: Sequence[Mapping[str, Any]]) -> str:
-    """The header's `format` for these site entries: /2 where any carries `conv`, else /1."""
+    """The header's `format` for these site entries: the oldest that holds them, /3 where any
+    carries `backprops_of`, else /2 where any carries `conv`, else /1 (so that a trace that needs
+    neither is byte for byte what it was, and reads in every version)."""
+    if any("backprops_of" in s for s in sites):
+        return FORMAT_SHARED
     return FORMAT_CONV_INPUTS if any("conv" in s for s in sites) else FORMAT
 
 # Names of the precisions a trace records, finest first.

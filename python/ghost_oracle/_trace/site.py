@@ -9,13 +9,20 @@ A convolution's weight may instead be a `linear` site that carries its geometry 
 tensors are then `inputs` (B×C_in×S…, the layer's input) and `backprops` (B×P×C_out), the form
 of format `ghost-oracle-trace/2` (`conv.py`).
 
+A site whose backprops are another site's (a bias reads its layer's output gradient, as the
+weight does) says so in `backprops_of`: its `backprops` is then that site's array itself, which
+the self-check reads under both names and the writer writes once, under the other site's name
+(format `ghost-oracle-trace/3`).
+
 A front-end builds its sites over its own tensor type (`Site[torch.Tensor]` in the PyTorch
 handlers) and hands them over as `Site[np.ndarray]` (`with_tensors`)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
+
+import numpy as np
 
 from .conv import ConvGeometry
 
@@ -50,6 +57,9 @@ class Site(Generic[T]):
     autograd_rounding: T | None = None
     #: a convolution stored as its input and geometry (a `linear` site only); None: unfolded or no conv
     conv: ConvGeometry | None = None
+    #: the name of the site whose `backprops` this site's are (the same array, written once, under
+    #: that site's name); None: its own. The named site holds its own backprops.
+    backprops_of: str | None = None
 
     def spec(self) -> dict[str, Any]:
         """The site's entry in the trace header."""
@@ -58,12 +68,35 @@ class Site(Generic[T]):
             s["vocab"] = self.vocab
         if self.conv is not None:
             s["conv"] = self.conv.spec()
+        if self.backprops_of is not None:
+            s["backprops_of"] = self.backprops_of
         return s
 
     def with_tensors(self, convert: Callable[[T], U]) -> Site[U]:
-        """The same site over another tensor type (the handover to the self-check and writer)."""
+        """The same site over another tensor type (the handover to the self-check and writer).
+        `convert` is called once a tensor: a shared backprops is converted by each site that
+        reads it (`convert` of one tensor gives views of one memory, as `numpy_site` does, for the
+        writer to see them shared)."""
         return Site(name=self.name, param=self.param, kind=self.kind,
                     tensors={k: convert(v) for k, v in self.tensors.items()}, precision=self.precision,
                     origin=self.origin, vocab=self.vocab,
                     autograd_rounding=None if self.autograd_rounding is None else convert(self.autograd_rounding),
-                    conv=self.conv)
+                    conv=self.conv, backprops_of=self.backprops_of)
+
+
+def share_backprops(sites: Sequence[Site[np.ndarray]]) -> list[Site[np.ndarray]]:
+    """`sites`, each whose backprops are the very array an earlier site's are (the same memory,
+    dtype, shape and strides: a bias's and its weight's, one output gradient reshaped alike)
+    reading that site's (`backprops_of`), so that the writer writes the array once. All the
+    arrays are held by `sites` while they are compared, so no address is another array's."""
+    first: dict[tuple[int, str, tuple[int, ...], tuple[int, ...]], str] = {}
+    for s in sites:
+        a = s.tensors.get("backprops")
+        if a is None or s.backprops_of is not None:
+            continue
+        key = (a.__array_interface__["data"][0], a.dtype.str, a.shape, a.strides)
+        if key in first:
+            s.backprops_of = first[key]
+        else:
+            first[key] = s.name
+    return list(sites)

@@ -13,7 +13,12 @@ as is) padded with spaces to a multiple of 8, then every tensor's bytes, one aft
 the header's order, which is safetensors' own (by dtype, the order of its `Dtype` enum from the
 last, then by name). Each array is streamed to the file as it is held, so that writing a trace
 of gigabytes of factors makes no second copy of them; the file is written to a temporary name
-and renamed into place (`_atomic.write_atomically`)."""
+and renamed into place (`_atomic.write_atomically`).
+
+A site whose `backprops_of` names another (a bias beside its weight: one output gradient) has no
+`<name>.backprops` of its own: the array is written once, under the other site's name, and the
+header says which (format `ghost-oracle-trace/3`). That the two are one array is checked, not
+assumed: the same memory, else the same bits."""
 from __future__ import annotations
 
 import json
@@ -68,8 +73,9 @@ def write_trace(path: str, *, sites: Sequence[Site[np.ndarray]], parameters: Map
     manifest's order (written as `claimed.<what>.<param>`). `rounding`: the B values of
     `model.rounding`, measured as `rounding_method` says. The header's `compute_dtype` is the
     coarsest of the sites' precisions. The numbers are checked as `format.trace_metadata`
-    checks them. The header's `format` is `ghost-oracle-trace/2` where a site carries a
-    convolution's geometry, `/1` otherwise (`format.format_of`). `on_bytes`: told (bytes
+    checks them. The header's `format` is `ghost-oracle-trace/3` where a site's backprops are
+    another's (`backprops_of`), else `/2` where a site carries a convolution's geometry, `/1`
+    otherwise (`format.format_of`). `on_bytes`: told (bytes
     written, bytes in all) as the tensors are written, for a progress line."""
     if not sites:
         raise TraceExportError("no site to write: no modelled use of a parameter reached the loss")
@@ -91,8 +97,12 @@ def write_trace(path: str, *, sites: Sequence[Site[np.ndarray]], parameters: Map
                                    f"{' or '.join(allowed)}")
         tensors[name] = array
 
+    by_name = {s.name: s for s in sites}
     for s in sites:
         for key, array in s.tensors.items():
+            if key == "backprops" and s.backprops_of is not None:
+                _check_shared(s, by_name)
+                continue  # written once, under the site it names
             add(f"{s.name}.{key}", array, _ID_DTYPES if key == "ids" else _FLOAT_DTYPES,
                 f"site `{s.name}` ({s.origin})")
     b = len(claimed_norms)
@@ -110,6 +120,42 @@ def write_trace(path: str, *, sites: Sequence[Site[np.ndarray]], parameters: Map
             add(f"claimed.{what}.{param}", array, _FLOAT_DTYPES, what)
     write_atomically(path, "path", lambda tmp: _write_safetensors(tmp, tensors, meta, on_bytes))
     return specs
+
+
+def _check_shared(site: Site[np.ndarray], by_name: Mapping[str, Site[np.ndarray]]) -> None:
+    """`site`'s `backprops_of` as the reader holds it: another site of the trace, holding its own
+    backprops, whose array is `site`'s (the same memory, else the same dtype, shape and bits)."""
+    other_name = site.backprops_of
+    where = f"site `{site.name}` ({site.origin})"
+    other = by_name.get(other_name) if other_name is not None else None
+    if other is None:
+        raise TraceExportError(f"{where}: its backprops are said to be site `{other_name}`'s, which is not among "
+                               "the sites written")
+    if other is site:
+        raise TraceExportError(f"{where}: its backprops are said to be its own site's (`backprops_of` names the "
+                               "site itself)")
+    if other.backprops_of is not None:
+        raise TraceExportError(f"{where}: its backprops are said to be site `{other.name}`'s, whose backprops are "
+                               f"site `{other.backprops_of}`'s in turn; name the site that holds them")
+    a, b = np.asarray(site.tensors["backprops"]), other.tensors.get("backprops")
+    if b is None:
+        raise TraceExportError(f"{where}: its backprops are said to be site `{other.name}`'s, which has none")
+    b = np.asarray(b)
+    if not _same_memory(a, b) and (a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(_bits(a), _bits(b))):
+        raise TraceExportError(f"{where}: its backprops ({a.dtype}, {list(a.shape)}) are said to be site "
+                               f"`{other.name}`'s ({b.dtype}, {list(b.shape)}), but differ from them")
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether `a` and `b` are views of the same bytes, laid out alike."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.dtype == b.dtype
+            and a.shape == b.shape and a.strides == b.strides)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """`a`'s entries as unsigned integers of their width: compared, they are equal bit for bit (a
+    -0.0 is not a 0.0, a NaN is its own payload)."""
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
 
 
 def _header(tensors: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> tuple[bytes, list[str]]:

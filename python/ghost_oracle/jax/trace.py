@@ -15,6 +15,7 @@ import numpy as np
 
 from .._trace.format import UNCLAIMED as UNCLAIMED  # re-exported: one placeholder for both exporters
 from .._trace.format import TraceExportError
+from .._trace.site import share_backprops
 from .._trace.writer import write_trace
 from .arguments import header_arguments, kept_claims, kept_examples
 from .capture import PerExampleLoss, capture, flat_params
@@ -57,6 +58,26 @@ def _site_names(sites: list[Site]) -> None:
         k = seen.get(s.param, 0)
         seen[s.param] = k + 1
         s.name = s.param if k == 0 else f"{s.param}@{k}"
+
+
+def _taken(v: Any, keep: np.ndarray, want: Any, taken: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]]
+           ) -> np.ndarray:
+    """A factor of a call's site as the trace stores it: the kept examples, contiguous, in `want`
+    (None: as it is). A numpy array that another site of the call took already (the same memory,
+    dtype, shape and strides: a bias's backprops and its weight's, one output gradient reshaped
+    alike) is that site's array again, so that the writer writes it once (`share_backprops`);
+    `taken` holds each array it was given, so that no address is another array's meanwhile."""
+    key = None
+    if isinstance(v, np.ndarray):
+        key = (v.__array_interface__["data"][0], v.dtype.str, v.shape, v.strides, want)
+        if key in taken:
+            return taken[key][1]
+    out = np.ascontiguousarray(v[keep])
+    if want is not None:
+        out = out.astype(want, copy=False)
+    if key is not None:
+        taken[key] = (v, out)
+    return out
 
 
 def _step_tensors(what: str, given: Any, sites: list[Site], parameters: dict[str, int],
@@ -167,19 +188,19 @@ def _export_linen(model: nn.Module, params: Any, per_example_loss: PerExampleLos
     keep = kept_examples(is_padding_example, b)
     captured = capture(model, params, per_example_loss, inputs, b, keep.astype(np.float64))
     sites: list[Site] = []
+    store = dtype
     for call in captured.calls:
         handler = handler_for(call.module, call.method)
         assert handler is not None
+        # one array of the call's, taken once: a bias's backprops are its weight's (`_taken`)
+        taken: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
         for site in handler.sites(call, b):
-            site.tensors = {k: np.ascontiguousarray(v[keep]) for k, v in site.tensors.items()}
+            want = STORAGE[store or site.precision]
+            site.tensors = {k: _taken(v, keep, None if k == "ids" else want, taken) for k, v in site.tensors.items()}
             sites.append(site)
     _site_names(sites)
     grads = {k: np.asarray(v)
              for k, v in split_layers(flat_params(captured.param_grads, "params"), captured.scans, "params").items()}
-    store = dtype
-    for s in sites:
-        want = STORAGE[store or s.precision]
-        s.tensors = {k: (v if k == "ids" else v.astype(want)) for k, v in s.tensors.items()}
     unused = self_check(sites, grads, store)
     for name in unused:
         warnings.warn(f"parameter `{name}` received no gradient: it is left out of the trace", stacklevel=2)
@@ -193,8 +214,9 @@ def _export_linen(model: nn.Module, params: Any, per_example_loss: PerExampleLos
     # the rounding of the model's own forward and backward in the factors as written, measured
     # by a replay at another precision (`rounding.py`); None, with a warning, where it cannot be
     rounding = model_rounding(model, params, per_example_loss, inputs, b, keep, captured.calls, sites)
-    return write_trace(path, sites=[s.handover() for s in sites], parameters=parameters, claimed_norms=norms,
-                       claimed_coefficients=coefficients, step=step,
+    # a bias's backprops are its layer's output gradient, the array its weight's are: written once
+    return write_trace(path, sites=share_backprops([s.handover() for s in sites]), parameters=parameters,
+                       claimed_norms=norms, claimed_coefficients=coefficients, step=step,
                        rounding=None if rounding is None else rounding.rounding,
                        rounding_method=None if rounding is None else rounding.method, max_grad_norm=c,
                        clipper=clipper, noise_multiplier=noise_multiplier, batch_divisor=batch_divisor,

@@ -104,9 +104,10 @@ from .step import _resolve_step
 
 def _own(v: torch.Tensor, owned: set[int]) -> torch.Tensor:
     """A factor as the file is written from it: on the host, contiguous, holding its storage
-    alone (safetensors refuses tensors that share one: a bias and its weight share backprops).
-    A factor that already is that is written as captured, not copied: at 1B-class sizes the
-    factors are gigabytes."""
+    alone (the file holds each tensor's bytes apart; two factors that are one tensor, a bias's
+    backprops and its weight's, are one site's and written once, `_collect_sites`). A factor
+    that already is that is written as captured, not copied: at 1B-class sizes the factors are
+    gigabytes."""
     v = v.detach().cpu()
     if v.is_contiguous():
         storage = v.untyped_storage()
@@ -299,21 +300,40 @@ def _record_batch(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.M
     return entries, b
 
 
+def _same_view(v: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors one array: the same bytes of the same storage, read alike."""
+    return (v.device, v.untyped_storage().data_ptr(), v.storage_offset(), v.dtype, tuple(v.shape), v.stride())
+
+
 def _collect_sites(entries: list[Use], names: Mapping[int, str], dtype: torch.dtype | None,
                    b: int, progress: Progress | None = None) -> list[Site[torch.Tensor]]:
     """Every use's sites, each name once, their factors as written; a use's capture is let go as
-    its sites are formed."""
+    its sites are formed. A site whose backprops are the very tensor an earlier site's are (a
+    bias and its weight: the layer's output gradient) reads that site's, `backprops_of`, and the
+    trace holds it once. Only sites of one use are compared: the tensors compared are held until
+    the use's sites are formed, so that no address is reused by another tensor meanwhile."""
     sites: list[Site[torch.Tensor]] = []
     seen: set[str] = set()
     owned: set[int] = set()
     for n, use in enumerate(entries):
         if progress is not None:
             progress.step("forming the sites, uses", n, len(entries))
+        # each backprops tensor of the use as captured -> (the first site that holds it, the tensor
+        # as written, the captured tensor: held, so that its address stays its own)
+        backprops: dict[tuple[Any, ...], tuple[str, torch.Tensor, torch.Tensor]] = {}
         for site in use.form_sites(names, dtype, b):
             if site.name in seen:
                 raise TraceExportError(f"site name `{site.name}` appears twice")
             seen.add(site.name)
-            site.tensors = {k: _own(v, owned) for k, v in site.tensors.items()}
+            captured = site.tensors.get("backprops")
+            view = None if captured is None else _same_view(captured)
+            holder = backprops.get(view) if view is not None else None
+            site.tensors = {k: holder[1] if k == "backprops" and holder is not None else _own(v, owned)
+                            for k, v in site.tensors.items()}
+            if holder is not None:
+                site.backprops_of = holder[0]
+            elif view is not None and captured is not None:
+                backprops[view] = (site.name, site.tensors["backprops"], captured)
             sites.append(site)
         use.input = None  # what is left of a use's capture is its sites' factors
         use.output_grad = None

@@ -137,7 +137,8 @@ class ChannelNorm(Handler):
             if by_input is not None:
                 general = statistics_rounding(use, *by_input)
                 rounding = general if rounding is None else rounding + general
-            yield use.site("weight", "layernorm", {"activations": xhat.to(use.store), "backprops": g.to(use.store)},
+            g = g.to(use.store)  # the weight's and the bias's backprops: one tensor, written once
+            yield use.site("weight", "layernorm", {"activations": xhat.to(use.store), "backprops": g},
                            autograd_rounding=rounding)
         yield from use.bias_site(g)
 

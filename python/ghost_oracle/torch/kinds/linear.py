@@ -31,7 +31,8 @@ class Linear(Handler):
         weight = use.weight(self.kind or "linear")
         if not use.reads_trainable("weight", "bias"):
             return  # frozen: nothing to trace
-        g = use.per_example(use.grad, "output gradient")
+        # stored once: the weight's and the bias's backprops are one tensor, written once
+        g = use.per_example(use.grad, "output gradient").to(use.store)
 
         def backprops(attr: str) -> torch.Tensor:
             """The output's gradient, placed at the rows of the parameter the call read where it
@@ -46,7 +47,7 @@ class Linear(Handler):
         if use.trainable(weight):
             x = use.per_example(use.input, "input").to(use.dtype)
             yield use.site("weight", self.site_kind(use), {"activations": x.to(use.store),
-                                                           "backprops": backprops("weight").to(use.store)})
+                                                           "backprops": backprops("weight")})
         if use.trainable(use.param("bias")):
             yield from use.bias_site(backprops("bias"))
 

@@ -159,7 +159,8 @@ class Norm(Handler):
                     xhat = xhat.masked_fill(const, 0)
                     terms = (g.abs().to(torch.float64) * x.abs().to(torch.float64) * const).sum((0, 1))
                     rounding = cancelled_rounding(x.shape[-1], use.dtype, eps, terms)
-            yield use.site("weight", "layernorm", {"activations": xhat.to(use.store), "backprops": g.to(use.store)},
+            g = g.to(use.store)  # the weight's and the bias's backprops: one tensor, written once
+            yield use.site("weight", "layernorm", {"activations": xhat.to(use.store), "backprops": g},
                            autograd_rounding=rounding)
         yield from use.bias_site(g)
 
