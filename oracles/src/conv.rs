@@ -16,8 +16,8 @@
 //! x̃ the input zero-padded by (lo_d, hi_d) on each spatial axis.
 
 use crate::error::{bail, Result};
-use crate::trace::Factors;
-use ndarray::{Array2, Array3, CowArray, Ix2};
+use crate::trace::{Factors, HeldExample};
+use ndarray::{Array2, Array3, ArrayView2, CowArray, Ix2};
 
 /// The largest kernel size, stride, dilation, padding, spatial size or group count a trace may
 /// give: far beyond any convolution, and small enough that the products below cannot overflow
@@ -191,6 +191,15 @@ impl<F: Factors> ConvInput<F> {
     /// Example i's activations in the unfolded layout: (P·g) × (C_in/g · ∏k), row p·g + j
     /// group j's patch at output position p, zeros where the kernel reads padding.
     pub fn unfold(&self, i: usize) -> Array2<f64> {
+        // Each value widened as it is copied: the example is never widened whole first.
+        match self.inputs.held_example(i) {
+            HeldExample::F32(x) => self.unfold_from(x),
+            HeldExample::F64(x) => self.unfold_from(x),
+        }
+    }
+
+    /// [`Self::unfold`] of one example's C_in × ∏S inputs `x`, held as `T`.
+    fn unfold_from<T: Copy + Into<f64>>(&self, x: ArrayView2<T>) -> Array2<f64> {
         let geo = &self.geometry;
         let g = geo.groups;
         let cin_g = self.channels() / g;
@@ -205,7 +214,6 @@ impl<F: Factors> ConvInput<F> {
             strides[d] = strides[d + 1] * geo.input_size[d + 1];
         }
         let width = cin_g * k;
-        let x = self.inputs.example(i);
         let x = x.as_standard_layout();
         let x = x.as_slice().expect("standard layout");
         let spatial = geo.input_volume();
@@ -233,7 +241,7 @@ impl<F: Factors> ConvInput<F> {
                     let channel = &x[(j * cin_g + c) * spatial..(j * cin_g + c + 1) * spatial];
                     for (v, &tap) in cols.iter_mut().zip(&taps) {
                         if tap != usize::MAX {
-                            *v = channel[tap];
+                            *v = channel[tap].into();
                         }
                     }
                 }

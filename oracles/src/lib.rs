@@ -105,7 +105,9 @@ pub use safetensors::Dtype;
 pub use site::{SiteKind, SiteSpec};
 pub use stored::StoredBlocks;
 pub use tensors::Floats;
-pub use trace::{Factors, Site, SiteRows, StoredFactors, StoredTrace, TiedParameter, Trace};
+pub use trace::{
+    Factors, HeldExample, Site, SiteRows, StoredFactors, StoredTrace, TiedParameter, Trace,
+};
 pub use trace_file::{
     read_stored_trace_bytes_within, read_stored_trace_within, read_trace, read_trace_bytes,
     read_trace_bytes_within, read_trace_within, write_trace, MemoryBudget, ModelRounding,

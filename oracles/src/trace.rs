@@ -8,7 +8,7 @@ use crate::matmul::{product_into, Accumulate};
 use crate::precision::Precision;
 use crate::site::{SiteKind, SiteSpec};
 use crate::trace_shape::{validate_shapes, ConvShape, IdAt, SiteShape};
-use ndarray::{s, Array2, Array3, ArrayBase, Axis, CowArray, Ix2};
+use ndarray::{s, Array2, Array3, ArrayBase, ArrayView2, Axis, CowArray, Ix2};
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::ops::Range;
@@ -27,8 +27,22 @@ pub trait Factors: Clone + Debug + Send + Sync {
     fn example(&self, i: usize) -> CowArray<'_, f64, Ix2>;
     /// Rows `rows` of example `i` in f64, as [`Factors::example`].
     fn example_rows(&self, i: usize, rows: Range<usize>) -> CowArray<'_, f64, Ix2>;
+    /// Columns `cols` of example `i`'s rows in f64, as [`Factors::example`].
+    fn example_cols(&self, i: usize, cols: Range<usize>) -> CowArray<'_, f64, Ix2>;
+    /// Example `i`'s R × C values as they are held, for a reader that widens each value as it
+    /// copies it (a convolution's unfold) instead of widening the example first.
+    fn held_example(&self, i: usize) -> HeldExample<'_>;
     /// Bytes held.
     fn held_bytes(&self) -> usize;
+}
+
+/// One example's values as a [`Factors`] holds them.
+#[derive(Clone, Debug)]
+pub enum HeldExample<'a> {
+    /// Held as f32 (stored as f32, f16 or bf16).
+    F32(ArrayView2<'a, f32>),
+    /// Held as f64.
+    F64(ArrayView2<'a, f64>),
 }
 
 impl Factors for Array3<f64> {
@@ -46,6 +60,14 @@ impl Factors for Array3<f64> {
 
     fn example_rows(&self, i: usize, rows: Range<usize>) -> CowArray<'_, f64, Ix2> {
         self.slice(s![i, rows, ..]).into()
+    }
+
+    fn example_cols(&self, i: usize, cols: Range<usize>) -> CowArray<'_, f64, Ix2> {
+        self.slice(s![i, .., cols]).into()
+    }
+
+    fn held_example(&self, i: usize) -> HeldExample<'_> {
+        HeldExample::F64(self.index_axis(Axis(0), i))
     }
 
     fn held_bytes(&self) -> usize {
@@ -112,6 +134,20 @@ impl Factors for StoredFactors {
         match self {
             StoredFactors::F32(a) => a.slice(s![i, rows, ..]).mapv(f64::from).into(),
             StoredFactors::F64(a) => a.slice(s![i, rows, ..]).into(),
+        }
+    }
+
+    fn example_cols(&self, i: usize, cols: Range<usize>) -> CowArray<'_, f64, Ix2> {
+        match self {
+            StoredFactors::F32(a) => a.slice(s![i, .., cols]).mapv(f64::from).into(),
+            StoredFactors::F64(a) => a.slice(s![i, .., cols]).into(),
+        }
+    }
+
+    fn held_example(&self, i: usize) -> HeldExample<'_> {
+        match self {
+            StoredFactors::F32(a) => HeldExample::F32(a.index_axis(Axis(0), i)),
+            StoredFactors::F64(a) => HeldExample::F64(a.index_axis(Axis(0), i)),
         }
     }
 
@@ -240,6 +276,48 @@ impl<F: Factors> Site<F> {
             Some(c) => SiteRows {
                 activations: Some(c.unfold(i).into()),
                 backprops: c.spread_backprops(bp),
+            },
+        }
+    }
+
+    /// Example `i`'s factors as [`Site::rows`] gives them, with the side whose columns index the
+    /// gradient's rows in the parameter's layout (the backprops of a linear, bias or layernorm
+    /// site, both of a layernorm's, the activations of a conv1d) cut to the columns `block`:
+    /// what one block of rows of the gradient reads, so that a gradient rebuilt a block at a time
+    /// widens each example's values once over all its blocks, not once a block. An embedding's
+    /// backprops, scattered by id, stay whole.
+    pub fn block_rows(&self, i: usize, block: Range<usize>) -> SiteRows<'_> {
+        let (cut_bp, cut_act) = match self.spec.kind {
+            SiteKind::Linear | SiteKind::Bias => (true, false),
+            SiteKind::LayerNorm => (true, true),
+            SiteKind::Conv1d => (false, true),
+            SiteKind::Embedding => (false, false),
+        };
+        fn read<F: Factors>(f: &F, i: usize, cols: Option<Range<usize>>) -> CowArray<'_, f64, Ix2> {
+            match cols {
+                Some(cols) => f.example_cols(i, cols),
+                None => f.example(i),
+            }
+        }
+        let cols = |cut: bool| cut.then(|| block.clone());
+        match &self.conv {
+            // A grouped convolution's backprops are spread over its groups' rows first.
+            Some(c) if c.geometry.groups > 1 => {
+                let rows = self.rows(i);
+                let cut = |a: CowArray<'static, f64, Ix2>| a.slice_move(s![.., block.clone()]);
+                let bp = rows.backprops.into_owned().into();
+                SiteRows {
+                    activations: rows.activations.map(|a| a.into_owned().into()),
+                    backprops: if cut_bp { cut(bp) } else { bp },
+                }
+            }
+            Some(c) => SiteRows {
+                activations: Some(c.unfold(i).into()),
+                backprops: read(&self.backprops, i, cols(cut_bp)),
+            },
+            None => SiteRows {
+                activations: self.activations.as_ref().map(|a| read(a, i, cols(cut_act))),
+                backprops: read(&self.backprops, i, cols(cut_bp)),
             },
         }
     }
@@ -490,7 +568,8 @@ impl<F: Factors> Trace<F> {
             if w == 0.0 {
                 continue;
             }
-            let factors = site.rows(i);
+            // The side the parameter's rows index comes cut to `rows` already.
+            let factors = site.block_rows(i, rows.clone());
             let bp = factors.backprops.view();
             let act = |_: usize| {
                 factors
@@ -500,27 +579,18 @@ impl<F: Factors> Trace<F> {
                     .expect("a linear, conv1d or layernorm site has activations")
             };
             match site.spec.kind {
-                SiteKind::Linear => product_into(
-                    w,
-                    bp.slice(s![.., rows.clone()]).t(),
-                    act(i),
-                    Accumulate::Add,
-                    out.view_mut(),
-                ),
-                SiteKind::Conv1d => product_into(
-                    w,
-                    act(i).slice(s![.., rows.clone()]).t(),
-                    bp,
-                    Accumulate::Add,
-                    out.view_mut(),
-                ),
+                SiteKind::Linear => {
+                    product_into(w, bp.t(), act(i), Accumulate::Add, out.view_mut())
+                }
+                SiteKind::Conv1d => {
+                    product_into(w, act(i).t(), bp, Accumulate::Add, out.view_mut())
+                }
                 SiteKind::Bias => {
-                    let sums = bp.slice(s![.., rows.clone()]).sum_axis(Axis(0));
+                    let sums = bp.sum_axis(Axis(0));
                     out.column_mut(0).scaled_add(w, &sums);
                 }
                 SiteKind::LayerNorm => {
-                    let a = act(i);
-                    let prod = &bp.slice(s![.., rows.clone()]) * &a.slice(s![.., rows.clone()]);
+                    let prod = &bp * &act(i);
                     out.column_mut(0).scaled_add(w, &prod.sum_axis(Axis(0)));
                 }
                 SiteKind::Embedding => {

@@ -643,3 +643,107 @@ fn a_planted_error_in_either_route_is_caught_by_the_loops() {
         within_bound(&clean, &want, gamma).unwrap();
     }
 }
+
+/// `trace` (rounded to f32 already) held as f32, as a trace file's factors are read by `check`.
+fn held_as_f32(trace: &RefTrace) -> ghost_oracle_reference::StoredTrace {
+    use ghost_oracle_reference::{ConvInput, StoredFactors};
+    let narrow = |a: &Array3<f64>| StoredFactors::F32(a.mapv(|x| x as f32));
+    RefTrace {
+        sites: trace
+            .sites
+            .iter()
+            .map(|s| Site {
+                spec: s.spec.clone(),
+                activations: s.activations.as_ref().map(narrow),
+                ids: s.ids.clone(),
+                backprops: narrow(&s.backprops),
+                conv: s.conv.as_ref().map(|c| ConvInput {
+                    geometry: c.geometry.clone(),
+                    inputs: narrow(&c.inputs),
+                }),
+            })
+            .collect(),
+    }
+}
+
+/// Two 3×3 convolutions over 5×5 inputs stored as their inputs, plain and in two groups.
+fn conv_sites(seed: u64, b: usize) -> Vec<Site> {
+    use ghost_oracle_reference::ConvInput;
+    let mut rng = SplitMix64::new(seed);
+    let mut normal = |shape| Array3::from_shape_simple_fn(shape, || rng.normal());
+    [(1, "conv_input"), (2, "grouped_input")]
+        .into_iter()
+        .map(|(groups, name)| Site {
+            spec: SiteSpec {
+                name: name.into(),
+                param: name.into(),
+                kind: SiteKind::Linear,
+                vocab: None,
+            },
+            activations: None,
+            ids: None,
+            backprops: normal((b, 9, 4)),
+            conv: Some(ConvInput {
+                geometry: ghost_oracle_reference::ConvGeometry {
+                    kernel: vec![3, 3],
+                    stride: vec![1, 1],
+                    dilation: vec![1, 1],
+                    padding: vec![(0, 0), (0, 0)],
+                    groups,
+                    input_size: vec![5, 5],
+                },
+                inputs: normal((b, 4, 25)),
+            }),
+        })
+        .collect()
+}
+
+#[test]
+fn factors_held_as_f32_give_the_f64_readings_figures_bit_for_bit_by_every_route_and_block() {
+    // Widening is exact, and a block of a gradient's rows reads a cut of the factors that is the
+    // same values in the same order either way: every figure must be the same bits, blocks of a
+    // row at a time included. Ground truth: the f64 reading, held to brute force above.
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (seed, b, t) in [(81, 2, 3), (82, 3, 5)] {
+        let mut wide = random_trace(seed, b, t);
+        wide.sites.extend(conv_sites(seed, b));
+        wide.sites.extend(route_shapes(seed, b).sites);
+        let wide = wide.rounded(ghost_oracle_reference::Precision::F32);
+        let narrow = held_as_f32(&wide);
+        for bytes in [GRADIENT_BLOCK_BYTES, 1, 8 * 4 * b + 1] {
+            with_block_bytes(bytes, || {
+                for route in [
+                    GramRoute::Identity,
+                    GramRoute::Materialize,
+                    GramRoute::ByCost,
+                ] {
+                    let what = format!("B={b} T={t} {bytes}-byte blocks {route:?}");
+                    let a = Truth::from_trace_routed(wide.clone(), route, &|_, _, _| {}).unwrap();
+                    let n = Truth::from_trace_routed(narrow.clone(), route, &|_, _, _| {}).unwrap();
+                    assert_eq!(bits(&a.norms), bits(&n.norms), "{what}");
+                    for (x, y) in a.gram.iter().zip(&n.gram) {
+                        assert_eq!(bits(x), bits(y), "{what}");
+                    }
+                    for ((p, x), (q, y)) in a.param_sq.iter().zip(&n.param_sq) {
+                        assert_eq!((p, bits(x)), (q, bits(y)), "{what}");
+                    }
+                    // and every example's gradient of every site, rebuilt a block at a time.
+                    for j in 0..wide.sites.len() {
+                        for i in 0..b {
+                            let (x, y) = (
+                                wide.site_gradient(j, i).unwrap(),
+                                narrow.site_gradient(j, i).unwrap(),
+                            );
+                            assert_eq!(x, y, "{what}: site {j}, example {i}");
+                        }
+                    }
+                }
+            });
+        }
+        let (a, n) = (
+            super::super::Tolerance::from_trace(&wide).unwrap(),
+            super::super::Tolerance::from_trace(&narrow).unwrap(),
+        );
+        assert_eq!(format!("{a:?}"), format!("{n:?}"), "B={b} T={t}: tolerance");
+    }
+}
