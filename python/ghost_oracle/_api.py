@@ -79,8 +79,8 @@ def check(
     """Judges the per-example norms a clipper claimed in a trace file (`ghost-oracle check`).
 
     Args:
-        trace: a trace file (safetensors, format `ghost-oracle-trace/1`), as written by
-            `ghost_oracle.torch.export_trace`.
+        trace: a trace file (safetensors, format `ghost-oracle-trace/1`, `/2` or `/3`,
+            docs/trace-format.md), as written by `ghost_oracle.torch.export_trace`.
         noise_multiplier: σ of the DP-SGD run (default: the trace's, else 1).
         precision: the precision the tolerance assumes: "f64", "f32", "f16" or "bf16"
             (default: the coarser of the stored factors' dtype and the trace's compute dtype).
