@@ -266,3 +266,25 @@ fn the_budget_counts_factors_at_their_stored_width() {
         }
     }
 }
+
+#[test]
+fn a_non_finite_narrow_factor_is_refused_as_the_f64_reading_refuses_it() {
+    let mut t = trace();
+    let at = (2, 4, 5);
+    t.sites[2].activations.as_mut().unwrap()[at] = f64::INFINITY;
+    for dtype in [Precision::F32, Precision::BF16] {
+        let path = tmp(&format!("nonfinite-{}", dtype.name()));
+        write(&path, &t, dtype);
+        let budget = MemoryBudget::bytes(1 << 30);
+        let stored = read_stored_trace_within(&path, budget)
+            .unwrap_err()
+            .to_string();
+        let wide = read_trace_within(&path, budget).unwrap_err().to_string();
+        assert_eq!(stored, wide, "{dtype:?}");
+        // The flat index of (2, 4, 5) in 3×5×6.
+        assert!(
+            stored.contains("`fc.activations` holds a non-finite value (inf) at flat index 89"),
+            "{stored}"
+        );
+    }
+}

@@ -726,14 +726,20 @@ fn to_f32(st: &SafeTensors, name: &str, label: &str) -> Result<ArrayD<f32>> {
         }),
         other => bail!("{label}: tensor `{name}` ({other:?}) is not a format f32 holds exactly"),
     }
-    if let Some((index, v)) = values
-        .par_iter()
+    // A chunk a task, each scanned in a plain loop (a parallel search item by item costs more
+    // than the decoding).
+    const CHUNK: usize = 1 << 16;
+    let first = values
+        .par_chunks(CHUNK)
         .enumerate()
-        .find_first(|(_, v)| !v.is_finite())
-    {
+        .find_map_first(|(k, c)| {
+            let at = c.iter().position(|v| !v.is_finite())?;
+            Some((k * CHUNK + at, c[at]))
+        });
+    if let Some((index, v)) = first {
         bail!(
             "{label}: tensor `{name}` holds a non-finite value ({}) at flat index {index}",
-            f64::from(*v)
+            f64::from(v)
         );
     }
     ArrayD::from_shape_vec(IxDyn(view.shape()), values)
