@@ -12,6 +12,7 @@ use ndarray::{s, Array2, Array3, ArrayBase, ArrayView2, Axis, CowArray, Ix2};
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// A batch's factor tensor, B × R × C (a site's activations or backprops, a convolution's
 /// inputs), as the reference and the judge read it: one example, or a tile of its rows, at a
@@ -77,34 +78,35 @@ impl Factors for Array3<f64> {
 
 /// A factor tensor of a trace file in the precision it is stored in: f64 as f64, and f32, f16
 /// and bf16 as f32 (each of which f32 holds exactly). Widening to f64 is exact, so every figure
-/// the judge takes from it is the one it would take from the tensor widened whole.
+/// the judge takes from it is the one it would take from the tensor widened whole. Shared: the
+/// sites that read one tensor of the file (`backprops_of`) hold it once.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StoredFactors {
     /// Stored as f32, f16 or bf16.
-    F32(Array3<f32>),
+    F32(Arc<Array3<f32>>),
     /// Stored as f64.
-    F64(Array3<f64>),
+    F64(Arc<Array3<f64>>),
 }
 
 impl StoredFactors {
-    /// The values widened to f64 (exactly), the narrow copy dropped.
+    /// The values widened to f64 (exactly), the narrow copy dropped (a shared one copied).
     pub fn into_f64(self) -> Array3<f64> {
         match self {
             StoredFactors::F32(a) => a.mapv(f64::from),
-            StoredFactors::F64(a) => a,
+            StoredFactors::F64(a) => Arc::try_unwrap(a).unwrap_or_else(|a| (*a).clone()),
         }
     }
 }
 
 impl From<Array3<f64>> for StoredFactors {
     fn from(a: Array3<f64>) -> Self {
-        StoredFactors::F64(a)
+        StoredFactors::F64(Arc::new(a))
     }
 }
 
 impl From<Array3<f32>> for StoredFactors {
     fn from(a: Array3<f32>) -> Self {
-        StoredFactors::F32(a)
+        StoredFactors::F32(Arc::new(a))
     }
 }
 

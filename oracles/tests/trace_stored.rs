@@ -288,3 +288,66 @@ fn a_non_finite_narrow_factor_is_refused_as_the_f64_reading_refuses_it() {
         );
     }
 }
+
+#[test]
+fn sites_that_read_one_tensor_hold_it_once_as_stored() {
+    // A linear layer and its bias share their output's gradient: written once (format /3,
+    // `backprops_of`), held once, and read as the f64 reading reads it.
+    let bp = values((3, 5, 2), 0.5);
+    let mut t = trace();
+    t.sites.push(Site {
+        spec: spec("fc.bias", "fc.bias", SiteKind::Bias, None),
+        activations: None,
+        ids: None,
+        backprops: bp.clone(),
+        conv: None,
+    });
+    t.sites[2].backprops = bp;
+    let path = tmp("shared");
+    write(&path, &t, Precision::F32);
+    let bytes = std::fs::read(&path).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors: Vec<(String, ghost_oracle_reference::RawTensor)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != "fc.bias.backprops")
+        .map(|(n, v)| {
+            let raw = ghost_oracle_reference::RawTensor {
+                dtype: v.dtype(),
+                shape: v.shape().to_vec(),
+                bytes: v.data().to_vec(),
+            };
+            (n, raw)
+        })
+        .collect();
+    let mut meta = header.metadata().clone().unwrap();
+    let mut sites: serde_json::Value = serde_json::from_str(&meta["sites"]).unwrap();
+    let bias = sites
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|s| s["name"] == "fc.bias")
+        .unwrap();
+    bias["backprops_of"] = serde_json::Value::from("fc");
+    meta.insert("sites".into(), sites.to_string());
+    meta.insert("format".into(), "ghost-oracle-trace/3".into());
+    let shared = tmp("shared-3");
+    ghost_oracle_reference::write_raw(&shared, &tensors, Some(meta)).unwrap();
+
+    let budget = MemoryBudget::bytes(1 << 30);
+    let (stored, _) = read_stored_trace_within(&shared, budget).unwrap();
+    let (wide, _) = read_trace_within(&shared, budget).unwrap();
+    let (fc, fc_bias) = (&stored.sites[2], &stored.sites[4]);
+    assert_eq!(fc_bias.spec.name, "fc.bias");
+    match (&fc.backprops, &fc_bias.backprops) {
+        (StoredFactors::F32(a), StoredFactors::F32(b)) => {
+            assert!(std::sync::Arc::ptr_eq(a, b), "one tensor, held once")
+        }
+        other => panic!("f32 factors held as f32, not {other:?}"),
+    }
+    for (s, w) in stored.sites.iter().zip(&wide.sites) {
+        assert_widens_to(&s.backprops, &w.backprops, &s.spec.name);
+    }
+    assert_eq!(wide.sites[4].backprops, wide.sites[2].backprops);
+}

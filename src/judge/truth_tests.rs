@@ -647,7 +647,7 @@ fn a_planted_error_in_either_route_is_caught_by_the_loops() {
 /// `trace` (rounded to f32 already) held as f32, as a trace file's factors are read by `check`.
 fn held_as_f32(trace: &RefTrace) -> ghost_oracle_reference::StoredTrace {
     use ghost_oracle_reference::{ConvInput, StoredFactors};
-    let narrow = |a: &Array3<f64>| StoredFactors::F32(a.mapv(|x| x as f32));
+    let narrow = |a: &Array3<f64>| StoredFactors::from(a.mapv(|x| x as f32));
     RefTrace {
         sites: trace
             .sites

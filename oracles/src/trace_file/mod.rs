@@ -27,7 +27,7 @@ use ndarray::{Array1, Array3, ArrayD, Ix1, Ix2, Ix3, IxDyn};
 use rayon::prelude::*;
 use rounding::{read_model_rounding, write_model_rounding};
 use safetensors::SafeTensors;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 use std::path::Path;
 use step::read_step;
@@ -628,6 +628,13 @@ fn read_sites(
     // A tensor that several sites read (`backprops_of`) is widened into each of them, which the
     // budget counts, and its pages handed back after each read (the next faults them in again):
     // so a mapped file never has more than one tensor's pages in, as the budget counts it.
+    // Held as stored, such a tensor is read once and its later readers share it (the budget
+    // still counts a copy each: an upper bound).
+    let mut readers: HashMap<String, usize> = HashMap::new();
+    for f in &found {
+        *readers.entry(f.backprops_tensor.clone()).or_default() += 1;
+    }
+    let mut shared: HashMap<String, StoredFactors> = HashMap::new();
     let mut sites = Vec::with_capacity(found.len());
     let mut dtypes = Vec::with_capacity(found.len());
     for f in found {
@@ -644,17 +651,24 @@ fn read_sites(
                 .tensor(&tname)
                 .ok()
                 .and_then(|v| Precision::of_stored(v.dtype()));
-            let a = match (holding, stored) {
+            if let (Holding::Stored, Some(held), Some(p)) = (holding, shared.get(&tname), stored) {
+                dtype = Some(coarser(dtype, p));
+                return Ok(held.clone());
+            }
+            let a: StoredFactors = match (holding, stored) {
                 (Holding::F64, _) | (Holding::Stored, Some(Precision::F64) | None) => {
-                    StoredFactors::F64(three(tensors::to_f64(st, &tname, label)?, dims, &tname)?)
+                    three(tensors::to_f64(st, &tname, label)?, dims, &tname)?.into()
                 }
                 (Holding::Stored, Some(Precision::F32 | Precision::F16 | Precision::BF16)) => {
-                    StoredFactors::F32(three(to_f32(st, &tname, label)?, dims, &tname)?)
+                    three(to_f32(st, &tname, label)?, dims, &tname)?.into()
                 }
             };
             // Its bytes are read: a mapped file's pages go back as each factor is widened or
             // copied, so the file and the factors are never resident together.
             done(&tname)?;
+            if holding == Holding::Stored && readers.get(&tname).is_some_and(|&k| k > 1) {
+                shared.insert(tname.clone(), a.clone());
+            }
             let stored = stored.expect("a float tensor, or `to_f64` refused it");
             dtype = Some(coarser(dtype, stored));
             Ok(a)
