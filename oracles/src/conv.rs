@@ -16,7 +16,7 @@
 //! x̃ the input zero-padded by (lo_d, hi_d) on each spatial axis.
 
 use crate::error::{bail, Result};
-use crate::trace::{Factors, HeldExample};
+use crate::factors::{Factors, HeldExample};
 use ndarray::{Array2, Array3, ArrayView2, CowArray, Ix2};
 
 /// The largest kernel size, stride, dilation, padding, spatial size or group count a trace may

@@ -63,6 +63,7 @@ mod clipping;
 mod conv;
 mod decoder;
 mod error;
+mod factors;
 mod families;
 mod gradient;
 mod io;
@@ -86,6 +87,7 @@ pub use clipping::Clipping;
 pub use conv::{ConvGeometry, ConvInput, MAX_CONV_ENTRY};
 pub use decoder::{BlockParams, DecoderModel, Dims, HasDims, ParamSet, LM_HEAD};
 pub use error::{Error, Result};
+pub use factors::{Factors, HeldExample, StoredFactors};
 pub use families::gpt2::{Gpt2, Gpt2Config, Gpt2Params};
 pub use families::llama::{
     LayerType, Llama, LlamaConfig, LlamaFlavor, LlamaLayer, LlamaParams, NormLayout, RopeScaling,
@@ -105,9 +107,7 @@ pub use safetensors::Dtype;
 pub use site::{SiteKind, SiteSpec};
 pub use stored::StoredBlocks;
 pub use tensors::Floats;
-pub use trace::{
-    Factors, HeldExample, Site, SiteRows, StoredFactors, StoredTrace, TiedParameter, Trace,
-};
+pub use trace::{Site, SiteRows, StoredTrace, TiedParameter, Trace};
 pub use trace_file::{
     read_stored_trace_bytes_within, read_stored_trace_within, read_trace, read_trace_bytes,
     read_trace_bytes_within, read_trace_within, write_trace, MemoryBudget, ModelRounding,

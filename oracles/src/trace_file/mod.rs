@@ -15,11 +15,12 @@ pub use step::{ParamValues, StepClaim};
 
 use crate::conv::{ConvGeometry, ConvInput};
 use crate::error::{bail, Error, Result};
+use crate::factors::StoredFactors;
 use crate::io::{write_raw, RawTensor};
 use crate::precision::Precision;
 use crate::site::SiteSpec;
 use crate::tensors::{self, has};
-use crate::trace::{Site, StoredFactors, StoredTrace, Trace};
+use crate::trace::{Site, StoredTrace, Trace};
 use crate::trace_shape::{validate_shapes, ConvShape, IdAt, SiteShape};
 use budget::Tally;
 use header::{read_header, ConvEntry};

@@ -5,10 +5,11 @@
 use super::header::positive;
 use crate::clipping::Clipping;
 use crate::error::{bail, Error, Result};
+use crate::factors::Factors;
 use crate::io::RawTensor;
 use crate::precision::Precision;
 use crate::tensors::{has, Floats, TensorSource};
-use crate::trace::{Factors, Trace};
+use crate::trace::Trace;
 use ndarray::Array1;
 use safetensors::SafeTensors;
 use std::collections::{HashMap, HashSet};
