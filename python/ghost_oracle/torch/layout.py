@@ -102,7 +102,13 @@ def _layouts(shape: Sequence[int], b: int, packings: Sequence[Packing] = ()) -> 
 def _reached(g: torch.Tensor, layout: Layout, b: int, group: Sequence[int]) -> tuple[list[int], bool]:
     """Along `layout`, the examples outside the probed `group` that the group's output gradient
     `g` reaches, and whether it reaches any of the group's own parts."""
-    nz = batch_first(g, layout, b).ne(0).reshape(b, -1).any(1)
+    return _split_reach(batch_first(g, layout, b), b, group)
+
+
+def _split_reach(g: torch.Tensor, b: int, group: Sequence[int]) -> tuple[list[int], bool]:
+    """For a gradient `g` with the examples on its first axis: the examples outside `group` it
+    reaches, and whether it reaches any of the group's."""
+    nz = g.ne(0).reshape(b, -1).any(1)
     inside = set(group)
     return [j for j in nz.nonzero().flatten().tolist() if j not in inside], bool(nz[list(group)].any())
 
@@ -130,9 +136,7 @@ def _input_spill(t: torch.Tensor, g: torch.Tensor | None, group: Sequence[int], 
         return sorted({int(j) for j in hit.tolist()} - {*group, -1})
     if g is None or t.dim() <= batch_axis or t.shape[batch_axis] != b:
         return None
-    nz = g.movedim(batch_axis, 0).ne(0).reshape(b, -1).any(1)
-    inside = set(group)
-    return [j for j in nz.nonzero().flatten().tolist() if j not in inside]
+    return _split_reach(g.movedim(batch_axis, 0), b, group)[0]
 
 
 def _refuse_spilled_input(name: str, group: Sequence[int], others: list[int], batch_axis: int,
@@ -181,7 +185,6 @@ class Probes:
     along the layout), for the check of each group against the batch's gradient. Per input leaf:
     `input_spill` and `input_axes` (its other axes of B entries: [confined, reached])."""
 
-    b: int
     groups: list[list[int]] = field(default_factory=list)
     status: dict[int, dict[Layout, list[bool]]] = field(default_factory=dict)
     spill: dict[int, tuple[list[int], list[int], Layout] | None] = field(default_factory=dict)
@@ -189,6 +192,11 @@ class Probes:
     kept: dict[int, dict[Layout, list[tuple[list[int], torch.Tensor]]]] = field(default_factory=dict)
     input_spill: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     input_axes: dict[str, dict[int, list[bool]]] = field(default_factory=dict)
+
+    @property
+    def examples(self) -> int:
+        """How many examples the probes backpropagated."""
+        return sum(len(g) for g in self.groups)
 
     def may_be_shared(self, entries: Sequence[Use]) -> bool:
         """Whether a use computed from no example fits no layout: it may be shared by every
@@ -211,7 +219,7 @@ def probe_examples(entries: Sequence[Use], losses: torch.Tensor, b: int, batch_a
     inputs before any parameter is used show there and nowhere else). `packings` are those of
     the batch's `PackedSequence`s (`batch.Packing`): their rows are candidate layouts of every
     use, and their data's rows are held to their examples."""
-    probes = Probes(b)
+    probes = Probes()
     live = [e for e in entries if e.output is not None and torch.is_tensor(e.output) and e.output.requires_grad]
     if b == 1 or (not live and not leaves):
         return probes
@@ -230,9 +238,8 @@ def probe_examples(entries: Sequence[Use], losses: torch.Tensor, b: int, batch_a
     for name in owners:
         probes.input_axes[name] = {}
     groups = _probe_groups(b)
-    probed = 0
     for n, group in enumerate(groups):
-        if (b > PROBE_ALL_UP_TO and probed >= min(b, PROBE_AT_LEAST) and all(probes.reached.values())
+        if (b > PROBE_ALL_UP_TO and probes.examples >= min(b, PROBE_AT_LEAST) and all(probes.reached.values())
                 and reached_any):
             break
         if progress is not None:
@@ -243,17 +250,15 @@ def probe_examples(entries: Sequence[Use], losses: torch.Tensor, b: int, batch_a
         grads = torch.autograd.grad(losses, [e.out for e in live] + [t for _, t in leaves], grad_outputs=weights,
                                     retain_graph=True, allow_unused=True)
         probes.groups.append(group)
-        probed += len(group)
         for (name, t), g in zip(leaves, grads[len(live):], strict=True):
             others = _input_spill(t, g, group, b, batch_axis, owners.get(name))
             if others and name not in probes.input_spill:
                 probes.input_spill[name] = (group, others)
             if g is not None:
                 for a, st in probes.input_axes[name].items():
-                    nz = g.movedim(a, 0).ne(0).reshape(b, -1).any(1)
-                    inside = set(group)
-                    st[0] = st[0] and not any(j not in inside for j in nz.nonzero().flatten().tolist())
-                    st[1] = st[1] or bool(nz[group].any())
+                    others, hit = _split_reach(g.movedim(a, 0), b, group)
+                    st[0] = st[0] and not others
+                    st[1] = st[1] or hit
         for e, g in zip(live, grads[:len(live)], strict=True):
             if g is None:
                 continue
@@ -303,16 +308,13 @@ def settle_layouts(entries: Sequence[Use], probes: Probes, losses: torch.Tensor,
                 f"the batch into Python before it ({e.read_into_python}), where the exporter cannot follow "
                 "them: whether this use is shared by every example or mixes them cannot be told. Compute it "
                 "without reading the batch's values into Python, or give it a per-example input")
-    grads: dict[int, dict[int, torch.Tensor | None]] = {id(e): {} for e in shared}
-    if shared:
-        _gather_per_example_grads(shared, grads, losses, b, progress)
+    grads = _gather_per_example_grads(shared, losses, b, progress) if shared else {}
     shared_ids = {id(e) for e in shared}
-    n_probed = sum(len(g) for g in probes.groups)
     for e in live:
         if id(e) in shared_ids:
             _share(e, grads.pop(id(e)), b)
             continue
-        _settle_layout(e, probes.status[id(e)], probes.spill[id(e)], probes.reached[id(e)], n_probed, b,
+        _settle_layout(e, probes.status[id(e)], probes.spill[id(e)], probes.reached[id(e)], probes.examples, b,
                        batch_axis, direct_inputs)
         if e.layout is not None and not e.layout_unprobed:
             _hold_groups_to_batch(e, probes.kept[id(e)].get(e.layout, []), b)
@@ -361,32 +363,29 @@ def _fits(status: dict[Layout, list[bool]]) -> list[Layout]:
     return [lay for lay, (confined, hit) in status.items() if confined and hit]
 
 
-def _gather_per_example_grads(shared: Sequence[Use], probe_grads: dict[int, dict[int, torch.Tensor | None]],
-                              losses: torch.Tensor, b: int, progress: Any) -> None:
-    """Completes `probe_grads` of the shared uses with ∂L_i/∂out of every example it lacks: one
-    batched backward (`is_grads_batched`, a row of the identity per example), else, where
-    autograd cannot batch the graph's backward, one backward per example."""
-    missing = [i for i in range(b) if any(i not in probe_grads[id(e)] for e in shared)]
-    if not missing:
-        return
+def _gather_per_example_grads(shared: Sequence[Use], losses: torch.Tensor, b: int,
+                              progress: Any) -> dict[int, dict[int, torch.Tensor | None]]:
+    """Each shared use's (by id) ∂L_i/∂out of every example i: one batched backward
+    (`is_grads_batched`, a row of the identity per example), else, where autograd cannot batch
+    the graph's backward, one backward per example."""
     outs = [e.out for e in shared]
     if progress is not None:
         progress.step("per-example gradients of the uses shared by every example", 0, 1)
-    rows = torch.zeros(len(missing), b, dtype=losses.dtype, device=losses.device)
-    rows[torch.arange(len(missing)), torch.tensor(missing)] = 1
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # vmap's fallback notes: slower, not different
-            batched = torch.autograd.grad(losses, outs, grad_outputs=rows, retain_graph=True, allow_unused=True,
-                                          is_grads_batched=True)
-        for e, g in zip(shared, batched, strict=True):
-            for k, i in enumerate(missing):
-                probe_grads[id(e)].setdefault(i, None if g is None else g[k].detach())
+            batched = torch.autograd.grad(losses, outs, grad_outputs=torch.eye(b, dtype=losses.dtype,
+                                                                               device=losses.device),
+                                          retain_graph=True, allow_unused=True, is_grads_batched=True)
+        return {id(e): {i: None if g is None else g[i].detach() for i in range(b)}
+                for e, g in zip(shared, batched, strict=True)}
     except (RuntimeError, NotImplementedError):  # an op without a batching rule for its backward
-        for i in missing:
-            grads = torch.autograd.grad(losses[i], outs, retain_graph=True, allow_unused=True)
-            for e, g in zip(shared, grads, strict=True):
-                probe_grads[id(e)].setdefault(i, None if g is None else g.detach())
+        grads: dict[int, dict[int, torch.Tensor | None]] = {id(e): {} for e in shared}
+        for i in range(b):
+            for e, g in zip(shared, torch.autograd.grad(losses[i], outs, retain_graph=True, allow_unused=True),
+                            strict=True):
+                grads[id(e)][i] = None if g is None else g.detach()
+        return grads
 
 
 def share_as_recorded(recorded: Sequence[Use], replayed: Sequence[Use], losses: torch.Tensor,
@@ -395,9 +394,7 @@ def share_as_recorded(recorded: Sequence[Use], replayed: Sequence[Use], losses: 
     with the graph kept): the uses the recorded pass found shared by every example get their
     per-example factors in the replay too, from the replay's own per-example losses."""
     shared = [e for r, e in zip(recorded, replayed, strict=True) if r.shared and e.output_grad is not None]
-    grads: dict[int, dict[int, torch.Tensor | None]] = {id(e): {} for e in shared}
-    if shared:
-        _gather_per_example_grads(shared, grads, losses, b, None)
+    grads = _gather_per_example_grads(shared, losses, b, None) if shared else {}
     for e in shared:
         _share(e, grads[id(e)], b)
 
