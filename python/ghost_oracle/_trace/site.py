@@ -84,17 +84,27 @@ class Site(Generic[T]):
                     conv=self.conv, backprops_of=self.backprops_of)
 
 
+#: What makes two numpy arrays one array (`array_identity`).
+ArrayIdentity = tuple[int, str, tuple[int, ...], tuple[int, ...]]
+
+
+def array_identity(a: np.ndarray) -> ArrayIdentity:
+    """What makes two numpy arrays one array: the same first byte, read as the same dtype, shape
+    and strides. Meaningful only while both are held (a freed address is reused)."""
+    return a.__array_interface__["data"][0], a.dtype.str, a.shape, a.strides
+
+
 def share_backprops(sites: Sequence[Site[np.ndarray]]) -> list[Site[np.ndarray]]:
     """`sites`, each whose backprops are the very array an earlier site's are (the same memory,
     dtype, shape and strides: a bias's and its weight's, one output gradient reshaped alike)
     reading that site's (`backprops_of`), so that the writer writes the array once. All the
     arrays are held by `sites` while they are compared, so no address is another array's."""
-    first: dict[tuple[int, str, tuple[int, ...], tuple[int, ...]], str] = {}
+    first: dict[ArrayIdentity, str] = {}
     for s in sites:
         a = s.tensors.get("backprops")
         if a is None or s.backprops_of is not None:
             continue
-        key = (a.__array_interface__["data"][0], a.dtype.str, a.shape, a.strides)
+        key = array_identity(a)
         if key in first:
             s.backprops_of = first[key]
         else:

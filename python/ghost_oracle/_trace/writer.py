@@ -29,7 +29,7 @@ import numpy as np
 
 from .._atomic import write_atomically
 from .format import PRECISION_NAMES, TraceExportError, trace_metadata
-from .site import Precision, Site
+from .site import Precision, Site, array_identity
 
 #: safetensors' name of each dtype a trace's arrays are held in (a uint16 array: bfloat16 bits).
 _SAFETENSORS_DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
@@ -141,15 +141,11 @@ def _check_shared(site: Site[np.ndarray], by_name: Mapping[str, Site[np.ndarray]
     if b is None:
         raise TraceExportError(f"{where}: its backprops are said to be site `{other.name}`'s, which has none")
     b = np.asarray(b)
-    if not _same_memory(a, b) and (a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(_bits(a), _bits(b))):
+    # one array (the exporters' case) is not read: comparing its bits would read it all
+    if array_identity(a) != array_identity(b) and not (
+            a.dtype == b.dtype and a.shape == b.shape and np.array_equal(_bits(a), _bits(b))):
         raise TraceExportError(f"{where}: its backprops ({a.dtype}, {list(a.shape)}) are said to be site "
                                f"`{other.name}`'s ({b.dtype}, {list(b.shape)}), but differ from them")
-
-
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether `a` and `b` are views of the same bytes, laid out alike."""
-    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.dtype == b.dtype
-            and a.shape == b.shape and a.strides == b.strides)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from .._trace.format import UNCLAIMED as UNCLAIMED  # re-exported: one placeholder for both exporters
 from .._trace.format import TraceExportError
-from .._trace.site import share_backprops
+from .._trace.site import array_identity, share_backprops
 from .._trace.writer import write_trace
 from .arguments import header_arguments, kept_claims, kept_examples
 from .capture import PerExampleLoss, capture, flat_params
@@ -69,7 +69,7 @@ def _taken(v: Any, keep: np.ndarray, want: Any, taken: dict[tuple[Any, ...], tup
     `taken` holds each array it was given, so that no address is another array's meanwhile."""
     key = None
     if isinstance(v, np.ndarray):
-        key = (v.__array_interface__["data"][0], v.dtype.str, v.shape, v.strides, want)
+        key = (array_identity(v), want)
         if key in taken:
             return taken[key][1]
     out = np.ascontiguousarray(v[keep])

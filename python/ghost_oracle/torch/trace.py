@@ -77,6 +77,7 @@ from .._atomic import check_target
 from .._trace.format import FORMAT as FORMAT  # re-exported; the header is framework-neutral
 from .._trace.format import UNCLAIMED as UNCLAIMED  # re-exported: one placeholder for both exporters
 from .._trace.format import number, step_rule
+from .._trace.site import share_backprops
 from .._trace.writer import write_trace
 from .arguments import check_inputs, check_model, integer_input_error
 from .batch import (
@@ -195,7 +196,8 @@ def export_trace(model: torch.nn.Module, per_example_loss: Callable[[torch.nn.Mo
         handed.append(numpy_site(site))
         handed[-1].precision = spec.get("compute_dtype", DTYPE_NAMES[compute_dtype])
     progress.step("writing the trace", 0, 1)
-    specs = write_trace(path, sites=handed, parameters=parameters, claimed_norms=norms,
+    # a bias's backprops are its weight's tensor, handed over as one array: written once
+    specs = write_trace(path, sites=share_backprops(handed), parameters=parameters, claimed_norms=norms,
                         claimed_coefficients=coefficients, step=step,
                         rounding=None if rounding is None else _host(rounding.rounding),
                         rounding_method=None if rounding is None else rounding.method,
@@ -308,19 +310,20 @@ def _same_view(v: torch.Tensor) -> tuple[Any, ...]:
 def _collect_sites(entries: list[Use], names: Mapping[int, str], dtype: torch.dtype | None,
                    b: int, progress: Progress | None = None) -> list[Site[torch.Tensor]]:
     """Every use's sites, each name once, their factors as written; a use's capture is let go as
-    its sites are formed. A site whose backprops are the very tensor an earlier site's are (a
-    bias and its weight: the layer's output gradient) reads that site's, `backprops_of`, and the
-    trace holds it once. Only sites of one use are compared: the tensors compared are held until
-    the use's sites are formed, so that no address is reused by another tensor meanwhile."""
+    its sites are formed. A site whose backprops are the very tensor an earlier site's of the
+    same use are (a bias and its weight: the layer's output gradient) is given that site's
+    tensor as written, not a copy of its own, so that the handover sees one array and the trace
+    holds it once (`share_backprops`). Only sites of one use are compared: the tensors compared
+    are held until the use's sites are formed, so that no address is reused meanwhile."""
     sites: list[Site[torch.Tensor]] = []
     seen: set[str] = set()
     owned: set[int] = set()
     for n, use in enumerate(entries):
         if progress is not None:
             progress.step("forming the sites, uses", n, len(entries))
-        # each backprops tensor of the use as captured -> (the first site that holds it, the tensor
-        # as written, the captured tensor: held, so that its address stays its own)
-        backprops: dict[tuple[Any, ...], tuple[str, torch.Tensor, torch.Tensor]] = {}
+        # each backprops tensor of the use as captured -> (the tensor as written, the captured
+        # tensor: held, so that its address stays its own)
+        backprops: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         for site in use.form_sites(names, dtype, b):
             if site.name in seen:
                 raise TraceExportError(f"site name `{site.name}` appears twice")
@@ -328,12 +331,10 @@ def _collect_sites(entries: list[Use], names: Mapping[int, str], dtype: torch.dt
             captured = site.tensors.get("backprops")
             view = None if captured is None else _same_view(captured)
             holder = backprops.get(view) if view is not None else None
-            site.tensors = {k: holder[1] if k == "backprops" and holder is not None else _own(v, owned)
+            site.tensors = {k: holder[0] if k == "backprops" and holder is not None else _own(v, owned)
                             for k, v in site.tensors.items()}
-            if holder is not None:
-                site.backprops_of = holder[0]
-            elif view is not None and captured is not None:
-                backprops[view] = (site.name, site.tensors["backprops"], captured)
+            if holder is None and view is not None and captured is not None:
+                backprops[view] = (site.tensors["backprops"], captured)
             sites.append(site)
         use.input = None  # what is left of a use's capture is its sites' factors
         use.output_grad = None
